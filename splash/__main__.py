@@ -1,0 +1,5 @@
+import sys
+
+from splash.cli import main
+
+sys.exit(main())

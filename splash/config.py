@@ -1,0 +1,282 @@
+"""Frozen, typed configuration: model dimensions (from a HF config.json or a preset) and dtypes.
+
+Pure Python: the analytical core and the runtime both read these, and neither needs torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Bytes per element of each dtype name we accept on the command line.
+DTYPE_BYTES: dict[str, float] = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+DTYPE_ALIASES: dict[str, str] = {
+    "float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32",
+    "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+    "float8": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8",
+}
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+class ConfigError(ValueError):
+    """A configuration the user gave is invalid; the message says what to change."""
+
+
+def normalize_dtype(name: str) -> str:
+    """Return the canonical short dtype name (`bf16`, `fp8`, ...) or raise ConfigError."""
+    key = str(name).lower().strip()
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_BYTES)}")
+    return key
+
+
+def dtype_bytes(name: str) -> float:
+    return DTYPE_BYTES[normalize_dtype(name)]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Dimensions of an MLA model of the DeepSeek-V2/V3 family (field names follow HF's config)."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int | None
+    n_shared_experts: int | None
+    num_experts_per_tok: int | None
+    n_group: int | None = 1
+    topk_group: int | None = 1
+    topk_method: str = "noaux_tc"  # V3: noaux_tc; V2: greedy | group_limited_greedy
+    scoring_func: str = "sigmoid"  # V3: sigmoid; V2: softmax
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    # Checkpoint quantisation (e.g. DeepSeek-V3's FP8 128x128 block scales), as read from config.json.
+    quantization_config: dict[str, Any] | None = field(default=None, compare=False)
+
+    # ---- derived dimensions -------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one token's cached latent per layer in absorbed MLA: d_c + d_r."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.n_routed_experts)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.is_moe
+            and layer >= self.first_k_dense_replace
+            and layer % max(1, self.moe_layer_freq) == 0
+        )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        if e is None:
+            return ()
+        return tuple(e) if isinstance(e, (list, tuple)) else (int(e),)
+
+    def check_ranks(self, ranks: int) -> None:
+        """Refuse a rank count that cannot shard the attention heads evenly."""
+        if ranks < 1:
+            raise ConfigError(f"--ranks must be >= 1, got {ranks}")
+        if self.num_attention_heads % ranks:
+            raise ConfigError(
+                f"{self.name}: {self.num_attention_heads} attention heads cannot be split evenly over "
+                f"{ranks} ranks; choose a rank count that divides {self.num_attention_heads}"
+            )
+
+    def replace(self, **kw: Any) -> ModelConfig:
+        return dataclasses.replace(self, **kw)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], name: str | None = None) -> ModelConfig:
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {mt!r} is not an MLA model splash serves; expected one of "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        text = d.get("text_config")
+        if isinstance(text, dict) and "kv_lora_rank" not in d:
+            d = {**d, **text}
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        missing = [k for k in required if d.get(k) is None]
+        if missing:
+            raise ConfigError(f"config is missing required field(s): {', '.join(missing)}")
+        # transformers 5 writes `rope_parameters` (holding rope_theta too); hub checkpoints write
+        # `rope_scaling` + `rope_theta`.
+        rope = d.get("rope_scaling") or None
+        params = d.get("rope_parameters") or None
+        theta = d.get("rope_theta")
+        if isinstance(params, dict):
+            theta = params.get("rope_theta", theta)
+            if params.get("rope_type", params.get("type", "default")) not in (None, "default"):
+                rope = {k: v for k, v in params.items() if k != "rope_theta"}
+        if isinstance(rope, dict):
+            rope = dict(rope)
+            kind = rope.get("rope_type", rope.get("type"))
+            if kind in (None, "default"):
+                rope = None
+            else:
+                rope["rope_type"] = kind
+        is_v2 = mt == "deepseek_v2"
+        get = d.get
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "vocab_size"):
+            if not isinstance(get(k), int) or get(k) <= 0:
+                raise ConfigError(f"config field {k} must be a positive integer, got {get(k)!r}")
+        return cls(
+            name=name or d.get("_name_or_path") or mt,
+            model_type=mt,
+            vocab_size=int(get("vocab_size")),
+            hidden_size=int(get("hidden_size")),
+            intermediate_size=int(get("intermediate_size") or 4 * get("hidden_size")),
+            moe_intermediate_size=int(get("moe_intermediate_size") or get("intermediate_size") or 0),
+            num_hidden_layers=int(get("num_hidden_layers")),
+            num_attention_heads=int(get("num_attention_heads")),
+            q_lora_rank=None if get("q_lora_rank") in (None, 0) else int(get("q_lora_rank")),
+            kv_lora_rank=int(get("kv_lora_rank")),
+            qk_nope_head_dim=int(get("qk_nope_head_dim")),
+            qk_rope_head_dim=int(get("qk_rope_head_dim")),
+            v_head_dim=int(get("v_head_dim")),
+            n_routed_experts=get("n_routed_experts"),
+            n_shared_experts=get("n_shared_experts"),
+            num_experts_per_tok=get("num_experts_per_tok"),
+            n_group=get("n_group") or 1,
+            topk_group=get("topk_group") or 1,
+            topk_method=get("topk_method") or ("greedy" if is_v2 else "noaux_tc"),
+            scoring_func=get("scoring_func") or ("softmax" if is_v2 else "sigmoid"),
+            norm_topk_prob=bool(get("norm_topk_prob", not is_v2)),
+            routed_scaling_factor=float(get("routed_scaling_factor") or 1.0),
+            first_k_dense_replace=int(get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(get("moe_layer_freq") or 1),
+            rms_norm_eps=float(get("rms_norm_eps") or 1e-6),
+            rope_theta=float(theta or 10000.0),
+            rope_scaling=rope,
+            rope_interleave=bool(get("rope_interleave", True)),
+            max_position_embeddings=int(get("max_position_embeddings") or 4096),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            attention_bias=bool(get("attention_bias", False)),
+            hidden_act=get("hidden_act") or "silu",
+            bos_token_id=get("bos_token_id"),
+            eos_token_id=get("eos_token_id"),
+            pad_token_id=get("pad_token_id"),
+            quantization_config=get("quantization_config"),
+        )
+
+    @classmethod
+    def from_hf(cls, path: str | os.PathLike[str]) -> ModelConfig:
+        """Read a Hugging Face `config.json` (a file, or a checkpoint directory holding one)."""
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            p = os.path.join(p, "config.json")
+        if not os.path.isfile(p):
+            raise ConfigError(f"no config.json at {path!r}; pass a checkpoint directory or a preset name")
+        try:
+            with open(p, encoding="utf-8") as f:
+                d = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p} is not a JSON model config: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{p} is not a JSON object")
+        return cls.from_dict(d, name=os.path.basename(os.path.dirname(os.path.abspath(p))))
+
+
+def _yarn(factor: float, orig: int, mscale: float, mscale_all_dim: float, beta_fast: float = 32,
+          beta_slow: float = 1) -> dict[str, Any]:
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
+            "mscale": mscale, "mscale_all_dim": mscale_all_dim, "beta_fast": beta_fast,
+            "beta_slow": beta_slow}
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "deepseek-v3": ModelConfig(
+        name="deepseek-v3", model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, topk_method="noaux_tc",
+        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=3, max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling=_yarn(40, 4096, 1.0, 1.0), bos_token_id=0, eos_token_id=1,
+    ),
+    "deepseek-v2-lite": ModelConfig(
+        name="deepseek-v2-lite", model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+        num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="greedy",
+        scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
+        first_k_dense_replace=1, max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling=_yarn(40, 4096, 0.707, 0.707), bos_token_id=100000, eos_token_id=100001,
+    ),
+    "kimi-k2": ModelConfig(
+        name="kimi-k2", model_type="kimi_k2", vocab_size=163840, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=1, topk_group=1, topk_method="noaux_tc",
+        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.827,
+        first_k_dense_replace=1, max_position_embeddings=131072, rope_theta=50000.0,
+        rope_scaling=_yarn(32, 4096, 1.0, 1.0, beta_fast=1, beta_slow=1),
+        bos_token_id=163584, eos_token_id=163585,
+    ),
+    # The built-in default model: DeepSeek-V3 architecture at toy size (MoE included), so CPU demos
+    # and multi-rank tests are quick. 8 heads split over T = 1, 2, 4, 8.
+    "tiny": ModelConfig(
+        name="tiny", model_type="deepseek_v3", vocab_size=320, hidden_size=256,
+        intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=8, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, topk_method="noaux_tc",
+        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, max_position_embeddings=4096, rope_theta=10000.0,
+        rope_scaling=None, bos_token_id=256, eos_token_id=257, pad_token_id=258,
+    ),
+}
+
+
+def resolve_model_config(model: str) -> ModelConfig:
+    """A preset name, a checkpoint directory, or a config.json path -> ModelConfig."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if os.path.exists(model):
+        return ModelConfig.from_hf(model)
+    raise ConfigError(
+        f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}), a checkpoint directory, "
+        f"or a path to config.json"
+    )
