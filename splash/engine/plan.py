@@ -1,0 +1,83 @@
+"""The step plan: the one message rank 0 sends every rank each step (see docs/runtime.md).
+
+Pure data (no torch) so it pickles cheaply over the control plane and tests can build plans by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LAYOUTS = ("tp", "dp", "cp", "dop")
+
+
+@dataclass
+class SeqSlice:
+    """One request's share of a step: `num_new` new rows on top of `start` cached tokens."""
+
+    req_id: int
+    start: int  # tokens of this request already in the KV cache before this step
+    num_new: int  # rows this step (prefill chunk length, or 1 in decode)
+    owner: int  # owning rank for DP/DOP (chosen at admission); ignored by TP/CP
+    # pages[r][j] = local page id on rank r of the request's global page j, -1 if rank r does not hold
+    # it; len(pages[r]) == ceil((start + num_new) / page_size).
+    pages: list[list[int]]
+    sample: bool  # rank 0 needs logits of this slice's last row (decode, or last prefill chunk)
+
+    @property
+    def end(self) -> int:
+        """Context length after this step."""
+        return self.start + self.num_new
+
+
+@dataclass
+class StepPlan:
+    """Everything a rank needs to run one forward step; rows are the slices' new tokens in order."""
+
+    step: int
+    layout: str  # "tp" | "dp" | "cp" | "dop"
+    input_ids: list[int]  # concatenated new tokens, in seqs order
+    seqs: list[SeqSlice] = field(default_factory=list)
+    kind: str = "forward"  # "forward" | "shutdown" | (later) "switch"
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.input_ids)
+
+    def row_starts(self) -> list[int]:
+        """First row of each slice (rows are the slices' new tokens concatenated in order)."""
+        out, r = [], 0
+        for s in self.seqs:
+            out.append(r)
+            r += s.num_new
+        return out
+
+    def positions(self) -> list[int]:
+        """Absolute position of every row."""
+        return [p for s in self.seqs for p in range(s.start, s.end)]
+
+    def sample_rows(self) -> list[int]:
+        """Rows whose logits rank 0 samples from (the last row of each `sample` slice)."""
+        return [r + s.num_new - 1 for r, s in zip(self.row_starts(), self.seqs) if s.sample]
+
+    def validate(self, page_size: int, world: int) -> None:
+        """Raise ValueError if the plan is internally inconsistent (cheap; used by tests and debug)."""
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}")
+        if sum(s.num_new for s in self.seqs) != len(self.input_ids):
+            raise ValueError("input_ids length does not match the slices' num_new")
+        for s in self.seqs:
+            if s.num_new < 1 or s.start < 0:
+                raise ValueError(f"slice of request {s.req_id}: bad start/num_new {s.start}/{s.num_new}")
+            if len(s.pages) != world:
+                raise ValueError(f"slice of request {s.req_id}: page tables for {len(s.pages)} ranks, "
+                                 f"expected {world}")
+            need = -(-s.end // page_size)
+            for r, tbl in enumerate(s.pages):
+                if len(tbl) != need:
+                    raise ValueError(f"slice of request {s.req_id}: rank {r} table has {len(tbl)} pages, "
+                                     f"expected {need}")
+
+
+def shutdown_plan(step: int, layout: str = "tp") -> StepPlan:
+    """The plan that tells worker ranks to leave their loop."""
+    return StepPlan(step=step, layout=layout, input_ids=[], seqs=[], kind="shutdown")
