@@ -1,0 +1,108 @@
+"""Turning a step's logits into next tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+
+Batched over rows: one argmax for greedy rows, one sort for the rest. Random draws use the
+exponential-race trick (argmax of p / E, E ~ Exp(1)), which samples exactly from p and lets each
+seeded request draw from its own `torch.Generator`, so its tokens do not depend on batch company.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from splash.engine.sampling import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    num_generated: int  # tokens this sequence already generated (for min_tokens)
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Sampled:
+    token_id: int
+    logprobs: dict[int, float] | None = None  # chosen token + top-k, when the request asked
+
+
+def _blocked_ids(row: SampleRow, eos_ids: Sequence[int]) -> list[int]:
+    """Tokens that may not end the sequence yet (min_tokens): EOS and the stop token ids."""
+    if row.num_generated >= row.params.min_tokens:
+        return []
+    ids = [] if row.params.ignore_eos else list(eos_ids)
+    return ids + list(row.params.stop_token_ids)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted (descending) logits with tokens outside top-k / the top-p nucleus set to -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+    drop = (before >= top_p.unsqueeze(1)) & (rank > 0)  # always keep the best token
+    return sorted_logits.masked_fill(drop, float("-inf")), order
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sampled]:
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sequences")
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
+        raw = logits
+        blocked = [_blocked_ids(r, self.eos_token_ids) for r in rows]
+        if any(blocked):
+            logits = logits.clone()
+            for i, ids in enumerate(blocked):
+                if ids:
+                    logits[i, [t for t in ids if 0 <= t < logits.shape[1]]] = float("-inf")
+
+        tokens = logits.argmax(dim=-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            idx = torch.tensor(rand, device=logits.device)
+            temp = torch.tensor([rows[i].params.temperature for i in rand], dtype=logits.dtype,
+                                device=logits.device)
+            vocab = logits.shape[1]
+            top_k = torch.tensor([rows[i].params.top_k if rows[i].params.top_k > 0 else vocab
+                                  for i in rand], device=logits.device)
+            top_p = torch.tensor([rows[i].params.top_p for i in rand], dtype=logits.dtype,
+                                 device=logits.device)
+            scaled = logits.index_select(0, idx) / temp.unsqueeze(1)
+            filtered, order = _filter_top_k_top_p(scaled, top_k, top_p)
+            probs = filtered.softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            for j, i in enumerate(rand):
+                if rows[i].generator is not None:
+                    noise[j].exponential_(generator=rows[i].generator)
+            choice = (probs / noise).argmax(dim=-1, keepdim=True)
+            tokens[idx] = order.gather(1, choice).squeeze(1)
+
+        token_list = tokens.tolist()
+        out = [Sampled(token_id=t) for t in token_list]
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(raw.index_select(0, torch.tensor(want, device=raw.device)), dim=-1)
+            kmax = max(rows[i].params.logprobs or 0 for i in want)
+            top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
+            for j, i in enumerate(want):
+                t = token_list[i]
+                d = {t: float(lp[j, t])}
+                k = rows[i].params.logprobs or 0
+                if k:
+                    for tok, v in zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()):
+                        d.setdefault(tok, v)
+                out[i].logprobs = d
+        return out

@@ -1,0 +1,154 @@
+"""Page allocators for the KV pools of every rank; they live on rank 0 (workers hold only tensors).
+
+A request's KV is a list of *global* pages (global page j holds positions [j*P, (j+1)*P)). Which ranks
+store a copy of global page j is the layout's placement rule (`page_ranks`); each holding rank maps it
+to one of its own local pages, so a request's page table is `pages[r][j]` (-1 where rank r holds none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from splash.engine.plan import LAYOUTS
+
+
+class OutOfPages(RuntimeError):
+    """Raised when an allocation is attempted without free pages; callers check `can_grow` first."""
+
+
+def page_ranks(layout: str, j: int, owner: int, world: int) -> tuple[int, ...]:
+    """Ranks that store global page `j` of a request owned by `owner` under `layout`.
+
+    TP replicates the latent everywhere; DP/DOP keep a request's KV on its owner only; CP spreads
+    pages round-robin by page index. The single place that encodes KV ownership.
+    """
+    if layout == "tp":
+        return tuple(range(world))
+    if layout in ("dp", "dop"):
+        return (owner,)
+    if layout == "cp":
+        return (j % world,)
+    raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages needed to hold `tokens` positions."""
+    return -(-tokens // page_size)
+
+
+class PageAllocator:
+    """Free list of one rank's local pages (LIFO so recently freed, cache-warm pages are reused)."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._used = [False] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free of {self.num_pages}")
+        out = [self._free.pop() for _ in range(n)]
+        for p in out:
+            self._used[p] = True
+        return out
+
+    def free(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            if p < 0:
+                continue
+            if not self._used[p]:
+                raise RuntimeError(f"page {p} freed twice (allocator bookkeeping bug)")
+            self._used[p] = False
+            self._free.append(p)
+
+
+class KVAllocator:
+    """The page allocators of all `world` ranks, plus the layout's placement rule.
+
+    Grows and frees whole per-request page tables (`pages[r][j]`), so callers never touch ranks.
+    """
+
+    def __init__(self, pages_per_rank: int | Sequence[int], page_size: int, world: int = 1,
+                 layout: str = "tp") -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        counts = [pages_per_rank] * world if isinstance(pages_per_rank, int) else list(pages_per_rank)
+        if len(counts) != world:
+            raise ValueError(f"{len(counts)} page counts given for {world} ranks")
+        page_ranks(layout, 0, 0, world)  # validates the layout name
+        self.page_size = page_size
+        self.world = world
+        self.layout = layout
+        self.ranks = [PageAllocator(n) for n in counts]
+
+    # ---- queries --------------------------------------------------------------------------------
+    def empty_table(self) -> list[list[int]]:
+        return [[] for _ in range(self.world)]
+
+    def demand(self, table: list[list[int]], tokens: int, owner: int) -> list[int]:
+        """New local pages each rank must supply for a request to hold `tokens` positions."""
+        need = [0] * self.world
+        have = len(table[0]) if table else 0
+        for j in range(have, pages_for(tokens, self.page_size)):
+            for r in page_ranks(self.layout, j, owner, self.world):
+                need[r] += 1
+        return need
+
+    def can_grow(self, table: list[list[int]], tokens: int, owner: int, reserve: int = 0) -> bool:
+        """Whether every rank has the free pages (beyond `reserve` each) to reach `tokens` positions."""
+        need = self.demand(table, tokens, owner)
+        return all(n == 0 or n + reserve <= a.num_free for n, a in zip(need, self.ranks))
+
+    def max_request_tokens(self, owner: int = 0) -> int:
+        """Largest context one request could ever hold if it had the whole pool to itself."""
+        limit = None
+        for r, a in enumerate(self.ranks):
+            # Pages on rank r per global page, averaged over a long run, bound the positions.
+            per = [r in page_ranks(self.layout, j, owner, self.world) for j in range(self.world)]
+            share = sum(per)
+            if share == 0:
+                continue
+            cap = a.num_pages * self.world // share * self.page_size
+            limit = cap if limit is None else min(limit, cap)
+        return limit or 0
+
+    @property
+    def num_free(self) -> list[int]:
+        return [a.num_free for a in self.ranks]
+
+    @property
+    def num_used(self) -> list[int]:
+        return [a.num_used for a in self.ranks]
+
+    @property
+    def num_total(self) -> list[int]:
+        return [a.num_pages for a in self.ranks]
+
+    # ---- mutations ------------------------------------------------------------------------------
+    def grow(self, table: list[list[int]], tokens: int, owner: int) -> None:
+        """Extend `table` in place so it covers `tokens` positions; all-or-nothing."""
+        if not table:
+            table.extend([] for _ in range(self.world))
+        if not self.can_grow(table, tokens, owner):
+            raise OutOfPages(f"no room to grow a request to {tokens} tokens (free per rank: {self.num_free})")
+        have = len(table[0])
+        for j in range(have, pages_for(tokens, self.page_size)):
+            holders = page_ranks(self.layout, j, owner, self.world)
+            for r in range(self.world):
+                table[r].append(self.ranks[r].alloc(1)[0] if r in holders else -1)
+
+    def release(self, table: list[list[int]]) -> None:
+        """Return every page of `table` to its rank and empty the table."""
+        for r, row in enumerate(table):
+            self.ranks[r].free(row)
+            row.clear()
