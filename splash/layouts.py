@@ -1,0 +1,195 @@
+"""The ownership model (paper §2): a layout = projection placement x KV ownership.
+
+| layout | projections (Q-B, KV-B, O) | each request's latent KV |
+|--------|----------------------------|--------------------------|
+| TP     | sharded by heads           | replicated on every rank |
+| DP     | replicated                 | on one owner rank        |
+| CP     | replicated                 | sharded by position      |
+| DOP    | sharded by heads           | on one owner rank        |
+
+Everything else (footprints, manifests, capacity) is derived from these two choices, so a new
+layout is a new row here. Footprints take arbitrary, unbalanced contexts and owners; the balanced
+formulas of Eq 1 and the busiest-rank loads of Table 2 are special cases checked in the tests.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from splash.config import ConfigError
+from splash.sizes import AttentionSizes
+
+
+class Placement(enum.Enum):
+    SHARDED = "sharded"
+    REPLICATED = "replicated"
+
+
+class Ownership(enum.Enum):
+    REPLICATED = "replicated"  # every rank holds every page (TP)
+    OWNER = "owner"  # one owner rank holds the whole history (DP, DOP)
+    POSITION = "position"  # global page j of a request lives on rank j % T (CP)
+
+
+class Layout(enum.Enum):
+    TP = "tp"
+    DP = "dp"
+    CP = "cp"
+    DOP = "dop"
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    @property
+    def placement(self) -> Placement:
+        return _PLACEMENT[self]
+
+    @property
+    def ownership(self) -> Ownership:
+        return _OWNERSHIP[self]
+
+    @property
+    def sharded(self) -> bool:
+        return self.placement is Placement.SHARDED
+
+    @classmethod
+    def parse(cls, name: str | Layout) -> Layout:
+        """'TP', 'dp', 'DP-attention', 'dop' ... -> Layout; ConfigError names the choices."""
+        if isinstance(name, Layout):
+            return name
+        key = str(name).strip().lower().replace("_", "-")
+        key = {"dp-attention": "dp", "dp-attn": "dp", "dpa": "dp"}.get(key, key)
+        for lay in cls:
+            if lay.value == key:
+                return lay
+        raise ConfigError(f"unknown layout {name!r}; choose one of TP, DP, CP, DOP")
+
+
+_PLACEMENT = {Layout.TP: Placement.SHARDED, Layout.DP: Placement.REPLICATED,
+              Layout.CP: Placement.REPLICATED, Layout.DOP: Placement.SHARDED}
+_OWNERSHIP = {Layout.TP: Ownership.REPLICATED, Layout.DP: Ownership.OWNER,
+              Layout.CP: Ownership.POSITION, Layout.DOP: Ownership.OWNER}
+LAYOUTS: tuple[Layout, ...] = (Layout.TP, Layout.DP, Layout.CP, Layout.DOP)
+DIRECTIONS: tuple[tuple[Layout, Layout], ...] = tuple((a, b) for a in LAYOUTS for b in LAYOUTS if a != b)
+
+
+def parse_layouts(spec: str) -> list[Layout]:
+    """'TP,DP,dop' -> [Layout.TP, Layout.DP, Layout.DOP]."""
+    return [Layout.parse(x) for x in spec.split(",") if x.strip()]
+
+
+def round_robin_owners(n: int, ranks: int) -> list[int]:
+    """Count-balanced, length-blind owners (appendix B.1): request i -> rank i mod T."""
+    return [i % ranks for i in range(n)]
+
+
+def _check(contexts: Sequence[int], owners: Sequence[int] | None,
+           ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    if ranks < 1:
+        raise ConfigError(f"ranks must be >= 1, got {ranks}")
+    s = np.asarray(contexts, dtype=np.int64).reshape(-1)
+    if (s < 0).any():
+        raise ConfigError("context lengths must be >= 0")
+    o = np.asarray(round_robin_owners(len(s), ranks) if owners is None else owners, dtype=np.int64)
+    if o.shape != s.shape:
+        raise ConfigError(f"{len(o)} owners given for {len(s)} requests")
+    if len(o) and (o.min() < 0 or o.max() >= ranks):
+        raise ConfigError(f"owners must lie in [0, {ranks})")
+    return s, o
+
+
+def position_shard_tokens(contexts: np.ndarray, ranks: int, page_size: int | None) -> np.ndarray:
+    """Tokens each rank stores under CP: page j of every request on rank j % T ([T] array).
+
+    `page_size=None` means ideal token-level balance (the capacity simulation's assumption).
+    """
+    P = 1 if page_size is None else int(page_size)
+    full, rem = contexts // P, contexts % P
+    r = np.arange(ranks)[:, None]
+    tokens = (full[None, :] // ranks + (r < (full % ranks)[None, :])) * P
+    tokens = tokens + np.where(r == (full % ranks)[None, :], rem[None, :], 0)
+    return tokens.sum(axis=1)
+
+
+def kv_tokens_per_rank(layout: Layout, contexts: Sequence[int], owners: Sequence[int] | None,
+                       ranks: int, page_size: int | None = None) -> np.ndarray:
+    """Context tokens of latent KV each rank stores in `layout` ([T] int array)."""
+    s, o = _check(contexts, owners, ranks)
+    own = layout.ownership
+    if own is Ownership.REPLICATED:
+        return np.full(ranks, int(s.sum()), dtype=np.int64)
+    if own is Ownership.OWNER:
+        return np.bincount(o, weights=s, minlength=ranks).astype(np.int64)
+    return position_shard_tokens(s, ranks, page_size)
+
+
+def kv_pages_per_rank(layout: Layout, contexts: Sequence[int], owners: Sequence[int] | None,
+                      ranks: int, page_size: int) -> np.ndarray:
+    """Pages each rank must allocate (a partly filled last page still costs a page)."""
+    s, o = _check(contexts, owners, ranks)
+    n = -(-s // page_size)
+    own = layout.ownership
+    if own is Ownership.REPLICATED:
+        return np.full(ranks, int(n.sum()), dtype=np.int64)
+    if own is Ownership.OWNER:
+        return np.bincount(o, weights=n, minlength=ranks).astype(np.int64)
+    r = np.arange(ranks)[:, None]
+    return (n[None, :] // ranks + (r < (n % ranks)[None, :])).sum(axis=1)
+
+
+def footprint(layout: Layout, sizes: AttentionSizes, contexts: Sequence[int],
+              owners: Sequence[int] | None, ranks: int, page_size: int | None = None) -> np.ndarray:
+    """Eq 1 for any batch: per-rank bytes of attention weights + latent KV ([T] float array)."""
+    kv = kv_tokens_per_rank(layout, contexts, owners, ranks, page_size) * sizes.k
+    w = np.array([sizes.attention_weight_bytes(layout.sharded, ranks, r) for r in range(ranks)])
+    return w + kv
+
+
+def balanced_footprint(layout: Layout, w_a: float, k: float, batch: int, context: float,
+                       ranks: int) -> float:
+    """Eq 1 as printed (T divides B): the per-rank bytes of B requests of context s."""
+    w = w_a / ranks if layout.sharded else w_a
+    kv = batch * k * context
+    return w + (kv if layout.ownership is Ownership.REPLICATED else kv / ranks)
+
+
+def busiest_rank_load(layout: Layout, batch: int, ranks: int) -> dict[str, float]:
+    """Table 2: busiest-rank load for B equal requests (count-balanced owners, ideal CP).
+
+    `weights` is the fraction of W_A held; the KV columns count histories of k*s bytes; attention
+    work counts one request's attention over all heads.
+    """
+    owned = math.ceil(batch / ranks)
+    return {
+        Layout.TP: {"weights": 1 / ranks, "kv_stored": batch, "kv_read": batch, "attention": batch / ranks},
+        Layout.CP: {"weights": 1.0, "kv_stored": batch / ranks, "kv_read": batch / ranks,
+                    "attention": batch / ranks},
+        Layout.DP: {"weights": 1.0, "kv_stored": owned, "kv_read": owned, "attention": owned},
+        Layout.DOP: {"weights": 1 / ranks, "kv_stored": owned, "kv_read": owned, "attention": owned},
+    }[layout]
+
+
+def kv_histories_busiest(layout: Layout, batch: int, ranks: int) -> float:
+    """Histories the busiest rank stores: the `kv_stored` column of Table 2."""
+    return busiest_rank_load(layout, batch, ranks)["kv_stored"]
+
+
+def longest_balanced_context(layout: Layout, mem_avail: float, w_a: float, k: float, batch: int,
+                             ranks: int) -> float:
+    """Longest context s of B equal requests whose busiest rank fits `mem_avail` bytes (>= 0).
+
+    With T | B this is Eq 1 solved for s: DOP (T*M - W_A)/(B*k), DP/CP T*(M - W_A)/(B*k),
+    TP (M - W_A/T)/(B*k); otherwise the owner layouts use ceil(B/T) histories.
+    """
+    if batch < 1:
+        raise ConfigError(f"batch must be >= 1, got {batch}")
+    w = w_a / ranks if layout.sharded else w_a
+    free = mem_avail - w
+    if free <= 0:
+        return 0.0
+    return free / (k * kv_histories_busiest(layout, batch, ranks))
