@@ -1,0 +1,127 @@
+"""The FastAPI app: OpenAI routes, /health, /metrics, API-key check, engine lifespan.
+
+`create_app` takes an already-built engine (the `AsyncEngine` interface: `generate`, `abort`,
+`stats`, `tokenizer`, `max_model_len`, `kv_pool_tokens`, `start`, `shutdown`) so tests and the CLI
+decide how it is built; the app starts it on startup and shuts it down on exit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from splash.server.chat import create_chat_completion
+from splash.server.completions import create_completion
+from splash.server.errors import APIError, install_error_handlers
+from splash.server.metrics import ServerMetrics
+from splash.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from splash.server.serving import Serving
+
+log = logging.getLogger("splash.server")
+
+
+class APIKeyMiddleware:
+    """Require `Authorization: Bearer KEY` on /v1/*; /health and /metrics stay open (as in vLLM).
+
+    Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnects pass through untouched,
+    and it runs before body parsing, so an unauthenticated client never learns about body errors.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            got = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(got, self.expected):
+                msg = ("Missing API key: send it as 'Authorization: Bearer KEY'" if not got else
+                       "Incorrect API key provided.")
+                await APIError(msg, status=401, code="invalid_api_key").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _maybe_await(x: Any) -> Any:
+    return await x if inspect.isawaitable(x) else x
+
+
+def create_app(engine: Any, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    name = model_name or str(getattr(engine, "model_name", None) or "splash")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if hasattr(engine, "start"):
+            await _maybe_await(engine.start())
+        try:
+            yield
+        finally:
+            if hasattr(engine, "shutdown"):
+                await _maybe_await(engine.shutdown())
+
+    app = FastAPI(title="splash", summary="OpenAI-compatible server for MLA models", lifespan=lifespan)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    metrics = ServerMetrics(name)
+    serving = Serving(engine, name, metrics)
+    app.state.serving = serving
+    app.state.metrics = metrics
+
+    def card() -> ModelCard:
+        return ModelCard(id=name, root=str(getattr(engine, "model_name", name)),
+                         max_model_len=serving.max_model_len, vocab_size=serving.vocab_size)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[card()]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        serving.check_model(model_id)
+        return JSONResponse(card().model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await create_completion(serving, req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(serving, req, request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not _engine_healthy(engine):
+            return APIError("engine is not running", status=503, code="engine_dead").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        # stats() may take the engine's lock; keep it off the event loop.
+        stats = await run_in_threadpool(engine.stats)
+        metrics.refresh(stats)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _engine_healthy(engine: Any) -> bool:
+    for attr in ("is_healthy", "healthy", "is_running", "running"):
+        v = getattr(engine, attr, None)
+        if v is None:
+            continue
+        v = v() if callable(v) else v
+        if isinstance(v, bool):
+            return v
+    return not getattr(engine, "errored", False)

@@ -1,0 +1,128 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, assistant turns out."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from splash.engine.outputs import CompletionOutput
+from splash.server.errors import APIError
+from splash.server.protocol import (
+    ChatChoice,
+    ChatChoiceLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProb,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TopLogProb,
+    UsageInfo,
+    stream_chunk,
+)
+from splash.server.serving import Serving, finite, new_id
+from splash.server.streaming import DONE, sse, sse_response, until_disconnect
+
+
+def chat_logprobs(serving: Serving, out: CompletionOutput, start: int, k: int) -> ChatChoiceLogProbs:
+    """Logprobs of tokens `start:` of one sequence, in the chat layout (token, logprob, bytes, top)."""
+    content = []
+    for i in range(start, len(out.token_ids)):
+        tid = out.token_ids[i]
+        entry = out.logprobs[i] if out.logprobs and i < len(out.logprobs) else {}
+        tok = serving.token_str(tid)
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k] if k else []
+        content.append(ChatLogProb(
+            token=tok, logprob=finite(entry.get(tid)), bytes=list(tok.encode()),
+            top_logprobs=[_top(serving.token_str(t), v) for t, v in top]))
+    return ChatChoiceLogProbs(content=content)
+
+
+def _top(tok: str, lp: float) -> TopLogProb:
+    return TopLogProb(token=tok, logprob=finite(lp), bytes=list(tok.encode()))
+
+
+async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, request: Request) -> Response:
+    serving.check_model(req.model)
+    serving.check_supported(req)
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    prompt = await serving.chat_prompt(req.messages, req.add_generation_prompt)
+    if req.max_completion_tokens is not None:
+        requested, pname = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        requested, pname = req.max_tokens, "max_tokens"
+    max_tokens = serving.max_tokens_for(len(prompt), requested, req.n, pname)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    params = serving.sampling_params(req, max_tokens, top)
+    rid, created = new_id("chatcmpl"), int(time.time())
+    if req.stream:
+        return sse_response(_stream(serving, req, prompt, params, rid, created))
+    return await until_disconnect(request, _full(serving, req, prompt, params, rid, created))
+
+
+async def _full(serving: Serving, req: ChatCompletionRequest, prompt, params, rid: str, created: int
+                ) -> JSONResponse:
+    final = None
+    async with contextlib.aclosing(serving.generate([prompt], [params], rid)) as gen:
+        async for _, out in gen:
+            if out.finished:
+                final = out
+    if final is None:
+        raise APIError("the engine stopped before the request finished; retry", status=503)
+    choices, completion_tokens = [], 0
+    for o in sorted(final.outputs, key=lambda o: o.index):
+        completion_tokens += len(o.token_ids)
+        lp = chat_logprobs(serving, o, 0, params.logprobs) if params.logprobs is not None else None
+        choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text), logprobs=lp,
+                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+    usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
+                      total_tokens=len(prompt) + completion_tokens)
+    resp = ChatCompletionResponse(id=rid, created=created, model=serving.model_name, choices=choices,
+                                  usage=usage)
+    return JSONResponse(resp.model_dump())
+
+
+async def _stream(serving: Serving, req: ChatCompletionRequest, prompt, params, rid: str, created: int
+                  ) -> AsyncIterator[str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    completion_tokens = 0
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        return sse(stream_chunk("chat.completion.chunk", rid, created, serving.model_name, [choice], None,
+                                include_usage))
+
+    # OpenAI opens every choice with the assistant role and empty content before any token.
+    for i in range(req.n):
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+    async with contextlib.aclosing(serving.generate([prompt], [params], rid)) as gen:
+        async for _, out in gen:
+            completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+            for o in out.outputs:
+                t0, k0 = sent_text.get(o.index, 0), sent_tokens.get(o.index, 0)
+                if t0 < 0:
+                    continue
+                delta, new_tokens = o.text[t0:], len(o.token_ids) - k0
+                if delta or new_tokens > 0:
+                    lp = (chat_logprobs(serving, o, k0, params.logprobs) if params.logprobs is not None
+                          else None)
+                    yield chunk(ChatStreamChoice(index=o.index, delta=DeltaMessage(content=delta),
+                                                 logprobs=lp))
+                    sent_text[o.index], sent_tokens[o.index] = len(o.text), len(o.token_ids)
+                if o.finish_reason is not None:
+                    yield chunk(ChatStreamChoice(index=o.index, delta=DeltaMessage(),
+                                                 finish_reason=o.finish_reason))
+                    sent_text[o.index] = -1
+    if include_usage:
+        usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
+                          total_tokens=len(prompt) + completion_tokens)
+        yield sse(stream_chunk("chat.completion.chunk", rid, created, serving.model_name, [], usage, True))
+    yield DONE

@@ -1,0 +1,140 @@
+"""Prometheus metrics with vLLM-like names under a `splash:` prefix, one registry per app.
+
+Per-app registries (not prometheus_client's global one) let tests build several apps in one process.
+Gauges that mirror engine state are refreshed from `engine.stats()` at scrape time, so the engine
+never has to know about Prometheus; latency histograms are observed by the request handlers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from splash.engine.plan import LAYOUTS
+
+# Buckets as vLLM uses them (seconds); tiny-model CPU latencies land in the low buckets.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+# `*_created` timestamp series double the exposition for no use here (vLLM disables them too).
+disable_created_metrics()
+
+
+def _first(stats: Mapping[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if stats.get(k) is not None:
+            return stats[k]
+    return None
+
+
+class ServerMetrics:
+    """All `splash:` series of one server; `render()` returns the exposition text."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, model_name
+        lbl = ["model_name"]
+        self._label = {"model_name": m}
+
+        self.running = Gauge("splash:num_requests_running", "Requests in the running batch.", lbl,
+                             registry=r).labels(m)
+        self.waiting = Gauge("splash:num_requests_waiting", "Requests queued for admission.", lbl,
+                             registry=r).labels(m)
+        self.kv_usage = Gauge("splash:kv_cache_usage_perc",
+                              "Fraction of KV pages in use (1 = full).", lbl, registry=r).labels(m)
+        self.prompt_tokens = Counter("splash:prompt_tokens", "Prompt tokens of admitted requests.", lbl,
+                                     registry=r).labels(m)
+        self.generation_tokens = Counter("splash:generation_tokens", "Generated tokens.", lbl,
+                                         registry=r).labels(m)
+        self._success = Counter("splash:request_success", "Finished requests by finish reason.",
+                                lbl + ["finished_reason"], registry=r)
+        self.ttft = Histogram("splash:time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token.", lbl,
+                              buckets=TTFT_BUCKETS, registry=r).labels(m)
+        self.itl = Histogram("splash:inter_token_latency_seconds",
+                             "Time between successive token deliveries of a request.", lbl,
+                             buckets=ITL_BUCKETS, registry=r).labels(m)
+        self.e2e = Histogram("splash:e2e_request_latency_seconds",
+                             "Time from request arrival to its last token.", lbl,
+                             buckets=E2E_BUCKETS, registry=r).labels(m)
+        # Filled by the multi-rank runtime (layouts, switches); single-rank engines report T = 1, tp.
+        self._layout = Gauge("splash:layout", "1 for the attention layout in use, 0 for the others.",
+                             lbl + ["layout"], registry=r)
+        self.ranks = Gauge("splash:ranks", "Ranks serving the model (T).", lbl, registry=r).labels(m)
+        self._pool = Gauge("splash:kv_pool_tokens_per_rank", "KV pool capacity of each rank, in tokens.",
+                           lbl + ["rank"], registry=r)
+        self.distinct = Gauge("splash:kv_distinct_tokens",
+                              "Distinct KV tokens the group can hold under the current layout.", lbl,
+                              registry=r).labels(m)
+
+    def finished(self, reason: str | None) -> None:
+        self._success.labels(self._label["model_name"], reason or "unknown").inc()
+
+    def refresh(self, stats: Mapping[str, Any]) -> None:
+        """Copy engine state into the gauges; missing keys leave a gauge at its last value."""
+        lab = self._label["model_name"]
+        for gauge, keys in ((self.running, ("num_running", "running", "num_requests_running")),
+                            (self.waiting, ("num_waiting", "waiting", "num_requests_waiting")),
+                            (self.kv_usage, ("kv_usage", "kv_cache_usage", "kv_cache_usage_perc")),
+                            (self.ranks, ("ranks", "world", "tp")),
+                            (self.distinct, ("kv_distinct_tokens",))):
+            v = _first(stats, *keys)
+            if isinstance(v, (int, float)):
+                gauge.set(float(v))
+        layout = _first(stats, "layout")
+        if isinstance(layout, str):
+            for name in sorted(set(LAYOUTS) | {layout}):
+                self._layout.labels(lab, name).set(1.0 if name == layout else 0.0)
+        per_rank = _first(stats, "kv_pool_tokens_per_rank")
+        if per_rank is None and isinstance(_first(stats, "kv_pool_tokens"), int):
+            ranks = int(_first(stats, "ranks", "world") or 1)
+            per_rank = [int(stats["kv_pool_tokens"]) // max(1, ranks)] * max(1, ranks)
+        if isinstance(per_rank, (list, tuple)):
+            for rank, tokens in enumerate(per_rank):
+                self._pool.labels(lab, str(rank)).set(float(tokens))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes TTFT, inter-token latency and E2E latency of one request as its tokens arrive."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float | None = None) -> None:
+        self.m = metrics
+        self.arrival = arrival if arrival is not None else time.perf_counter()
+        self.last: float | None = None
+        self.tokens = 0
+
+    def tokens_seen(self, total_generated: int) -> None:
+        """Called with the cumulative generated-token count of the request after each snapshot."""
+        new = total_generated - self.tokens
+        if new <= 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.m.ttft.observe(now - self.arrival)
+        else:
+            self.m.itl.observe(now - self.last)
+        self.m.generation_tokens.inc(new)
+        self.tokens, self.last = total_generated, now
+
+    def done(self, reasons: list[str | None]) -> None:
+        self.m.e2e.observe(time.perf_counter() - self.arrival)
+        for r in reasons:
+            self.m.finished(r)

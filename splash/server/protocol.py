@@ -1,0 +1,261 @@
+"""Pydantic shapes of the OpenAI API subset splash serves (requests validated, responses built).
+
+Requests forbid unknown fields (as OpenAI does) so a typo such as `max_token` is a clear 400 instead
+of a silently ignored setting; floats refuse NaN/Infinity, which JSON parsers otherwise let through.
+Fields that OpenAI defines but splash does not implement are accepted only at their neutral value
+(see `unsupported()`), so a client that sends the default still works.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+MAX_N = 128
+INT64_MAX = 2**63 - 1
+
+TokenIds = list[StrictInt]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, vLLM extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions that `vllm bench serve`-style clients send.
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: bool = True
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, reason) for settings splash would otherwise silently ignore."""
+        out = []
+        if self.presence_penalty:
+            out.append(("presence_penalty", "presence_penalty is not supported; send 0"))
+        if self.frequency_penalty:
+            out.append(("frequency_penalty", "frequency_penalty is not supported; send 0"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported"))
+        return out
+
+
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        # One message for every wrong shape instead of pydantic's per-union-member errors.
+        ok = isinstance(v, str) or _is_ids(v) or (
+            isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(_is_ids(p) for p in v)))
+        if not ok:
+            raise ValueError(f"prompt must be {PROMPT_SHAPES}")
+        return v
+
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echo is not supported"))
+        if self.suffix:
+            out.append(("suffix", "suffix is not supported"))
+        if self.best_of is not None and self.best_of != self.n:
+            out.append(("best_of", "best_of must equal n (no server-side ranking)"))
+        return out
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Clients echo assistant turns back with extra keys (refusal, audio, ...): keep them, ignore them.
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.tools:
+            out.append(("tools", "tool calling is not supported"))
+        if self.tool_choice not in (None, "none", "auto"):
+            out.append(("tool_choice", "tool calling is not supported"))
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            out.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
+        return out
+
+
+# ---- responses ------------------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "splash"
+    root: str | None = None
+    max_model_len: int | None = None
+    vocab_size: int | None = None  # splash extension: lets `splash bench serve` draw random token ids
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CompletionLogProbs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class TopLogProb(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProb(TopLogProb):
+    top_logprobs: list[TopLogProb] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(_Response):
+    content: list[ChatLogProb] | None = None
+    refusal: list[ChatLogProb] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+
+
+def stream_chunk(obj: str, rid: str, created: int, model: str, choices: list[BaseModel],
+                 usage: UsageInfo | None, include_usage: bool) -> dict[str, Any]:
+    """One SSE chunk as OpenAI sends it: `usage` present (null until the last) only when asked for."""
+    chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
+                             "system_fingerprint": None,
+                             "choices": [_dump_choice(c) for c in choices]}
+    if include_usage:
+        chunk["usage"] = usage.model_dump() if usage is not None else None
+    return chunk
+
+
+def _dump_choice(c: BaseModel) -> dict[str, Any]:
+    d = c.model_dump()
+    if isinstance(c, ChatStreamChoice):
+        # A delta carries only what changed: {"role": ..., "content": ""} first, then {"content": ...}.
+        d["delta"] = c.delta.model_dump(exclude_none=True)
+    return d

@@ -1,0 +1,300 @@
+"""What both generation endpoints share: checks against the model, sampling params, running requests.
+
+Everything a client can get wrong is checked here *before* a request reaches the engine, so a bad
+request costs one 4xx and never a queued, half-run or wedged request. Running a request always ends
+in `engine.abort` unless it finished, whichever way the handler exits (client gone, error, shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from splash.engine.outputs import RequestOutput
+from splash.engine.sampling import SamplingParams
+from splash.server.errors import APIError
+from splash.server.metrics import RequestTimer, ServerMetrics
+from splash.server.protocol import ChatMessage, _SamplingFields
+
+log = logging.getLogger("splash.server")
+
+
+LOGPROB_FLOOR = -9999.0  # what vLLM reports for impossible tokens: JSON has no -Infinity
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finite(lp: float | None) -> float:
+    """A logprob JSON can carry: -inf (and NaN, or a missing entry) become LOGPROB_FLOOR."""
+    if lp is None or not math.isfinite(lp):
+        return LOGPROB_FLOOR if lp is None or lp != float("inf") else 0.0
+    return float(lp)
+
+
+class Serving:
+    """Binds an engine to a served model name; used by the route handlers of one app."""
+
+    def __init__(self, engine: Any, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = int(engine.max_model_len)
+        self.vocab_size = _vocab_size(engine)
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+                           status=404, param="model", code="model_not_found")
+
+    def check_supported(self, req: _SamplingFields) -> None:
+        for param, reason in req.unsupported():
+            raise APIError(reason, param=param, code="unsupported_parameter")
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        if not ids:
+            raise APIError(f"'{param}' is empty; send at least one token", param=param,
+                           code="empty_prompt")
+        if self.vocab_size is not None:
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise APIError(f"token id {bad} in '{param}' is outside the vocabulary [0, "
+                               f"{self.vocab_size})", param=param, code="invalid_token_id")
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None, n: int, param: str) -> int:
+        """The generation budget: refuse what can never fit the context or the KV pool."""
+        ctx = self.max_model_len
+        pool = _kv_pool_tokens(self.engine)
+        if prompt_len >= ctx:
+            raise APIError(
+                f"This model's maximum context length is {ctx} tokens. However, your prompt has "
+                f"{prompt_len} tokens, which leaves no room to generate. Shorten the prompt.",
+                param="prompt" if param == "max_tokens" else "messages", code="context_length_exceeded")
+        if pool is not None and prompt_len >= pool:
+            raise APIError(
+                f"The prompt has {prompt_len} tokens but the whole KV cache holds {pool}; it can never "
+                f"be scheduled. Shorten the prompt or start the server with more --memory-per-rank.",
+                param="prompt" if param == "max_tokens" else "messages", code="kv_pool_exceeded")
+        room = ctx - prompt_len
+        if pool is not None:
+            room_pool = pool // n - prompt_len
+        else:
+            room_pool = room
+        if requested is None:
+            budget = min(room, room_pool)
+            if budget < 1:
+                raise APIError(f"n={n} sequences of {prompt_len} prompt tokens do not fit the KV cache "
+                               f"({pool} tokens); lower n or shorten the prompt.", param="n",
+                               code="kv_pool_exceeded")
+            return budget
+        if requested > room:
+            raise APIError(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
+                f"completion). Reduce the prompt or {param}.", param=param,
+                code="context_length_exceeded")
+        if requested > room_pool:
+            raise APIError(
+                f"{n} sequence(s) of {prompt_len} prompt + {requested} generated tokens need "
+                f"{n * (prompt_len + requested)} KV slots but the whole KV cache holds {pool}. Reduce "
+                f"{param}, n, or the prompt.", param=param, code="kv_pool_exceeded")
+        return requested
+
+    def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        top_k = req.top_k if req.top_k is not None else -1
+        if self.vocab_size is not None and top_k > self.vocab_size:
+            top_k = -1  # every token: the same distribution as "disabled"
+        stop_ids = list(req.stop_token_ids or [])
+        if self.vocab_size is not None:
+            bad = next((t for t in stop_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise APIError(f"stop_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})",
+                               param="stop_token_ids", code="invalid_value")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(not s for s in stop):
+            raise APIError("stop strings must be non-empty", param="stop", code="invalid_value")
+        if req.min_tokens > max_tokens:
+            raise APIError(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})",
+                           param="min_tokens", code="invalid_value")
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=top_k,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=stop,
+                stop_token_ids=stop_ids,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise APIError(str(e), param=str(e).split(" ", 1)[0], code="invalid_value") from None
+
+    # ---- prompts --------------------------------------------------------------------------------
+    async def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        """A string, strings, token ids or lists of token ids -> one id list per prompt."""
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError("'prompt' is empty; send a string or token ids", param="prompt",
+                           code="empty_prompt")
+        texts = [p for p in prompts if isinstance(p, str)]
+        if any(not t for t in texts):
+            raise APIError("'prompt' holds an empty string", param="prompt", code="empty_prompt")
+        encoded = iter(await run_in_threadpool(lambda: [self.encode(t) for t in texts]) if texts else [])
+        out = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+        for ids in out:
+            self.check_ids(ids, "prompt")
+        return out
+
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        conv = []
+        for i, m in enumerate(messages):
+            if isinstance(m.content, list):
+                parts = []
+                for j, part in enumerate(m.content):
+                    if part.type != "text" or part.text is None:
+                        raise APIError(f"content part of type {part.type!r} is not supported; only text",
+                                       param=f"messages[{i}].content[{j}].type", code="unsupported_content")
+                    parts.append(part.text)
+                text = "".join(parts)
+            else:
+                text = m.content or ""
+            msg = {"role": m.role, "content": text}
+            if m.name:
+                msg["name"] = m.name
+            conv.append(msg)
+        try:
+            ids = await run_in_threadpool(self.apply_chat_template, conv, add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as e:  # a template that rejects this conversation (e.g. role order)
+            raise APIError(f"the chat template rejected the messages: {e}", param="messages",
+                           code="invalid_messages") from None
+        self.check_ids(ids, "messages")
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        try:
+            return list(tok.encode(text, add_special_tokens=True))
+        except TypeError:
+            return list(tok.encode(text))
+
+    def apply_chat_template(self, conv: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        out = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+        if isinstance(out, str):
+            return self.encode(out)
+        if isinstance(out, dict):  # transformers-style BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+    def token_str(self, tid: int) -> str:
+        try:
+            return self.tokenizer.decode([tid], skip_special_tokens=False)
+        except TypeError:
+            return self.tokenizer.decode([tid])
+
+    # ---- running --------------------------------------------------------------------------------
+    async def generate(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run one engine request per prompt; yield (prompt index, snapshot) as they arrive.
+
+        On any exit before all finish (client gone, error, cancellation) every unfinished request is
+        aborted, which frees its KV pages.
+        """
+        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        for p in prompts:
+            self.metrics.prompt_tokens.inc(len(p))
+        if len(prompts) == 1:
+            async with contextlib.aclosing(self._one(prompts[0], params[0], ids[0])) as g:
+                async for out in g:
+                    yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async with contextlib.aclosing(self._one(prompts[i], params[i], ids[i])) as g:
+                    async for out in g:
+                        await queue.put((i, out))
+                await queue.put((i, None))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        try:
+            live = len(tasks)
+            while live:
+                i, item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(self, prompt: list[int], params: SamplingParams, rid: str) -> AsyncIterator[RequestOutput]:
+        timer = RequestTimer(self.metrics)
+        finished = False
+        gen = self.engine.generate(prompt, params, rid)
+        try:
+            async for out in gen:
+                timer.tokens_seen(sum(len(o.token_ids) for o in out.outputs))
+                if out.finished:
+                    finished = True
+                    timer.done([o.finish_reason for o in out.outputs])
+                yield out
+                if finished:
+                    break
+        except ValueError as e:  # the engine refused the request (a check we do not duplicate here)
+            raise APIError(str(e), code="invalid_request") from None
+        finally:
+            if not finished:
+                timer.done(["abort"])
+            with contextlib.suppress(Exception):
+                await gen.aclose()
+            if not finished:
+                try:
+                    await self.engine.abort(rid)
+                except Exception:  # already gone is fine; anything else is worth a log line
+                    log.debug("abort of %s failed", rid, exc_info=True)
+
+
+def _vocab_size(engine: Any) -> int | None:
+    for obj, attr in ((engine, "vocab_size"), (getattr(engine, "model_config", None), "vocab_size"),
+                      (getattr(engine, "config", None), "vocab_size"),
+                      (engine.tokenizer, "vocab_size")):
+        v = getattr(obj, attr, None) if obj is not None else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _kv_pool_tokens(engine: Any) -> int | None:
+    v = getattr(engine, "kv_pool_tokens", None)
+    return int(v) if isinstance(v, int) and v > 0 else None
