@@ -1,0 +1,172 @@
+"""Communicator ops on real gloo ranks (and the one-rank form), byte counters, launch failures."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from dist_utils import run_ranks
+
+from splash.dist.comm import LocalCommunicator
+from splash.dist.launch import WorkerError, free_port, resolve_launch, spawn_workers, start_workers
+
+pytestmark = pytest.mark.timeout(180)
+
+W = 3  # odd world: catches code that silently assumes powers of two
+
+
+def _rows(rank: int, n: int, width: int = 2) -> torch.Tensor:
+    """Rank-tagged rows so a misplaced row is visible: value = 100*rank + row + col/10."""
+    base = 100.0 * rank + torch.arange(n, dtype=torch.float64)[:, None]
+    return base + torch.arange(width, dtype=torch.float64)[None, :] / 10
+
+
+def _send_counts(rank: int, world: int) -> list[int]:
+    """Unequal counts with zeros: rank r sends (r + j) % 3 rows to rank j."""
+    return [(rank + j) % 3 for j in range(world)]
+
+
+def _comm_ops(grid) -> dict:
+    comm = grid.comm
+    r, w = comm.rank, comm.world
+    out: dict = {}
+    x = torch.full((4, 3), float(r + 1), dtype=torch.float64)
+    out["all_reduce"] = comm.all_reduce(x.clone(), tag=0)
+    out["all_reduce_async"] = comm.all_reduce_async(x.clone() * 2, tag=0).wait()
+    sizes = [2, 0, 3][:w]
+    mine = _rows(r, sizes[r])
+    out["gather_known"] = comm.all_gather_var(mine, tag=1, sizes=sizes)
+    out["gather_unknown"] = comm.all_gather_var(mine, tag=1)
+    out["gather_async"] = comm.all_gather_var_async(mine, tag=1, sizes=sizes).wait()
+    out["gather_equal"] = comm.all_gather(torch.full((2, 2), float(r)), tag=1)
+    send = _send_counts(r, w)
+    blocks = [torch.full((send[j], 2, 2), 10.0 * r + j, dtype=torch.float64) for j in range(w)]
+    t = torch.cat(blocks)
+    recv = [_send_counts(j, w)[r] for j in range(w)]
+    out["a2a_known"] = comm.all_to_all_var(t, send, tag=2, recv_counts=recv)
+    out["a2a_unknown"] = comm.all_to_all_var(t, send, tag=2)
+    out["a2a_async"] = comm.all_to_all_var_async(t, send, tag=2, recv_counts=recv).wait()
+    plan = {"step": 7, "rows": list(range(r + 5))} if r == 0 else None
+    out["bcast"] = comm.broadcast_object(plan, src=0)
+    out["objects"] = comm.all_gather_object(("rank", r))
+    comm.barrier()
+    out["bytes"] = dict(comm.stats.current)
+    return out
+
+
+def test_comm_ops_on_three_gloo_ranks() -> None:
+    res = run_ranks(W, _comm_ops, timeout=120)
+    sizes = [2, 0, 3]
+    gathered = torch.cat([_rows(j, sizes[j]) for j in range(W)])
+    for r, out in enumerate(res):
+        assert torch.equal(out["all_reduce"], torch.full((4, 3), 6.0, dtype=torch.float64))
+        assert torch.equal(out["all_reduce_async"], torch.full((4, 3), 12.0, dtype=torch.float64))
+        for k in ("gather_known", "gather_unknown", "gather_async"):
+            assert torch.equal(out[k], gathered), k
+        assert torch.equal(out["gather_equal"], torch.arange(W, dtype=torch.float32)[:, None, None]
+                           .expand(W, 2, 2))
+        expect = torch.cat([torch.full((_send_counts(j, W)[r], 2, 2), 10.0 * j + r, dtype=torch.float64)
+                            for j in range(W)])
+        for k in ("a2a_known", "a2a_unknown", "a2a_async"):
+            assert torch.equal(out[k], expect), k
+        assert out["bcast"] == {"step": 7, "rows": [0, 1, 2, 3, 4]}
+        assert out["objects"] == [("rank", j) for j in range(W)]
+        # Bytes: counted by the convention in splash/dist/stats.py, recomputed here by hand.
+        b = out["bytes"]
+        assert b[("all_reduce", 0)] == 2 * (2 * (W - 1) * 4 * 3 * 8 // W)
+        assert b[("all_gather", 1)] == 3 * sizes[r] * 2 * 8 * (W - 1) + 2 * 2 * 4 * (W - 1)
+        sent_rows = sum(c for j, c in enumerate(_send_counts(r, W)) if j != r)
+        assert b[("all_to_all", 2)] == 3 * sent_rows * 2 * 2 * 8
+        assert (("broadcast_object", None) in b) == (r == 0)
+
+
+def test_local_communicator_is_identity() -> None:
+    comm = LocalCommunicator()
+    x = torch.randn(3, 2)
+    assert comm.all_reduce(x) is x
+    assert comm.all_gather_var(x, sizes=[3]) is x
+    assert torch.equal(comm.all_gather(x), x[None])
+    assert comm.all_to_all_var(x, [3]) is x
+    assert comm.broadcast_object({"a": 1}) == {"a": 1}
+    assert comm.all_gather_object(5) == [5]
+    assert comm.stats.total_bytes() == 0
+    with pytest.raises(ValueError, match="row counts"):
+        comm.all_to_all_var(x, [2, 1])
+
+
+# ---- failures are loud and bounded ----------------------------------------------------------------
+def _raise_on_rank1(grid) -> int:
+    if grid.rank == 1:
+        raise ValueError("boom on purpose")
+    return grid.rank
+
+
+def _hang_rank1(grid) -> None:
+    if grid.rank == 1:
+        time.sleep(60)  # never joins the collective below
+    grid.comm.all_reduce(torch.ones(2))
+
+
+def _die_rank1(grid) -> None:
+    if grid.rank == 1:
+        os._exit(3)
+    grid.comm.all_reduce(torch.ones(2))
+
+
+def test_failing_rank_reports_its_traceback() -> None:
+    with pytest.raises(WorkerError) as e:
+        run_ranks(2, _raise_on_rank1, timeout=60)
+    assert e.value.rank == 1 and "boom on purpose" in str(e.value)
+    assert "_raise_on_rank1" in e.value.remote_traceback
+
+
+def test_hung_rank_fails_within_collective_timeout() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as e:
+        spawn_workers(2, _hang_rank1, timeout_s=90, backend="gloo", collective_timeout_s=4)
+    assert e.value.rank == 0  # the waiting rank times out in its collective and says so
+    assert time.monotonic() - t0 < 50
+
+
+def test_dead_rank_fails_loudly() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError):
+        spawn_workers(2, _die_rank1, timeout_s=60, backend="gloo", collective_timeout_s=20)
+    assert time.monotonic() - t0 < 55
+
+
+# ---- joining from two "nodes" and launch flags ----------------------------------------------------
+def _sum_ranks(grid) -> float:
+    return float(grid.comm.all_reduce(torch.tensor([float(grid.rank + 1)]))[0])
+
+
+def test_two_nodes_join_one_grid() -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    specs = [resolve_launch(2, nnodes=2, node_rank=n, dist_init_addr=addr, env={}) for n in (0, 1)]
+    assert specs[0].ranks == (0,) and specs[1].ranks == (1,)
+    nodes = [start_workers(s.world, _sum_ranks, ranks=s.ranks, init_method=s.init_method,
+                           backend="gloo", timeout_s=60, threads=1) for s in specs]
+    done = {}
+    for node in nodes:
+        done.update(node.join(90))
+    assert done == {0: 3.0, 1: 3.0}
+
+
+def test_resolve_launch_flags() -> None:
+    s = resolve_launch(4, env={})
+    assert s.world == 4 and s.ranks == (0, 1, 2, 3) and s.init_method.startswith("tcp://127.0.0.1:")
+    s = resolve_launch(4, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000", env={})
+    assert s.ranks == (2, 3) and s.init_method == "tcp://10.0.0.1:5000"
+    tr = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}
+    s = resolve_launch(None, env=tr)
+    assert s.torchrun and s.ranks == (1,) and s.world == 2 and s.init_method == "env://"
+    for kw, msg in [({"tp": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "split evenly"),
+                    ({"tp": 2, "nnodes": 2}, "dist-init-addr"),
+                    ({"tp": 2, "dist_init_addr": "nohostport"}, "HOST:PORT"),
+                    ({"tp": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node-rank")]:
+        with pytest.raises(ValueError, match=msg):
+            resolve_launch(env={}, **kw)
+    with pytest.raises(ValueError, match="WORLD_SIZE"):
+        resolve_launch(4, env=tr)
