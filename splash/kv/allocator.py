@@ -122,6 +122,11 @@ class KVAllocator:
             limit = cap if limit is None else min(limit, cap)
         return limit or 0
 
+    def pool_tokens(self) -> int:
+        """Distinct tokens the whole group can hold under this layout (TP: one rank's pool)."""
+        per = [a.num_pages * self.page_size for a in self.ranks]
+        return min(per) if self.layout == "tp" else sum(per)
+
     @property
     def num_free(self) -> list[int]:
         return [a.num_free for a in self.ranks]

@@ -1,0 +1,213 @@
+"""The engine for the server: `LLMEngine` stepping on its own thread, streams as async iterators.
+
+The asyncio side never takes a lock the engine thread holds during a step: requests and aborts are
+posted as commands, results come back through `loop.call_soon_threadsafe`. So a slow step never
+stalls the HTTP event loop, and a slow client never stalls the engine (snapshots are cumulative, a
+lagging consumer simply reads several in a row).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from splash.engine.llm_engine import LLMEngine
+from splash.engine.outputs import RequestOutput
+from splash.engine.sampling import SamplingParams
+
+log = logging.getLogger("splash.engine")
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (the request was aborted, its pages freed)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine was shut down; no request can run any more."""
+
+
+_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._stats: dict[str, Any] = engine.stats()
+        self._stats_lock = threading.Lock()
+
+    @classmethod
+    def from_args(cls, **kw: Any) -> AsyncEngine:
+        return cls(LLMEngine.from_args(**kw))
+
+    # ---- facts the server needs (static after construction) -------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.engine.kv_pool_tokens
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.engine.vocab_size
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters as of the last step (cheap; safe from any thread)."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def add_step_hook(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Call `fn(info)` after every step, on the engine thread (keep it cheap and thread-safe)."""
+        self.engine.on_step.append(fn)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._stopped:
+            raise EngineDeadError("the engine was shut down")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="splash-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still running end with EngineDeadError and free their pages."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._thread is not None:
+            self._cmds.put(("shutdown", None))
+            self._thread.join(timeout)
+            self._thread = None
+        else:
+            self._fail_all(EngineDeadError("the engine was shut down"))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the async API --------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative snapshots of `request_id` until it finishes.
+
+        Raises ValueError if the engine refuses the request, EngineError if a step fails. Leaving the
+        iteration early (break, cancellation, client gone) aborts the request and frees its pages.
+        """
+        self.start()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running; use a unique id")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        self._cmds.put(("add", (request_id, list(prompt_token_ids), params)))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped it
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and not self._stopped:
+                self._cmds.put(("abort", (request_id, None)))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request and wait until the engine has freed its pages (no-op if unknown)."""
+        if self._thread is None or self._stopped:
+            return
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._cmds.put(("abort", (request_id, fut)))
+        await asyncio.wrap_future(fut)
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, q = stream
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            self._streams.pop(request_id, None)
+
+    def _handle(self, cmd: str, arg: Any) -> bool:
+        """Apply one command; False means stop the loop."""
+        eng = self.engine
+        if cmd == "shutdown":
+            return False
+        if cmd == "add":
+            rid, ids, params = arg
+            try:
+                eng.add_request(rid, params=params, prompt_token_ids=ids)
+            except ValueError as e:
+                self._deliver(rid, ValueError(str(e)))
+        elif cmd == "abort":
+            rid, fut = arg
+            try:
+                out = eng.abort(rid)
+                if out is not None:
+                    self._deliver(rid, out)
+            finally:
+                if fut is not None:
+                    fut.set_result(None)
+        return True
+
+    def _refresh_stats(self) -> None:
+        s = self.engine.stats()
+        with self._stats_lock:
+            self._stats = s
+
+    def _fail_all(self, err: BaseException) -> None:
+        try:
+            self.engine.abort_all()
+        except Exception:  # bookkeeping after a failure must not mask the failure
+            log.exception("engine cleanup after an error failed")
+        for rid in list(self._streams):
+            self._deliver(rid, err)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        running = True
+        while running:
+            try:
+                if not eng.has_unfinished():
+                    self._refresh_stats()
+                    running = self._handle(*self._cmds.get())
+                while running:  # drain what arrived during the last step
+                    try:
+                        running = self._handle(*self._cmds.get_nowait())
+                    except queue.Empty:
+                        break
+                if not running or not eng.has_unfinished():
+                    continue
+                for out in eng.step():
+                    self._deliver(out.request_id, out)
+                self._refresh_stats()
+            except Exception as e:
+                log.exception("engine step failed")
+                self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+                self._refresh_stats()
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._refresh_stats()

@@ -1,0 +1,245 @@
+"""The synchronous engine on rank 0: add requests, run steps, hand back vLLM-shaped snapshots.
+
+One `step()` = schedule -> run the plan on every rank (through the runner) -> sample on rank 0 ->
+append tokens, detokenize, check stops -> free the pages of whatever finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from splash.engine.detokenizer import IncrementalDetokenizer
+from splash.engine.outputs import RequestOutput
+from splash.engine.plan import StepPlan
+from splash.engine.request import Request
+from splash.engine.request import Sequence as Seq
+from splash.engine.sampler import Sampler, SampleRow
+from splash.engine.sampling import SamplingParams
+from splash.engine.scheduler import Scheduler, SchedulerConfig
+from splash.kv.allocator import KVAllocator
+
+
+class StepRunner(Protocol):
+    """Runs one plan on every rank and returns rank 0's logits of the plan's sample rows."""
+
+    device: torch.device
+
+    def execute(self, plan: StepPlan) -> torch.Tensor: ...
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class LLMEngine:
+    def __init__(self, runner: StepRunner, allocator: KVAllocator, sched_cfg: SchedulerConfig,
+                 tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
+                 vocab_size: int | None = None, model_name: str = "model",
+                 info: dict[str, Any] | None = None) -> None:
+        self.runner = runner
+        self.allocator = allocator
+        self.scheduler = Scheduler(sched_cfg, allocator)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.vocab_size = vocab_size
+        self.model_name = model_name
+        self.info = dict(info or {})  # static facts for `stats()` (layout, ranks, dtype, ...)
+        self.requests: dict[str, Request] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.steps = 0
+        self.on_step: list[Callable[[dict[str, Any]], None]] = []  # called after every step
+
+    # ---- construction from a model name --------------------------------------------------------
+    @classmethod
+    def from_args(cls, **kw: Any) -> LLMEngine:
+        """Load the model and build everything (see `splash.engine.runner.build_engine`)."""
+        from splash.engine.runner import build_engine
+
+        return build_engine(**kw)
+
+    # ---- properties ------------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.cfg.max_model_len
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.allocator.pool_tokens()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None = None,
+                    params: SamplingParams | None = None,
+                    prompt_token_ids: Sequence[int] | None = None) -> Request:
+        """Queue a request; raise ValueError (one clear line) if it can never be served."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running; use a unique id")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt (text) or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if self.vocab_size is not None:
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is "
+                             f"{self.max_model_len}; nothing could be generated. Shorten the prompt.")
+        cap = self.scheduler.max_seq_tokens()
+        if len(ids) >= cap:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the whole KV pool holds {cap}; it can "
+                             f"never run. Shorten the prompt or give more memory per rank.")
+        req = Request(request_id=request_id, prompt_token_ids=ids, params=params, prompt=prompt)
+        for i in range(params.n):
+            seq = Seq(group=req, index=i)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            if self.tokenizer is not None:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                   params.skip_special_tokens)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            req.seqs.append(seq)
+        self.requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; returns its final snapshot (None if unknown)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.status.done:
+                seq.finish("abort")
+            self.scheduler.free(seq)
+        req.metrics.finished_time = time.time()
+        return req.output()
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [o for rid in list(self.requests) if (o := self.abort(rid)) is not None]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return snapshots of the requests that changed."""
+        changed: dict[str, Request] = {}
+        st = self.scheduler.schedule()
+        for seq in self.scheduler.finished_by_scheduler:
+            self._seq_finished(seq, changed)
+        self.scheduler.finished_by_scheduler.clear()
+        if st.empty:
+            return self._collect(changed)
+        now = time.time()
+        for seq in st.seqs:
+            if seq.group.metrics.first_scheduled_time is None:
+                seq.group.metrics.first_scheduled_time = now
+        logits = self.runner.execute(st.plan)
+        self.scheduler.complete(st)
+        self.steps += 1
+        self.prompt_tokens_total += sum(sl.num_new for seq, sl in zip(st.seqs, st.plan.seqs)
+                                        if sl.start < len(seq.prompt_token_ids))
+        to_sample = [seq for seq, sl in zip(st.seqs, st.plan.seqs) if sl.sample]
+        if to_sample:
+            rows = [SampleRow(seq.params, len(seq.output_token_ids), seq.generator) for seq in to_sample]
+            sampled = self.sampler(logits, rows)
+            now = time.time()
+            for seq, s in zip(to_sample, sampled):
+                self._append(seq, s.token_id, s.logprobs, now)
+                changed[seq.group.request_id] = seq.group
+                if seq.status.done:
+                    self._seq_finished(seq, changed)
+        outs = self._collect(changed)
+        if self.on_step:
+            info = {"step": self.steps, "rows": st.plan.num_rows, "sampled": len(to_sample),
+                    "finished": [o for o in outs if o.finished]}
+            for hook in self.on_step:
+                hook(info)
+        return outs
+
+    def _append(self, seq: Seq, tok: int, logprobs: dict[int, float] | None, now: float) -> None:
+        """Add a sampled token and decide whether the sequence ends here (vLLM's stop order)."""
+        p = seq.params
+        seq.output_token_ids.append(tok)
+        self.generation_tokens_total += 1
+        m = seq.group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+        n_out = len(seq.output_token_ids)
+        may_stop = n_out >= p.min_tokens
+        if may_stop and not p.ignore_eos and tok in self.eos_token_ids:
+            seq.finish("stop")
+            return
+        if may_stop and tok in p.stop_token_ids:
+            seq.finish("stop", tok)
+            return
+        if seq.detok is not None:
+            delta = seq.detok.add(tok)
+            if may_stop:
+                hit = seq.detok.find_stop(len(delta))
+                if hit is not None:
+                    seq.finish("stop", hit)
+                    return
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            seq.finish("length")
+
+    def _seq_finished(self, seq: Seq, changed: dict[str, Request]) -> None:
+        if seq.detok is not None and seq.finish_reason == "length":
+            seq.detok.flush()
+        self.scheduler.free(seq)
+        changed[seq.group.request_id] = seq.group
+
+    def _collect(self, changed: dict[str, Request]) -> list[RequestOutput]:
+        outs = []
+        for rid, req in changed.items():
+            if req.finished:
+                req.metrics.finished_time = time.time()
+                self.requests.pop(rid, None)
+            outs.append(req.output())
+        return outs
+
+    # ---- introspection -------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        a = self.allocator
+        used, total = a.num_used, a.num_total
+        return {
+            **self.info,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_requests": len(self.requests),
+            "kv_pages_used": sum(used),
+            "kv_pages_total": sum(total),
+            "kv_pages_used_per_rank": used,
+            "kv_usage": (max(u / t for u, t in zip(used, total)) if total and min(total) else 0.0),
+            "kv_pool_tokens": self.kv_pool_tokens,
+            "kv_pool_tokens_per_rank": [t * a.page_size for t in total],
+            "page_size": a.page_size,
+            "layout": a.layout,
+            "ranks": a.world,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.scheduler.cfg.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler.cfg.max_num_batched_tokens,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "steps": self.steps,
+        }
