@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from splash.config import ConfigError, ModelConfig, dtype_bytes, normalize_dtype
 
-MIB = 1024 * 1024
+KIB = 1024
+MIB = 1024 * KIB
 GIB = 1024 * MIB
 FP8_SCALE_BYTES = 4  # DeepSeek-V3 FP8 checkpoints store one fp32 `weight_scale_inv` per block
 
