@@ -106,7 +106,8 @@ def scenario(name: str) -> CapacityScenario:
     try:
         return SCENARIOS[name.lower()]()
     except KeyError:
-        raise ConfigError(f"unknown capacity scenario {name!r}; choose one of {', '.join(SCENARIOS)}") from None
+        choices = ", ".join(SCENARIOS)
+        raise ConfigError(f"unknown capacity scenario {name!r}; choose one of {choices}") from None
 
 
 # ---- the cohort simulation ------------------------------------------------------------------------
