@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -57,13 +57,17 @@ async def _maybe_await(x: Any) -> Any:
     return await x if inspect.isawaitable(x) else x
 
 
-def create_app(engine: Any, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Any, model_name: str | None = None, api_key: str | None = None,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The app for one engine; `on_ready` runs once the engine has started (e.g. to print the URL)."""
     name = model_name or str(getattr(engine, "model_name", None) or "splash")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if hasattr(engine, "start"):
             await _maybe_await(engine.start())
+        if on_ready is not None:
+            on_ready()
         try:
             yield
         finally:

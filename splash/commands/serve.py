@@ -1,0 +1,108 @@
+"""`splash serve`: the OpenAI-compatible HTTP server on one model.
+
+The listening socket is bound before the model loads, so a taken port fails in a second rather than
+after the load, and `--port 0` works (the chosen port is printed). SIGINT/SIGTERM stop accepting
+connections, let open requests end (bounded by --graceful-timeout), shut the engine down and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from splash.engine.plan import LAYOUTS
+
+ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "memory_per_rank",
+                  "tp", "layout")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+                       description="Serve a model over the OpenAI API on http://HOST:PORT/v1.")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory, or 'tiny'")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients send as `model` (default: the --model value)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float64 (default: per device)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="bound on the running batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
+    p.add_argument("--memory-per-rank", default=None, help="memory budget per rank, e.g. 2GiB")
+    p.add_argument("--tp", type=int, default=None, help="ranks (attention layouts over T ranks)")
+    p.add_argument("--layout", default=None, choices=LAYOUTS, help="attention layout")
+    p.add_argument("--graceful-timeout", type=float, default=5.0,
+                   help="seconds open requests get to finish after SIGINT/SIGTERM")
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=run)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"splash serve: cannot listen on {host}:{port}: {e.strerror}; "
+                         f"choose another --port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """Construct the AsyncEngine from the options given (unset ones keep the engine's defaults)."""
+    from splash.engine.async_engine import AsyncEngine
+
+    kw = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k, None) is not None}
+    factory = getattr(AsyncEngine, "from_args", None) or AsyncEngine
+    return factory(model=args.model, **kw)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from splash.server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.port < 0 or args.port > 65535:
+        print(f"splash serve: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    try:
+        engine = build_engine(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        sock.close()
+        print(f"splash serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    url_host = f"[{host}]" if ":" in host else host
+
+    def announce() -> None:
+        print(f"splash: serving {name!r} on http://{url_host}:{port}/v1 (Ctrl-C to stop)", flush=True)
+
+    app = create_app(engine, model_name=name, api_key=args.api_key, on_ready=announce)
+
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_timeout,
+                            access_log=args.log_level in ("info", "debug"))
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it caught once it has shut down; with these no-op handlers in place
+    # the re-raise is absorbed and a requested shutdown exits 0.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        sock.close()
+    print("splash: server stopped", flush=True)
+    return 0 if server.started else 1
