@@ -368,3 +368,59 @@ def weights_report(sizes: AttentionSizes, ranks: int) -> dict[str, Any]:
         "receive_mib_per_rank_all_layers": m.weights.bytes_per_rank * sizes.layers / MIB,
         "w_a_gib": sizes.w_a / 2**30,
     }
+
+
+# ---- closed-form per-rank counts (what the policy evaluates every step) ---------------------------
+def _holding_tokens(own: Ownership, s: np.ndarray, owners: np.ndarray, cp: np.ndarray,
+                    ranks: int) -> np.ndarray:
+    """[T, B] tokens of each request that each rank holds under one ownership."""
+    if own is Ownership.REPLICATED:
+        return np.broadcast_to(s, (ranks, len(s))).copy()
+    if own is Ownership.OWNER:
+        return np.where(np.arange(ranks)[:, None] == owners[None, :], s[None, :], 0)
+    return cp
+
+
+def position_tokens_matrix(contexts: np.ndarray, ranks: int, page_size: int | None) -> np.ndarray:
+    """[T, B] tokens of each request on each rank when global page j lives on rank j % T."""
+    P = 1 if page_size is None else int(page_size)
+    full, rem = contexts // P, contexts % P
+    r = np.arange(ranks)[:, None]
+    tok = (full[None, :] // ranks + (r < (full % ranks)[None, :])) * P
+    return tok + np.where(r == (full % ranks)[None, :], rem[None, :], 0)
+
+
+def kv_transfer_tokens(src: Layout, dst: Layout, contexts: Sequence[int], owners_src: Sequence[int],
+                       owners_dst: Sequence[int] | None, ranks: int,
+                       page_size: int | None = 64) -> tuple[np.ndarray, np.ndarray]:
+    """(received, freed) tokens per rank for one layer's KV, without listing pages.
+
+    Same answer as `Manifest.kv` (the tests check it): a rank receives what the destination
+    gives it minus what it already holds, and frees what it held minus what it keeps.
+    """
+    s = np.asarray(contexts, dtype=np.int64).reshape(-1)
+    oa = np.asarray(owners_src, dtype=np.int64).reshape(-1)
+    ob = oa if owners_dst is None else np.asarray(owners_dst, dtype=np.int64).reshape(-1)
+    cp = position_tokens_matrix(s, ranks, page_size)
+    a = _holding_tokens(src.ownership, s, oa, cp, ranks)
+    b = _holding_tokens(dst.ownership, s, ob, cp, ranks)
+    both = _overlap(src.ownership, dst.ownership, a, b, oa, ob, ranks)
+    return (b - both).sum(axis=1), (a - both).sum(axis=1)
+
+
+def _overlap(oa_kind: Ownership, ob_kind: Ownership, a: np.ndarray, b: np.ndarray,
+             oa: np.ndarray, ob: np.ndarray, ranks: int) -> np.ndarray:
+    """[T, B] tokens a rank holds in both layouts (set intersection, counted in closed form)."""
+    if oa_kind is Ownership.REPLICATED:
+        return b
+    if ob_kind is Ownership.REPLICATED:
+        return a
+    if oa_kind is Ownership.OWNER and ob_kind is Ownership.OWNER:
+        return np.where(oa[None, :] == ob[None, :], a, 0)
+    # owner x position, position x owner, position x position: the position shard on the owner
+    return np.minimum(a, b)
+
+
+def weight_transfer_bytes(sizes: AttentionSizes, src: Layout, dst: Layout, ranks: int) -> np.ndarray:
+    """Per-rank bytes of one layer's projections a switch src -> dst receives."""
+    return np.asarray(Manifest(sizes, src, dst, ranks, 1, ()).weights.recv_bytes)

@@ -1,0 +1,265 @@
+"""Per-step cost model (Eq 10), exposed switch time (Eq 7) and the calibration vector theta.
+
+Eq 10 per MLA layer and rank: t_proj = max(F_proj/Phi_proj, W/beta_W), t_att = max(F_att/Phi_att,
+K_read/beta_KV), and t = t0 + t_proj + t_att + delta + max(0, R - eta*t_att). The loads F, W, K_read
+and R come from the ownership model for the *live* batch (unbalanced contexts and owners welcome),
+so the same function prices TP, DP, CP and DOP; theta holds only rates, latencies and budgets.
+The illustrative law of Eq 11/12 lives in `splash/law.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from splash.config import ConfigError
+from splash.layouts import LAYOUTS, Layout, Ownership, round_robin_owners
+from splash.manifest import position_tokens_matrix
+from splash.sizes import AttentionSizes
+
+# Collectives per attention layer (each pays the latency delta once): TP all-reduce after O;
+# DP all-gather of owners' rows; CP exact LSE merge; DOP forward + reverse all-to-all + all-reduce.
+COLLECTIVES = {Layout.TP: 1, Layout.DP: 1, Layout.CP: 1, Layout.DOP: 3}
+DEFAULT_ETA = {"TP": 0.0, "DP": 0.0, "CP": 0.5, "DOP": 0.5}
+
+
+@dataclass
+class Theta:
+    """Deployment parameters of pi(x; theta): rates, latencies and the memory budget per rank."""
+
+    ranks: int
+    memory_bytes: float  # H_r: device memory usable per rank
+    flops_proj: float  # Phi_proj, FLOP/s for the projections
+    flops_att: float  # Phi_att, FLOP/s for attention
+    bw_weights: float  # beta_W, bytes/s reading projection weights
+    bw_kv: float  # beta_KV, bytes/s reading latent KV
+    link_bw: float  # bytes/s one rank receives in a collective
+    latency: float  # delta: seconds per collective
+    t0: float = 0.0  # seconds per step outside the attention stages
+    t_row: float = 0.0  # seconds per query row outside attention (dense / MoE), layout-independent
+    eta: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_ETA))
+    reserve_bytes: float = 0.0  # R_r: transient reserve kept free
+    act_bytes: float = 2.0  # bytes per activation element exchanged
+    name: str = ""
+    source: str = "profile"
+
+    def __post_init__(self) -> None:
+        if int(self.ranks) < 1:
+            raise ConfigError(f"theta: ranks must be >= 1, got {self.ranks}")
+        self.ranks = int(self.ranks)
+        for f in ("memory_bytes", "flops_proj", "flops_att", "bw_weights", "bw_kv", "link_bw"):
+            if not float(getattr(self, f)) > 0:
+                raise ConfigError(f"theta: {f} must be > 0, got {getattr(self, f)}")
+        for f in ("latency", "t0", "t_row", "reserve_bytes"):
+            if float(getattr(self, f)) < 0:
+                raise ConfigError(f"theta: {f} must be >= 0, got {getattr(self, f)}")
+        eta = {Layout.parse(k).label: float(v) for k, v in dict(self.eta).items()}
+        for k, v in eta.items():
+            if not 0 <= v <= 1:
+                raise ConfigError(f"theta: eta[{k}] must be in [0, 1], got {v}")
+        self.eta = {lay.label: eta.get(lay.label, DEFAULT_ETA[lay.label]) for lay in LAYOUTS}
+
+    def eta_of(self, layout: Layout) -> float:
+        return self.eta[layout.label]
+
+    # -- JSON --------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Theta:
+        if not isinstance(d, dict):
+            raise ConfigError("theta JSON must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"theta JSON has unknown field(s): {', '.join(unknown)}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(f"theta JSON is incomplete: {e}") from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Theta:
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"no theta file at {path!r}; run `splash calibrate` or pass --gpu") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not a theta JSON file: {e}") from None
+        return cls.from_dict(d)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The policy's input x: live contexts s_i (including this step's rows), query rows q_i, owners."""
+
+    contexts: np.ndarray
+    rows: np.ndarray
+    owners: np.ndarray
+
+    @classmethod
+    def make(cls, contexts: Sequence[int], rows: Sequence[int] | int | None = None,
+             owners: Sequence[int] | None = None, ranks: int = 1) -> Batch:
+        s = np.asarray(contexts, dtype=np.int64).reshape(-1)
+        if rows is None or np.isscalar(rows):
+            q = np.full(len(s), 1 if rows is None else int(rows), dtype=np.int64)
+        else:
+            q = np.asarray(rows, dtype=np.int64).reshape(-1)
+        o = np.asarray(round_robin_owners(len(s), ranks) if owners is None else owners,
+                       dtype=np.int64).reshape(-1)
+        if not (len(q) == len(s) == len(o)):
+            raise ConfigError(f"batch: {len(s)} contexts, {len(q)} row counts, {len(o)} owners")
+        if (s < 0).any() or (q < 0).any() or (q > np.maximum(s, 0)).any():
+            raise ConfigError("batch: need 0 <= q_i <= s_i (s_i counts this step's rows)")
+        if len(o) and (o.min() < 0 or o.max() >= ranks):
+            raise ConfigError(f"batch: owners must lie in [0, {ranks})")
+        return cls(s, q, o)
+
+    @classmethod
+    def balanced(cls, batch: int, context: int, rows: int = 1, ranks: int = 1) -> Batch:
+        return cls.make([context] * batch, rows, None, ranks)
+
+    @property
+    def size(self) -> int:
+        return len(self.contexts)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.rows.sum())
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Eq 10 for one layout on one batch: the step time and its stages (per layer, busiest rank)."""
+
+    layout: Layout
+    total: float
+    t_proj: float
+    t_att: float
+    comm: float
+    delta: float
+    exposed_comm: float
+    layers: int
+
+    @property
+    def per_layer(self) -> float:
+        return self.t_proj + self.t_att + self.delta + self.exposed_comm
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout.label, "step_s": self.total, "t_proj_s": self.t_proj,
+                "t_att_s": self.t_att, "comm_s": self.comm, "delta_s": self.delta,
+                "exposed_comm_s": self.exposed_comm}
+
+
+def _proj_flops_per_row_head(sizes: AttentionSizes) -> float:
+    """Absorbed MLA per query row and head: q_b, W_UK, W_UV and O matmuls (2 FLOPs per MAC)."""
+    c = sizes.cfg
+    q_in = c.q_lora_rank or c.hidden_size
+    return 2.0 * (q_in * c.qk_head_dim + c.qk_nope_head_dim * c.kv_lora_rank
+                  + c.kv_lora_rank * c.v_head_dim + c.v_head_dim * c.hidden_size)
+
+
+def _att_flops_per_key_head(sizes: AttentionSizes) -> float:
+    """Scores over d_c + d_r plus value accumulation over d_c, per (row, key, head)."""
+    c = sizes.cfg
+    return 2.0 * (c.latent_dim + c.kv_lora_rank)
+
+
+def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
+              page_size: int | None = None) -> StepCost:
+    """Eq 10 summed over the model's MLA layers for `batch` in `layout` on theta.ranks ranks."""
+    T, H, L = theta.ranks, sizes.heads, sizes.layers
+    s, q, o = batch.contexts.astype(float), batch.rows.astype(float), batch.owners
+    heads = H / T if layout.sharded else H
+    keys = np.maximum(s - (q - 1) / 2, 0)  # mean keys a causal row sees (last q of s positions)
+    if layout.ownership is Ownership.OWNER:
+        rows_r = np.bincount(o, weights=q, minlength=T)
+        work_r = np.bincount(o, weights=q * keys, minlength=T)  # sum q_i * keys_i per owner
+        read_r = np.bincount(o, weights=s, minlength=T)
+    elif layout.ownership is Ownership.POSITION:
+        share = position_tokens_matrix(batch.contexts, T, page_size) / np.maximum(s, 1)[None, :]
+        rows_r = np.full(T, q.sum())
+        work_r = share @ (q * keys)
+        read_r = share @ s
+    else:
+        rows_r = np.full(T, q.sum())
+        work_r = np.full(T, (q * keys).sum())
+        read_r = np.full(T, s.sum())
+    w_rank = sizes.w_layer / T if layout.sharded else sizes.w_layer
+    f_proj = rows_r * heads * _proj_flops_per_row_head(sizes)
+    t_proj_r = np.maximum(f_proj / theta.flops_proj, np.where(rows_r > 0, w_rank, 0) / theta.bw_weights)
+    f_att = work_r * heads * _att_flops_per_key_head(sizes)
+    t_att_r = np.maximum(f_att / theta.flops_att, read_r * sizes.kv_token_layer / theta.bw_kv)
+    busiest = int(np.argmax(t_proj_r + t_att_r)) if T else 0
+    t_proj, t_att = float(t_proj_r[busiest]), float(t_att_r[busiest])
+    comm_bytes = _comm_bytes(layout, sizes, batch, T, theta.act_bytes, rows_r)
+    comm = comm_bytes / theta.link_bw
+    delta = theta.latency * COLLECTIVES[layout] if T > 1 else 0.0
+    exposed = max(0.0, comm - theta.eta_of(layout) * t_att)
+    total = theta.t0 + theta.t_row * batch.n_rows + L * (t_proj + t_att + delta + exposed)
+    return StepCost(layout, total, t_proj, t_att, comm, delta, exposed, L)
+
+
+def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: float,
+                rows_r: np.ndarray) -> float:
+    """R of Eq 10 in bytes one rank receives per layer (busiest rank)."""
+    if T == 1:
+        return 0.0
+    c = sizes.cfg
+    N, d, H = batch.n_rows, c.hidden_size, sizes.heads
+    allreduce = 2 * (T - 1) / T * N * d * b  # ring all-reduce of the O output [N, d]
+    if layout is Layout.TP:
+        return allreduce
+    if layout is Layout.DP:
+        return float((N - rows_r.min()) * d * b)  # all-gather: every row but my own
+    if layout is Layout.CP:
+        return 2 * (T - 1) / T * N * H * (c.kv_lora_rank + 1) * b  # partial outputs + LSE merge
+    # DOP, Eq 4: rows to owners [N, H/T, d_q] and head slices back [N, H/T, d_z], plus O's all-reduce
+    return (1 - 1 / T) * N * H * (c.latent_dim + c.kv_lora_rank) * b + allreduce
+
+
+def step_costs(sizes: AttentionSizes, batch: Batch, theta: Theta,
+               layouts: Sequence[Layout] = LAYOUTS, page_size: int | None = None) -> dict[Layout, StepCost]:
+    return {lay: step_cost(lay, sizes, batch, theta, page_size) for lay in layouts}
+
+
+# ---- Eq 7: the exposed part of a layer-wise overlapped switch --------------------------------------
+def exposed_switch_time(xfer: Sequence[float], comp: Sequence[float]) -> float:
+    """t_exposed = t_xfer_1 + sum_{i>=2} max(0, t_xfer_i - t_comp_{i-1}) (one layer in transit)."""
+    x = [float(v) for v in xfer]
+    c = [float(v) for v in comp]
+    if not x:
+        return 0.0
+    if len(c) < len(x) - 1:
+        raise ConfigError(f"need compute times for {len(x) - 1} layers, got {len(c)}")
+    return x[0] + sum(max(0.0, x[i] - c[i - 1]) for i in range(1, len(x)))
+
+
+def layer_transfer_times(weight_bytes: np.ndarray, kv_bytes: np.ndarray, layers: int,
+                         theta: Theta) -> list[float]:
+    """Per-layer transfer time of a switch: busiest rank's bytes / link + one latency per collective."""
+    w, kv = float(np.max(weight_bytes, initial=0)), float(np.max(kv_bytes, initial=0))
+    if w == 0 and kv == 0:
+        return [0.0] * layers
+    n_coll = (w > 0) + (kv > 0)
+    return [(w + kv) / theta.link_bw + n_coll * theta.latency] * layers
+
+
+def switch_time(weight_bytes: np.ndarray, kv_bytes: np.ndarray, dst_cost: StepCost,
+                theta: Theta) -> tuple[float, float]:
+    """(exposed, blocking) seconds of a switch whose destination step costs `dst_cost`."""
+    xfer = layer_transfer_times(weight_bytes, kv_bytes, dst_cost.layers, theta)
+    comp = [dst_cost.per_layer] * dst_cost.layers
+    return exposed_switch_time(xfer, comp), float(sum(xfer))
