@@ -170,7 +170,9 @@ class AsyncEngine:
                 if out is not None:
                     self._deliver(rid, out)
             finally:
-                if fut is not None:
+                # The awaiting side may have been cancelled (client gone); a cancelled future must not
+                # turn into an exception here, which would fail every other running request.
+                if fut is not None and not fut.done():
                     fut.set_result(None)
         return True
 
