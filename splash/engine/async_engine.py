@@ -172,7 +172,8 @@ class AsyncEngine:
             finally:
                 # The awaiting side may have been cancelled (client gone); a cancelled future must not
                 # turn into an exception here, which would fail every other running request.
-                if fut is not None and not fut.done():
+                # set_running_or_notify_cancel() is atomic: once it returns True, cancel() cannot win.
+                if fut is not None and fut.set_running_or_notify_cancel():
                     fut.set_result(None)
         return True
 
