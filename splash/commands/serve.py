@@ -17,7 +17,7 @@ from typing import Any
 from splash.engine.plan import LAYOUTS
 
 ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "memory_per_rank",
-                  "tp", "layout")
+                  "num_kv_pages", "tp", "layout")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
     p.add_argument("--memory-per-rank", default=None, help="memory budget per rank, e.g. 2GiB")
+    p.add_argument("--num-kv-pages", type=int, default=None,
+                   help="KV pool size in pages, overriding --memory-per-rank (tests, demos)")
     p.add_argument("--tp", type=int, default=None, help="ranks (attention layouts over T ranks)")
     p.add_argument("--layout", default=None, choices=LAYOUTS, help="attention layout")
     p.add_argument("--graceful-timeout", type=float, default=5.0,

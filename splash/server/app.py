@@ -72,7 +72,11 @@ def create_app(engine: Any, model_name: str | None = None, api_key: str | None =
             yield
         finally:
             if hasattr(engine, "shutdown"):
-                await _maybe_await(engine.shutdown())
+                # shutdown() may join the engine thread; do not stall the loop while it does.
+                if inspect.iscoroutinefunction(engine.shutdown):
+                    await engine.shutdown()
+                else:
+                    await run_in_threadpool(engine.shutdown)
 
     app = FastAPI(title="splash", summary="OpenAI-compatible server for MLA models", lifespan=lifespan)
     install_error_handlers(app)

@@ -58,7 +58,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         requested, pname = req.max_completion_tokens, "max_completion_tokens"
     else:
         requested, pname = req.max_tokens, "max_tokens"
-    max_tokens = serving.max_tokens_for(len(prompt), requested, req.n, pname)
+    max_tokens = serving.max_tokens_for(len(prompt), requested, pname)
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, max_tokens, top)
     rid, created = new_id("chatcmpl"), int(time.time())

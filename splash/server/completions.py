@@ -46,9 +46,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, request: R
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     prompts = await serving.completion_prompts(req.prompt)
-    params = [serving.sampling_params(req, serving.max_tokens_for(len(p), req.max_tokens, req.n,
-                                                                  "max_tokens"), req.logprobs)
-              for p in prompts]
+    params = [serving.sampling_params(req, serving.max_tokens_for(len(p), req.max_tokens, "max_tokens"),
+                                      req.logprobs) for p in prompts]
     rid, created = new_id("cmpl"), int(time.time())
     if req.stream:
         return sse_response(_stream(serving, req, prompts, params, rid, created))

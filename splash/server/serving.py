@@ -15,8 +15,10 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import anyio
 from starlette.concurrency import run_in_threadpool
 
+from splash.engine.async_engine import EngineDeadError, EngineError
 from splash.engine.outputs import RequestOutput
 from splash.engine.sampling import SamplingParams
 from splash.server.errors import APIError
@@ -26,6 +28,7 @@ from splash.server.protocol import ChatMessage, _SamplingFields
 log = logging.getLogger("splash.server")
 
 
+CLEANUP_TIMEOUT_S = 30.0
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for impossible tokens: JSON has no -Infinity
 
 
@@ -71,7 +74,7 @@ class Serving:
                 raise APIError(f"token id {bad} in '{param}' is outside the vocabulary [0, "
                                f"{self.vocab_size})", param=param, code="invalid_token_id")
 
-    def max_tokens_for(self, prompt_len: int, requested: int | None, n: int, param: str) -> int:
+    def max_tokens_for(self, prompt_len: int, requested: int | None, param: str) -> int:
         """The generation budget: refuse what can never fit the context or the KV pool."""
         ctx = self.max_model_len
         pool = _kv_pool_tokens(self.engine)
@@ -85,18 +88,12 @@ class Serving:
                 f"The prompt has {prompt_len} tokens but the whole KV cache holds {pool}; it can never "
                 f"be scheduled. Shorten the prompt or start the server with more --memory-per-rank.",
                 param="prompt" if param == "max_tokens" else "messages", code="kv_pool_exceeded")
+        # Each of the n sequences holds its own KV (no prefix sharing); the scheduler can run them one
+        # after another, so only a single sequence that outgrows the whole pool can never finish.
         room = ctx - prompt_len
-        if pool is not None:
-            room_pool = pool // n - prompt_len
-        else:
-            room_pool = room
+        room_pool = pool - prompt_len if pool is not None else room
         if requested is None:
-            budget = min(room, room_pool)
-            if budget < 1:
-                raise APIError(f"n={n} sequences of {prompt_len} prompt tokens do not fit the KV cache "
-                               f"({pool} tokens); lower n or shorten the prompt.", param="n",
-                               code="kv_pool_exceeded")
-            return budget
+            return min(room, room_pool)
         if requested > room:
             raise APIError(
                 f"This model's maximum context length is {ctx} tokens. However, you requested "
@@ -105,9 +102,10 @@ class Serving:
                 code="context_length_exceeded")
         if requested > room_pool:
             raise APIError(
-                f"{n} sequence(s) of {prompt_len} prompt + {requested} generated tokens need "
-                f"{n * (prompt_len + requested)} KV slots but the whole KV cache holds {pool}. Reduce "
-                f"{param}, n, or the prompt.", param=param, code="kv_pool_exceeded")
+                f"{prompt_len} prompt + {requested} generated tokens need {prompt_len + requested} KV "
+                f"slots but the whole KV cache holds {pool}; the request could never finish. Reduce "
+                f"{param} or the prompt, or give the server more --memory-per-rank.", param=param,
+                code="kv_pool_exceeded")
         return requested
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -194,12 +192,18 @@ class Serving:
 
     def encode(self, text: str) -> list[int]:
         tok = self.tokenizer
+        if tok is None:
+            raise APIError("this model has no tokenizer; send the prompt as token ids", param="prompt",
+                           code="no_tokenizer")
         try:
             return list(tok.encode(text, add_special_tokens=True))
         except TypeError:
             return list(tok.encode(text))
 
     def apply_chat_template(self, conv: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        if not hasattr(self.tokenizer, "apply_chat_template"):
+            raise APIError("this model has no tokenizer with a chat template; use /v1/completions",
+                           param="messages", code="no_chat_template")
         out = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
         if isinstance(out, str):
             return self.encode(out)
@@ -208,6 +212,8 @@ class Serving:
         return list(out)
 
     def token_str(self, tid: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{tid}"
         try:
             return self.tokenizer.decode([tid], skip_special_tokens=False)
         except TypeError:
@@ -256,7 +262,8 @@ class Serving:
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            with _shielded():
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _one(self, prompt: list[int], params: SamplingParams, rid: str) -> AsyncIterator[RequestOutput]:
         timer = RequestTimer(self.metrics)
@@ -273,16 +280,29 @@ class Serving:
                     break
         except ValueError as e:  # the engine refused the request (a check we do not duplicate here)
             raise APIError(str(e), code="invalid_request") from None
+        except EngineDeadError as e:
+            raise APIError(f"{e}; the server is shutting down", status=503, code="engine_dead") from None
+        except EngineError as e:
+            raise APIError(str(e), status=500, type="server_error", code="engine_error") from None
         finally:
             if not finished:
                 timer.done(["abort"])
-            with contextlib.suppress(Exception):
-                await gen.aclose()
-            if not finished:
-                try:
-                    await self.engine.abort(rid)
-                except Exception:  # already gone is fine; anything else is worth a log line
-                    log.debug("abort of %s failed", rid, exc_info=True)
+            # Starlette cancels a streaming response through an anyio scope, which cancels every
+            # await inside it again; the cleanup must run to the end or pages would stay taken.
+            with _shielded():
+                with contextlib.suppress(Exception):
+                    await gen.aclose()
+                if not finished:
+                    try:
+                        await self.engine.abort(rid)  # returns once the engine has freed the pages
+                    except Exception:  # already gone is fine; anything else is worth a log line
+                        log.debug("abort of %s failed", rid, exc_info=True)
+
+
+def _shielded() -> anyio.CancelScope:
+    """Protect cleanup from re-cancellation, but never wait on a stuck engine forever."""
+    scope = anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True)
+    return scope
 
 
 def _vocab_size(engine: Any) -> int | None:
@@ -296,5 +316,11 @@ def _vocab_size(engine: Any) -> int | None:
 
 
 def _kv_pool_tokens(engine: Any) -> int | None:
-    v = getattr(engine, "kv_pool_tokens", None)
-    return int(v) if isinstance(v, int) and v > 0 else None
+    """Longest context one sequence can ever hold: `max_request_tokens` where the engine knows it
+    (DP layouts bound a request by its owner's pool), else the whole pool."""
+    for attr in ("max_request_tokens", "kv_pool_tokens"):
+        v = getattr(engine, attr, None)
+        v = v() if callable(v) else v
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
