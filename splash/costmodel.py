@@ -182,7 +182,8 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
     """Eq 10 summed over the model's MLA layers for `batch` in `layout` on theta.ranks ranks."""
     T, H, L = theta.ranks, sizes.heads, sizes.layers
     s, q, o = batch.contexts.astype(float), batch.rows.astype(float), batch.owners
-    heads = H / T if layout.sharded else H
+    heads = H / T if layout.sharded else H  # projection heads per rank
+    att_heads = H / T if layout is Layout.TP else H  # DOP's owner attends its rows over all heads
     keys = np.maximum(s - (q - 1) / 2, 0)  # mean keys a causal row sees (last q of s positions)
     if layout.ownership is Ownership.OWNER:
         rows_r = np.bincount(o, weights=q, minlength=T)
@@ -200,7 +201,7 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
     w_rank = sizes.w_layer / T if layout.sharded else sizes.w_layer
     f_proj = rows_r * heads * _proj_flops_per_row_head(sizes)
     t_proj_r = np.maximum(f_proj / theta.flops_proj, np.where(rows_r > 0, w_rank, 0) / theta.bw_weights)
-    f_att = work_r * heads * _att_flops_per_key_head(sizes)
+    f_att = work_r * att_heads * _att_flops_per_key_head(sizes)
     t_att_r = np.maximum(f_att / theta.flops_att, read_r * sizes.kv_token_layer / theta.bw_kv)
     busiest = int(np.argmax(t_proj_r + t_att_r)) if T else 0
     t_proj, t_att = float(t_proj_r[busiest]), float(t_att_r[busiest])

@@ -423,4 +423,6 @@ def _overlap(oa_kind: Ownership, ob_kind: Ownership, a: np.ndarray, b: np.ndarra
 
 def weight_transfer_bytes(sizes: AttentionSizes, src: Layout, dst: Layout, ranks: int) -> np.ndarray:
     """Per-rank bytes of one layer's projections a switch src -> dst receives."""
-    return np.asarray(Manifest(sizes, src, dst, ranks, 1, ()).weights.recv_bytes)
+    recv = sizes.memo(("w_recv", src, dst, ranks),
+                      lambda: Manifest(sizes, src, dst, ranks, 1, ()).weights.recv_bytes)
+    return np.asarray(recv)

@@ -8,8 +8,9 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 from splash.config import ConfigError, ModelConfig, dtype_bytes, normalize_dtype
 
@@ -84,10 +85,19 @@ class AttentionSizes:
     dtype: str = "bf16"
     kv_dtype: str = "bf16"
     fp8_scales: bool = False
+    # Derived byte counts are pure functions of the fields above; the policy asks for them every
+    # step, so they are computed once.
+    _memo: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         object.__setattr__(self, "kv_dtype", normalize_dtype(self.kv_dtype))
+
+    def memo(self, key: Hashable, fn: Callable[[], Any]) -> Any:
+        """Cached `fn()` under `key` (callers key by everything the value depends on)."""
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
 
     @property
     def layers(self) -> int:
@@ -106,15 +116,17 @@ class AttentionSizes:
 
     def layer_weight_bytes(self) -> dict[str, float]:
         """Eq 9 per layer: each projection's full bytes (scales included if asked) and the total."""
-        allh = range(self.heads)
-        out = {p.name: self.slice_bytes(p, allh) for p in self.projections}
-        out["total"] = sum(out.values())
-        return out
+        def compute() -> dict[str, float]:
+            allh = range(self.heads)
+            out = {p.name: self.slice_bytes(p, allh) for p in self.projections}
+            out["total"] = sum(out.values())
+            return out
+        return dict(self.memo("layer_weight_bytes", compute))
 
     @property
     def w_layer(self) -> float:
         """S_A: one layer's shardable projection bytes."""
-        return self.layer_weight_bytes()["total"]
+        return self.memo("w_layer", lambda: self.layer_weight_bytes()["total"])
 
     @property
     def w_a(self) -> float:
@@ -163,7 +175,7 @@ class AttentionSizes:
         """M0_r of Eq 6: the non-attention, layout-independent weights on one rank."""
         if ranks < 1:
             raise ConfigError(f"ranks must be >= 1, got {ranks}")
-        return self.replicated_bytes() + self.sharded_bytes() / ranks
+        return self.memo(("fixed", ranks), lambda: self.replicated_bytes() + self.sharded_bytes() / ranks)
 
     def attention_weight_bytes(self, sharded: bool, ranks: int, rank: int = 0) -> float:
         """W_r(l): rank `rank`'s head slice of every layer (W_A/T) when sharded, else W_A."""
@@ -171,4 +183,5 @@ class AttentionSizes:
             return self.w_a
         per = self.heads // ranks
         mine = range(rank * per, (rank + 1) * per)
-        return self.layers * sum(self.slice_bytes(p, mine) for p in self.projections)
+        return self.memo(("w_rank", ranks, rank),
+                         lambda: self.layers * sum(self.slice_bytes(p, mine) for p in self.projections))

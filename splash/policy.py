@@ -1,0 +1,208 @@
+"""The scheduling policy pi(x; theta) of §4.2: feasibility (Eq 6, Eq 5), argmin (Eq 8), hysteresis.
+
+Every step the runtime passes the live batch x (contexts s_i, query rows q_i, owners). A layout is
+feasible when its steady state fits every rank (Eq 6: M0 + W(l) + K(l,x) + A(l,x) + R <= H) and,
+unless it is the current layout, when the switch into it fits too (Eq 5: max(M(a), M(b)) +
+Delta_layer + R <= H, one layer in transit). The fastest feasible layout l* is adopted only when it
+beats the current one by a relative margin and the current layout has run `min_dwell` steps -
+unless the current layout no longer fits, which forces the move at once.
+`decide` is a pure function; `Policy` only carries (current layout, steps since the last switch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from splash.config import ConfigError
+from splash.costmodel import Batch, StepCost, Theta, step_cost, switch_time
+from splash.layouts import LAYOUTS, Layout, kv_pages_per_rank, kv_tokens_per_rank
+from splash.manifest import kv_transfer_tokens, weight_transfer_bytes
+from splash.sizes import AttentionSizes
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    margin: float = 0.05  # l* must be at least this fraction faster than the current layout
+    min_dwell: int = 8  # steps to stay in a layout before a voluntary switch
+    layouts: tuple[Layout, ...] = LAYOUTS  # the candidates
+    page_size: int | None = 64  # KV page size (None: count tokens exactly)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.margin < 1:
+            raise ConfigError(f"switching margin must be in [0, 1), got {self.margin}")
+        if self.min_dwell < 0:
+            raise ConfigError(f"minimum dwell must be >= 0 steps, got {self.min_dwell}")
+        if not self.layouts:
+            raise ConfigError("the policy needs at least one candidate layout")
+
+
+@dataclass(frozen=True)
+class LayoutEval:
+    """One candidate layout on the live batch: predicted time and memory."""
+
+    layout: Layout
+    cost: StepCost
+    memory_bytes: float  # busiest rank, steady state (Eq 6 left-hand side)
+    fits: bool  # Eq 6
+    switch_peak_bytes: float  # busiest rank during the switch from the current layout (Eq 5)
+    switch_fits: bool  # Eq 5 (True for the current layout)
+    switch_exposed_s: float  # Eq 7 estimate of the switch from the current layout
+    kv_pool_tokens: int  # KV tokens one rank could hold in this layout with the batch's weights
+
+    @property
+    def time(self) -> float:
+        return self.cost.total
+
+    @property
+    def feasible(self) -> bool:
+        return self.fits and self.switch_fits
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step_s": self.time, "memory_gib": self.memory_bytes / 2**30, "fits": self.fits,
+                "switch_peak_gib": self.switch_peak_bytes / 2**30, "switch_fits": self.switch_fits,
+                "switch_exposed_s": self.switch_exposed_s, "kv_pool_tokens_per_rank": self.kv_pool_tokens,
+                "feasible": self.feasible}
+
+
+@dataclass(frozen=True)
+class Decision:
+    layout: Layout  # the layout to run this step
+    switch: bool  # layout differs from the current one
+    reason: str
+    best: Layout | None  # argmin over the feasible set (None when nothing fits)
+    evals: dict[Layout, LayoutEval] = field(repr=False)
+
+    @property
+    def times(self) -> dict[Layout, float]:
+        return {lay: e.time for lay, e in self.evals.items()}
+
+    @property
+    def feasible(self) -> frozenset[Layout]:
+        return frozenset(lay for lay, e in self.evals.items() if e.feasible)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout.label, "switch": self.switch, "reason": self.reason,
+                "best": self.best.label if self.best else None,
+                "feasible": [lay.label for lay in LAYOUTS if lay in self.feasible],
+                "layouts": {lay.label: e.to_dict() for lay, e in self.evals.items()}}
+
+
+def activation_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: int,
+                     act_bytes: float) -> np.ndarray:
+    """A_r: one layer's attention workspace per rank (rows x (hidden in/out + q and o latents))."""
+    c = sizes.cfg
+    heads = sizes.heads / ranks if layout.sharded else sizes.heads
+    if layout is Layout.DP:
+        rows = np.bincount(batch.owners, weights=batch.rows, minlength=ranks)
+    else:
+        rows = np.full(ranks, float(batch.n_rows))
+    if layout is Layout.DOP:  # owners also hold all heads of their own rows after the exchange
+        owned = np.bincount(batch.owners, weights=batch.rows, minlength=ranks)
+        rows_heads = rows * heads + owned * sizes.heads
+    else:
+        rows_heads = rows * heads
+    return (rows * 2 * c.hidden_size + rows_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim)) * act_bytes
+
+
+def resident_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: int,
+                   page_size: int | None) -> np.ndarray:
+    """M_r(l) = M0 + W_r(l) + K_r(l, x): what each rank keeps resident in `layout`."""
+    if page_size:
+        kv = kv_pages_per_rank(layout, batch.contexts, batch.owners, ranks, page_size) * page_size
+    else:
+        kv = kv_tokens_per_rank(layout, batch.contexts, batch.owners, ranks)
+    w = np.array([sizes.attention_weight_bytes(layout.sharded, ranks, r) for r in range(ranks)])
+    return sizes.fixed_bytes_per_rank(ranks) + w + kv * sizes.k
+
+
+def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout | None,
+             config: PolicyConfig = PolicyConfig()) -> dict[Layout, LayoutEval]:
+    """Time, steady-state fit (Eq 6) and switch fit (Eq 5) of every candidate on the live batch.
+
+    `current=None` evaluates a fresh start (no switch, so Eq 5 does not apply).
+    """
+    T, P = theta.ranks, config.page_size
+    sizes.cfg.check_ranks(T)
+    H, R = theta.memory_bytes, theta.reserve_bytes
+    m_cur = resident_bytes(current, sizes, batch, T, P) if current is not None else None
+    out: dict[Layout, LayoutEval] = {}
+    for lay in config.layouts:
+        cost = step_cost(lay, sizes, batch, theta, P)
+        m = resident_bytes(lay, sizes, batch, T, P) if lay is not current else m_cur
+        steady = m + activation_bytes(lay, sizes, batch, T, theta.act_bytes) + R
+        fits = bool((steady <= H).all())
+        if current is None or lay is current:
+            peak, sw_fits, exposed = float(steady.max(initial=0)), True, 0.0
+        else:
+            w = weight_transfer_bytes(sizes, current, lay, T)
+            kv_tok, _ = kv_transfer_tokens(current, lay, batch.contexts, batch.owners, None, T, P)
+            kv = kv_tok * sizes.kv_token_layer
+            peak_r = np.maximum(m_cur, m) + w + kv + R
+            peak, sw_fits = float(peak_r.max(initial=0)), bool((peak_r <= H).all())
+            exposed, _ = switch_time(w, kv, cost, theta)
+        fixed = sizes.fixed_bytes_per_rank(T) + sizes.attention_weight_bytes(lay.sharded, T) + R
+        pool = max(0, int((H - fixed) // sizes.k))
+        out[lay] = LayoutEval(lay, cost, float(steady.max(initial=0)), fits, peak, sw_fits, exposed, pool)
+    return out
+
+
+def decide(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout | str | None,
+           steps_since_switch: int, config: PolicyConfig = PolicyConfig()) -> Decision:
+    """pi(x; theta): the layout to run this step, and why. Pure: no state is kept.
+
+    `current=None` asks which layout to start in: the fastest layout that fits, no hysteresis.
+    """
+    current = None if current is None else Layout.parse(current)
+    evals = evaluate(sizes, theta, batch, current, config)
+    feasible = [lay for lay in config.layouts if evals[lay].feasible]
+    if not feasible:
+        why = "no candidate layout fits this batch; stay and let admission shed load"
+        if current is None:
+            fallback = min(config.layouts, key=lambda lay: evals[lay].memory_bytes)
+            return Decision(fallback, False, f"no candidate layout fits this batch "
+                            f"({fallback.label} needs the least memory)", None, evals)
+        return Decision(current, False, why, None, evals)
+    best = min(feasible, key=lambda lay: evals[lay].time)
+    if current is None:
+        return Decision(best, False, f"{best.label} is the fastest layout that fits", best, evals)
+    cur_eval = evals.get(current)
+    if cur_eval is None or not cur_eval.fits:
+        why = "current layout is not a candidate" if cur_eval is None else "current layout no longer fits"
+        why = f"{why}; forced to fastest feasible {best.label}"
+        return Decision(best, best is not current, why, best, evals)
+    if best is current:
+        return Decision(current, False, f"{current.label} is the fastest feasible layout", best, evals)
+    t_best, t_cur = evals[best].time, cur_eval.time
+    lead = 1 - t_best / t_cur if t_cur > 0 else 0.0
+    if steps_since_switch < config.min_dwell:
+        return Decision(current, False, f"{best.label} leads by {lead:.1%} but dwell "
+                        f"{steps_since_switch}/{config.min_dwell} steps not reached", best, evals)
+    if lead < config.margin:
+        return Decision(current, False, f"{best.label} leads by {lead:.1%} < margin {config.margin:.1%}",
+                        best, evals)
+    return Decision(best, True, f"{best.label} leads {current.label} by {lead:.1%} >= margin "
+                    f"{config.margin:.1%}", best, evals)
+
+
+class Policy:
+    """Stateful wrapper the scheduler calls once per step: remembers the layout and its dwell."""
+
+    def __init__(self, sizes: AttentionSizes, theta: Theta, config: PolicyConfig = PolicyConfig(),
+                 initial: Layout | str = Layout.TP) -> None:
+        self.sizes, self.theta, self.config = sizes, theta, config
+        self.current = Layout.parse(initial)
+        self.steps_since_switch = 0
+        self.switches = 0
+
+    def step(self, batch: Batch) -> Decision:
+        d = decide(self.sizes, self.theta, batch, self.current, self.steps_since_switch, self.config)
+        if d.switch:
+            self.current = d.layout
+            self.steps_since_switch = 0
+            self.switches += 1
+        else:
+            self.steps_since_switch += 1
+        return d
