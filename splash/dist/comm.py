@@ -74,8 +74,10 @@ class BaseCommunicator:
 
     def all_gather(self, t: torch.Tensor, tag: Tag = None) -> torch.Tensor:
         """Equal-shape gather: returns `[world, *t.shape]` in rank order."""
-        out = self.all_gather_var(t.reshape(1, *t.shape), tag, sizes=[1] * self.world)
-        return out
+        return self.all_gather_async(t, tag).wait()
+
+    def all_gather_async(self, t: torch.Tensor, tag: Tag = None) -> Handle:
+        return self.all_gather_var_async(t.reshape(1, *t.shape), tag, sizes=[1] * self.world)
 
     def all_to_all_var(self, t: torch.Tensor, send_counts: Sequence[int], tag: Tag = None,
                        recv_counts: Sequence[int] | None = None) -> torch.Tensor:

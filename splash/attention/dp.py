@@ -1,0 +1,95 @@
+"""DP-attention: projections replicated, each request's history on its owner rank.
+
+A rank computes only the rows of the slices it owns, for all heads, over its own pages; a
+variable-size all-gather puts every owner's [N_r, d] rows back into batch order on every rank.
+Row counts per owner come from the plan, so the gather needs no size exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splash.attention.base import Layout
+from splash.attention.kernel import attend
+from splash.attention.tp import check_heads
+from splash.model.context import ForwardContext, SliceCtx
+from splash.model.mla import MLA
+
+
+@dataclass
+class OwnerRows:
+    """Rows of a step grouped by owner rank (batch order kept inside each group)."""
+
+    counts: list[int]          # counts[r] = rows owned by rank r
+    order: torch.Tensor        # [N] row ids, owner 0's rows first, then owner 1's, ...
+    mine: list[SliceCtx]       # this rank's slices, batch order
+    mine_rows: torch.Tensor    # [counts[rank]] row ids of this rank's slices
+
+    @classmethod
+    def of(cls, ctx: ForwardContext) -> OwnerRows:
+        world = ctx.world
+        groups: list[list[int]] = [[] for _ in range(world)]
+        for s in ctx.seqs:
+            if not 0 <= s.owner < world:
+                raise ValueError(f"request {s.req_id}: owner rank {s.owner} outside 0..{world - 1}")
+            groups[s.owner].extend(range(s.row_start, s.row_start + s.num_new))
+        dev = ctx.positions.device
+
+        def lt(v: list[int]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.long, device=dev)
+
+        return cls(counts=[len(g) for g in groups], order=lt([i for g in groups for i in g]),
+                   mine=[s for s in ctx.seqs if s.owner == ctx.rank], mine_rows=lt(groups[ctx.rank]))
+
+
+class OwnerRowsCache:
+    """Per-step OwnerRows, computed at the first layer and reused by the others."""
+
+    def __init__(self) -> None:
+        self._ctx: ForwardContext | None = None
+        self._rows: OwnerRows | None = None
+
+    def get(self, ctx: ForwardContext) -> OwnerRows:
+        if self._ctx is not ctx or self._rows is None:
+            self._ctx, self._rows = ctx, OwnerRows.of(ctx)
+        return self._rows
+
+
+def attend_owned(layer_idx: int, layout: Layout, q_lat: torch.Tensor, q_pe: torch.Tensor,
+                 own: OwnerRows, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    """Attention of this rank's owned rows (q_* rows in `own.mine_rows` order) over its pages."""
+    out = torch.empty_like(q_lat)
+    at = 0
+    for s in own.mine:
+        keys, pos = layout.keys(layer_idx, s, ctx)
+        r = slice(at, at + s.num_new)
+        out[r] = attend(q_lat[r], q_pe[r], keys, pos, ctx.positions[s.rows], scale)[0]
+        at += s.num_new
+    return out
+
+
+class DPLayout(Layout):
+    name = "dp"
+    shards_projections = False
+    kv_ownership = "owner"
+
+    def __init__(self) -> None:
+        self._own = OwnerRowsCache()
+
+    def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
+                  ctx: ForwardContext) -> torch.Tensor:
+        check_heads(mla, ctx, False, self.name)
+        own = self._own.get(ctx)
+        self.write_kv(layer_idx, latent_new, ctx)
+        rows = own.mine_rows
+        if rows.numel():
+            q_lat, q_pe = mla.q_heads(q_in[rows], ctx.positions[rows])
+            mine = mla.out_heads(attend_owned(layer_idx, self, q_lat, q_pe, own, ctx, mla.softmax_scale))
+        else:  # an idle rank still joins the gather
+            mine = q_in.new_zeros(0, mla.cfg.hidden_size, dtype=mla.o_w.dtype)
+        gathered = ctx.comm.all_gather_var(mine, tag=layer_idx, sizes=own.counts)
+        out = torch.empty_like(gathered)
+        out[own.order] = gathered
+        return out
