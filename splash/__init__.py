@@ -1,3 +1,35 @@
-"""splash: live switching of MLA attention layouts for LLM serving."""
+"""splash: live switching of MLA attention layouts for LLM serving.
+
+`from splash import LLM, SamplingParams` works, but importing `splash` alone stays light (no torch):
+the names load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+if TYPE_CHECKING:
+    from splash.engine.outputs import CompletionOutput, RequestOutput
+    from splash.engine.sampling import SamplingParams
+    from splash.llm import LLM
+
+_LAZY = {
+    "LLM": "splash.llm",
+    "SamplingParams": "splash.engine.sampling",
+    "RequestOutput": "splash.engine.outputs",
+    "CompletionOutput": "splash.engine.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'splash' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value

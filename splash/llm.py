@@ -1,0 +1,99 @@
+"""`LLM`: the offline Python API, shaped like vLLM's (`LLM(model=...).generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from splash.engine.llm_engine import LLMEngine
+from splash.engine.outputs import RequestOutput
+from splash.engine.sampling import SamplingParams
+
+PromptLike = str | dict[str, Any] | Sequence[int]
+
+
+class LLM:
+    """Load a model once, then `generate` batches of prompts with continuous batching.
+
+    `model` is "tiny" (the built-in model) or a Hugging Face DeepSeek-V2/V3 checkpoint directory.
+    Other keywords size the engine: dtype ("float32" | "bfloat16" | "float64"), max_num_seqs,
+    max_num_batched_tokens, max_model_len, memory_per_rank (bytes or "2GiB"), page_size,
+    num_kv_pages (explicit pool size), device, tp/ranks, layout, seed.
+    """
+
+    def __init__(self, model: str = "tiny", dtype: str | None = None, **engine_kw: Any) -> None:
+        self.llm_engine: LLMEngine = LLMEngine.from_args(model=model, dtype=dtype, **engine_kw)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def stats(self) -> dict[str, Any]:
+        return self.llm_engine.stats()
+
+    def generate(self, prompts: PromptLike | Sequence[PromptLike] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        items = _normalize(prompts, prompt_token_ids)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(items)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
+        eng = self.llm_engine
+        ids = [f"llm-{next(self._ids)}" for _ in items]
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(items), desc="generating", unit="req")
+        try:
+            for rid, (text, toks), p in zip(ids, items, params):
+                eng.add_request(rid, prompt=text, params=p, prompt_token_ids=toks)
+            while eng.has_unfinished():
+                for out in eng.step():
+                    if out.finished and out.request_id in ids:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            for rid in ids:  # an error (or Ctrl-C) must not leave pages behind
+                if rid not in results:
+                    eng.abort(rid)
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]
+
+
+def _normalize(prompts: Any, prompt_token_ids: Any) -> list[tuple[str | None, list[int] | None]]:
+    """Every accepted prompt shape -> [(text or None, token ids or None)]."""
+    if prompts is not None and prompt_token_ids is not None:
+        raise ValueError("give prompts or prompt_token_ids, not both")
+    if prompt_token_ids is not None:
+        seqs = list(prompt_token_ids)
+        if seqs and isinstance(seqs[0], int):
+            seqs = [seqs]
+        return [(None, [int(t) for t in s]) for s in seqs]
+    if prompts is None:
+        raise ValueError("give prompts (text) or prompt_token_ids")
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    out: list[tuple[str | None, list[int] | None]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append((p, None))
+        elif isinstance(p, dict) and "prompt_token_ids" in p:
+            out.append((p.get("prompt"), [int(t) for t in p["prompt_token_ids"]]))
+        elif isinstance(p, dict) and "prompt" in p:
+            out.append((str(p["prompt"]), None))
+        else:
+            raise ValueError(f"cannot read prompt {p!r}: use a string, or a dict with 'prompt' or "
+                             f"'prompt_token_ids'")
+    return out
