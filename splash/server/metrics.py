@@ -19,6 +19,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from splash.engine.plan import LAYOUTS
 
@@ -82,12 +84,16 @@ class ServerMetrics:
                               "Distinct KV tokens the group can hold under the current layout.", lbl,
                               registry=r).labels(m)
 
+        self._engine = _EngineCounters(model_name)
+        r.register(self._engine)
+
     def finished(self, reason: str | None) -> None:
         self._success.labels(self._label["model_name"], reason or "unknown").inc()
 
     def refresh(self, stats: Mapping[str, Any]) -> None:
         """Copy engine state into the gauges; missing keys leave a gauge at its last value."""
         lab = self._label["model_name"]
+        self._engine.stats = dict(stats)
         for gauge, keys in ((self.running, ("num_running", "running", "num_requests_running")),
                             (self.waiting, ("num_waiting", "waiting", "num_requests_waiting")),
                             (self.kv_usage, ("kv_usage", "kv_cache_usage", "kv_cache_usage_perc")),
@@ -110,6 +116,36 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCounters(Collector):
+    """Counters the engine keeps itself, exported as of the last refresh.
+
+    `splash:engine_generated_tokens_total` counts every sampled token, including those of requests
+    whose client left: the difference to `splash:generation_tokens_total` is wasted work.
+    """
+
+    SERIES = (("splash:engine_generated_tokens", "generation_tokens_total",
+               "Tokens sampled by the engine (delivered or not)."),
+              ("splash:engine_steps", "steps", "Engine steps run."),
+              ("splash:num_preemptions", "num_preemptions", "Sequences preempted (KV dropped, recomputed)."))
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(name, doc, labels=["model_name"]) for name, _, doc in self.SERIES]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        out = []
+        for name, key, doc in self.SERIES:
+            fam = CounterMetricFamily(name, doc, labels=["model_name"])
+            v = self.stats.get(key)
+            if isinstance(v, (int, float)):
+                fam.add_metric([self.model_name], float(v))
+            out.append(fam)
+        return out
 
 
 class RequestTimer:

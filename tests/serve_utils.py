@@ -1,0 +1,73 @@
+"""Start and stop a real `splash serve` subprocess on loopback for tests (bounded waits everywhere)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`python -m splash serve ARGS --port P`; `url` is ready once `/health` answered 200."""
+
+    def __init__(self, args: list[str], api_key: str | None = None, startup_timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="splash-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "splash", "serve", *args, "--host", "127.0.0.1",
+               "--port", str(self.port)]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"splash serve exited with {self.proc.returncode}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                self.stop(signal.SIGKILL)
+                raise RuntimeError(f"splash serve not healthy after {startup_timeout}s:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-5000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Send `sig`, wait up to `timeout`, then kill; return the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+    def close(self) -> None:
+        self.stop()
+        Path(self.log.name).unlink(missing_ok=True)
