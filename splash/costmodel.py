@@ -42,6 +42,9 @@ class Theta:
     latency: float  # delta: seconds per collective
     t0: float = 0.0  # seconds per step outside the attention stages
     t_row: float = 0.0  # seconds per query row outside attention (dense / MoE), layout-independent
+    t_experts: float = 0.0  # seconds to stream all of a rank's expert weights once
+    expert_frac: float = 0.0  # share of experts one token routes to (top-k / E): N rows touch
+    #                           1 - (1 - expert_frac)^N of them, so small batches read few experts
     eta: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_ETA))
     reserve_bytes: float = 0.0  # R_r: transient reserve kept free
     act_bytes: float = 2.0  # bytes per activation element exchanged
@@ -55,7 +58,9 @@ class Theta:
         for f in ("memory_bytes", "flops_proj", "flops_att", "bw_weights", "bw_kv", "link_bw"):
             if not float(getattr(self, f)) > 0:
                 raise ConfigError(f"theta: {f} must be > 0, got {getattr(self, f)}")
-        for f in ("latency", "t0", "t_row", "reserve_bytes"):
+        if not 0 <= float(self.expert_frac) <= 1:
+            raise ConfigError(f"theta: expert_frac must be in [0, 1], got {self.expert_frac}")
+        for f in ("latency", "t0", "t_row", "t_experts", "reserve_bytes"):
             if float(getattr(self, f)) < 0:
                 raise ConfigError(f"theta: {f} must be >= 0, got {getattr(self, f)}")
         eta = {Layout.parse(k).label: float(v) for k, v in dict(self.eta).items()}
@@ -108,10 +113,17 @@ class Batch:
     contexts: np.ndarray
     rows: np.ndarray
     owners: np.ndarray
+    reserved: np.ndarray | None = None  # KV tokens held per request (>= context) for the memory checks
+
+    @property
+    def kv_tokens(self) -> np.ndarray:
+        """Tokens of KV each request occupies: its reservation if the scheduler reserves ahead."""
+        return self.contexts if self.reserved is None else self.reserved
 
     @classmethod
     def make(cls, contexts: Sequence[int], rows: Sequence[int] | int | None = None,
-             owners: Sequence[int] | None = None, ranks: int = 1) -> Batch:
+             owners: Sequence[int] | None = None, ranks: int = 1,
+             reserved: Sequence[int] | None = None) -> Batch:
         s = np.asarray(contexts, dtype=np.int64).reshape(-1)
         if rows is None or np.isscalar(rows):
             q = np.full(len(s), 1 if rows is None else int(rows), dtype=np.int64)
@@ -125,7 +137,10 @@ class Batch:
             raise ConfigError("batch: need 0 <= q_i <= s_i (s_i counts this step's rows)")
         if len(o) and (o.min() < 0 or o.max() >= ranks):
             raise ConfigError(f"batch: owners must lie in [0, {ranks})")
-        return cls(s, q, o)
+        res = None if reserved is None else np.asarray(reserved, dtype=np.int64).reshape(-1)
+        if res is not None and (res.shape != s.shape or (res < s).any()):
+            raise ConfigError("batch: reserved KV must be given per request and be >= its context")
+        return cls(s, q, o, res)
 
     @classmethod
     def balanced(cls, batch: int, context: int, rows: int = 1, ranks: int = 1) -> Batch:
@@ -209,8 +224,14 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
     comm = comm_bytes / theta.link_bw
     delta = theta.latency * COLLECTIVES[layout] if T > 1 else 0.0
     exposed = max(0.0, comm - theta.eta_of(layout) * t_att)
-    total = theta.t0 + theta.t_row * batch.n_rows + L * (t_proj + t_att + delta + exposed)
+    total = outside_attention(theta, batch.n_rows) + L * (t_proj + t_att + delta + exposed)
     return StepCost(layout, total, t_proj, t_att, comm, delta, exposed, L)
+
+
+def outside_attention(theta: Theta, rows: int) -> float:
+    """Layout-independent part of a step: t0, per-row dense/MoE work, experts the rows touch."""
+    touched = 1.0 - (1.0 - theta.expert_frac) ** rows if rows > 0 else 0.0
+    return theta.t0 + theta.t_row * rows + theta.t_experts * touched
 
 
 def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: float,

@@ -72,14 +72,20 @@ def theta_for(hw: HardwareProfile | str, ranks: int, sizes: AttentionSizes | Non
     peak = (hw.tflops_fp8 if fp8 else hw.tflops_bf16) * 1e12
     bw = hw.hbm_tb_s * 1e12 * hw.mem_eff
     t0 = hw.step_overhead_ms * 1e-3
-    t_row = 0.0
+    t_row = t_experts = expert_frac = 0.0
     if sizes is not None:
-        t0 += sizes.fixed_bytes_per_rank(ranks) / bw
+        experts = sizes.expert_bytes() / ranks
+        t0 += (sizes.fixed_bytes_per_rank(ranks) - experts) / bw
         t_row = 2 * _active_params_per_row(sizes) / ranks / (peak * hw.matmul_eff)
+        c = sizes.cfg
+        if c.n_routed_experts:
+            t_experts = experts / bw
+            expert_frac = (c.num_experts_per_tok or 0) / c.n_routed_experts
     return Theta(
         ranks=ranks, memory_bytes=mem, flops_proj=peak * hw.matmul_eff,
         flops_att=hw.tflops_bf16 * 1e12 * hw.attention_eff, bw_weights=bw, bw_kv=bw,
         link_bw=hw.link_gb_s * 1e9 * hw.link_eff, latency=hw.latency_us * 1e-6, t0=t0, t_row=t_row,
+        t_experts=t_experts, expert_frac=expert_frac,
         reserve_bytes=hw.reserve_gib * GIB, act_bytes=2.0, name=f"{hw.name}x{ranks}", source="profile",
     )
 

@@ -111,9 +111,9 @@ def resident_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: i
                    page_size: int | None) -> np.ndarray:
     """M_r(l) = M0 + W_r(l) + K_r(l, x): what each rank keeps resident in `layout`."""
     if page_size:
-        kv = kv_pages_per_rank(layout, batch.contexts, batch.owners, ranks, page_size) * page_size
+        kv = kv_pages_per_rank(layout, batch.kv_tokens, batch.owners, ranks, page_size) * page_size
     else:
-        kv = kv_tokens_per_rank(layout, batch.contexts, batch.owners, ranks)
+        kv = kv_tokens_per_rank(layout, batch.kv_tokens, batch.owners, ranks)
     w = np.array([sizes.attention_weight_bytes(layout.sharded, ranks, r) for r in range(ranks)])
     return sizes.fixed_bytes_per_rank(ranks) + w + kv * sizes.k
 
@@ -197,12 +197,13 @@ class Policy:
         self.steps_since_switch = 0
         self.switches = 0
 
-    def step(self, batch: Batch) -> Decision:
+    def step(self, batch: Batch, steps: int = 1) -> Decision:
+        """Decide for the next `steps` steps (a simulator may stride several decode steps at once)."""
         d = decide(self.sizes, self.theta, batch, self.current, self.steps_since_switch, self.config)
         if d.switch:
             self.current = d.layout
-            self.steps_since_switch = 0
+            self.steps_since_switch = steps
             self.switches += 1
         else:
-            self.steps_since_switch += 1
+            self.steps_since_switch += steps
         return d

@@ -156,6 +156,13 @@ class AttentionSizes:
         norms = 2 * c.hidden_size
         return self.layers * ((qa + kva) * b + norms * 2) + c.hidden_size * 2
 
+    def expert_bytes(self) -> float:
+        """Routed-expert weights over all layers (read only for the experts a batch touches)."""
+        c = self.cfg
+        n = sum(1 for i in range(self.layers) if c.is_moe_layer(i))
+        per_expert = 3 * c.hidden_size * c.moe_intermediate_size * dtype_bytes(self.dtype)
+        return n * (c.n_routed_experts or 0) * per_expert
+
     def sharded_bytes(self) -> float:
         """Non-attention weights that the fixed MLP/MoE/vocab parallelism splits over ranks."""
         c = self.cfg
