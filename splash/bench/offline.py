@@ -1,0 +1,152 @@
+"""`splash bench offline`: generation throughput of the Python API on a fixed batch.
+
+A batch of random-token prompts (fixed input length, seeded) is generated greedily to exactly
+--output-len tokens (`ignore_eos`). With --compare-hf, transformers' `generate` runs the same
+checkpoint, dtype, batch and greedy decoding in the same process, and the ratio is reported.
+Both sides get one short warm-up run first; the timed runs are measured wall-clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from typing import Any
+
+
+def register(kinds: argparse._SubParsersAction) -> None:
+    from splash.commands.generate import _positive, add_engine_args
+
+    p = kinds.add_parser("offline", help="offline generation throughput (optionally vs transformers)",
+                         description="Time LLM.generate on a fixed batch of random-token prompts.")
+    add_engine_args(p)
+    p.add_argument("--batch", type=_positive, default=16, help="prompts in the batch")
+    p.add_argument("--input-len", type=_positive, default=32, help="prompt tokens each")
+    p.add_argument("--output-len", type=_positive, default=64, help="generated tokens each")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also time transformers' generate on the same checkpoint and batch")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _prompts(batch: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(batch)]
+
+
+def _rates(batch: int, input_len: int, output_len: int, seconds: float) -> dict[str, float]:
+    return {"seconds": seconds, "output_tokens_per_s": batch * output_len / seconds,
+            "total_tokens_per_s": batch * (input_len + output_len) / seconds,
+            "requests_per_s": batch / seconds}
+
+
+def run_splash(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]], list[list[int]], Any]:
+    from splash.commands.generate import engine_kwargs
+    from splash.engine.sampling import SamplingParams
+    from splash.llm import LLM
+
+    kw = engine_kwargs(args)
+    kw["max_num_seqs"] = max(kw["max_num_seqs"], args.batch)
+    llm = LLM(**kw)
+    eng = llm.llm_engine
+    prompts = _prompts(args.batch, args.input_len, eng.vocab_size or 256, args.seed)
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=warm)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    dt = time.perf_counter() - t0
+    tokens = [o.outputs[0].token_ids for o in outs]
+    stats = llm.stats()
+    res = _rates(args.batch, args.input_len, args.output_len, dt)
+    res.update(engine={k: stats[k] for k in ("model", "dtype", "device", "layout", "ranks", "kv_pool_tokens",
+                                             "max_num_batched_tokens", "steps") if k in stats})
+    return res, prompts, tokens, eng
+
+
+def run_hf(args: argparse.Namespace, prompts: list[list[int]], dtype_name: str, device: str
+           ) -> tuple[dict[str, Any], list[list[int]]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from splash.model import resolve_dtype, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    dtype = resolve_dtype(dtype_name, device)
+    kw: dict[str, Any] = {"dtype": dtype}
+    if dtype == torch.float64:
+        kw["experts_implementation"] = "eager"  # transformers' fused MoE kernels lack float64 on CPU
+    model = AutoModelForCausalLM.from_pretrained(path, **kw).to(device).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as decoder-only generate expects
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+
+    def gen(n: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=pad, eos_token_id=None)
+
+    gen(2)
+    t0 = time.perf_counter()
+    out = gen(args.output_len)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return _rates(len(prompts), args.input_len, args.output_len, dt), out[:, width:].tolist()
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of each sequence generated identically before the first divergence."""
+    fr = []
+    for x, y in zip(a, b):
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        fr.append(k / max(1, len(x)))
+    return sum(fr) / max(1, len(fr))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        res, prompts, tokens, eng = run_splash(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"splash bench offline: error: {e}", file=sys.stderr)
+        return 2
+    doc: dict[str, Any] = {"batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
+                           "threads": torch.get_num_threads(), "splash": res}
+    if args.compare_hf:
+        try:
+            hf, hf_tokens = run_hf(args, prompts, res["engine"]["dtype"], res["engine"]["device"])
+        except ImportError:
+            print("splash bench offline: error: --compare-hf needs transformers (pip install transformers)",
+                  file=sys.stderr)
+            return 2
+        doc["hf"] = hf
+        doc["speedup"] = res["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        doc["greedy_agreement"] = _agreement(tokens, hf_tokens)
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    e = res["engine"]
+    print(f"offline: {e.get('model')} {e.get('dtype')} on {e.get('device')}, batch {args.batch}, "
+          f"input {args.input_len}, output {args.output_len}, {doc['threads']} threads")
+    print(f"{'':12}{'seconds':>10}{'out tok/s':>12}{'total tok/s':>13}{'req/s':>9}")
+    rows = [("splash", res)] + ([("transformers", doc["hf"])] if "hf" in doc else [])
+    for name, r in rows:
+        print(f"{name:12}{r['seconds']:>10.3f}{r['output_tokens_per_s']:>12.1f}{r['total_tokens_per_s']:>13.1f}"
+              f"{r['requests_per_s']:>9.2f}")
+    if "speedup" in doc:
+        print(f"splash / transformers output throughput: {doc['speedup']:.2f}x "
+              f"(greedy agreement {doc['greedy_agreement']:.0%})")
+    return 0

@@ -1,0 +1,122 @@
+"""`splash generate`: run prompts through the offline engine and print the completions (or JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from splash.engine.plan import LAYOUTS
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers, got {text!r}"
+                                         ) from None
+    if not ids or any(t < 0 for t in ids):
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants non-negative integers, got {text!r}")
+    return ids
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by `generate` and `bench offline`."""
+    p.add_argument("--model", default="tiny", help="Hugging Face checkpoint directory, or 'tiny' (default)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float64 (default: per device)")
+    p.add_argument("--device", default=None, help="cpu | cuda[:i] (default: cuda if present)")
+    p.add_argument("--max-num-seqs", type=_positive, default=64, help="bound on the running batch")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+                   help="token budget per step (prefill chunk size); default max(512, max-num-seqs)")
+    p.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: model's)")
+    p.add_argument("--memory-per-rank", default=None,
+                   help="memory budget per rank for weights + KV cache, e.g. 2GiB "
+                        "(default: from the machine)")
+    p.add_argument("--page-size", type=_positive, default=16, help="tokens per KV page")
+    p.add_argument("--tp", "--ranks", dest="tp", type=_positive, default=1, help="ranks T (default 1)")
+    p.add_argument("--layout", default="tp", choices=LAYOUTS, help="attention layout (default tp)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": args.model, "dtype": args.dtype, "device": args.device,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+            "memory_per_rank": args.memory_per_rank, "page_size": args.page_size, "tp": args.tp,
+            "layout": args.layout}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate completions offline (no server)",
+                       description="Generate completions for prompts with the offline engine.")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable)")
+    p.add_argument("--prompt-ids", action="append", type=_ids, default=[], metavar="1,2,3",
+                   help="a prompt as token ids (repeatable)")
+    p.add_argument("--max-tokens", type=_positive, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--n", type=_positive, default=1, help="completions per prompt")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from splash.engine.sampling import SamplingParams
+
+    if not args.prompt and not args.prompt_ids:
+        print("splash generate: error: give at least one --prompt TEXT or --prompt-ids 1,2,3",
+              file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                                ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        print(f"splash generate: error: {e}", file=sys.stderr)
+        return 2
+    prompts: list[Any] = [*args.prompt, *({"prompt_token_ids": ids} for ids in args.prompt_ids)]
+    try:
+        from splash.llm import LLM
+
+        llm = LLM(**engine_kwargs(args))
+        outs = llm.generate(prompts, params)
+    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
+        print(f"splash generate: error: {e}", file=sys.stderr)
+        return 2
+    stats = llm.stats()
+    if args.json:
+        rows = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "index": c.index,
+                 "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason}
+                for o in outs for c in o.outputs]
+        engine = {k: stats[k] for k in ("model", "dtype", "device", "layout", "ranks", "kv_pool_tokens",
+                                         "kv_pool_tokens_per_rank", "page_size", "max_model_len",
+                                         "max_num_seqs", "max_num_batched_tokens", "prompt_tokens_total",
+                                         "generation_tokens_total", "num_preemptions", "steps")
+                  if k in stats}
+        print(json.dumps({"outputs": rows, "engine": engine}))
+        return 0
+    for o in outs:
+        head = o.prompt if o.prompt is not None else f"ids {o.prompt_token_ids}"
+        for c in o.outputs:
+            tag = f"[{c.index}] " if len(o.outputs) > 1 else ""
+            print(f"--- {head!r}")
+            print(f"{tag}{c.text}" if c.text else f"{tag}ids {c.token_ids}")
+            print(f"    ({len(c.token_ids)} tokens, finish: {c.finish_reason})")
+    print(f"engine: {stats.get('model')} {stats.get('dtype')} on {stats.get('device')}, layout "
+          f"{stats.get('layout')} x {stats.get('ranks')}, KV pool {stats.get('kv_pool_tokens')} tokens")
+    return 0

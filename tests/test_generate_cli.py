@@ -1,0 +1,69 @@
+"""`splash generate`: JSON shape, greedy tokens equal to the Python API, clear one-line errors."""
+
+import json
+
+import pytest
+import torch
+from helpers_ckpt import build_checkpoint
+
+from splash.cli import main
+from splash.engine.sampling import SamplingParams
+from splash.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_checkpoint(tmp_path_factory.mktemp("gen"), "v3", seed=1)
+
+
+def run_cli(capsys, *argv):
+    rc = main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_json_output_matches_python_api(ckpt, capsys):
+    rc, out, err = run_cli(capsys, "--model", ckpt, "--dtype", "float64", "--prompt-ids", "3,4,5",
+                           "--prompt-ids", "7, 8,9,10,11", "--max-tokens", "6", "--ignore-eos",
+                           "--memory-per-rank", "64MiB", "--page-size", "4", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    llm = LLM(model=ckpt, dtype="float64", page_size=4, num_kv_pages=64)
+    want = llm.generate(prompt_token_ids=[[3, 4, 5], [7, 8, 9, 10, 11]],
+                        sampling_params=SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert [o["token_ids"] for o in doc["outputs"]] == [w.outputs[0].token_ids for w in want]
+    assert all(o["finish_reason"] == "length" and len(o["token_ids"]) == 6 for o in doc["outputs"])
+    eng = doc["engine"]
+    assert eng["ranks"] == 1 and eng["layout"] == "tp" and eng["dtype"] == "float64"
+    # 64 MiB minus the weights, in pages of 4 tokens x 3 layers x 32 floats64.
+    assert 0 < eng["kv_pool_tokens"] <= 64 * 2**20 // (3 * 32 * 8) and eng["kv_pool_tokens"] % 4 == 0
+
+
+@pytest.mark.parametrize("argv,msg", [
+    ([], "--prompt"),
+    (["--prompt-ids", "1,2", "--tp", "2"], "ranks"),
+    (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature"),
+    (["--prompt-ids", "1,2", "--memory-per-rank", "lots"], "memory size"),
+    (["--prompt-ids", "1,2", "--memory-per-rank", "1KiB"], "weights"),
+    (["--prompt-ids", "1,2", "--max-model-len", "3", "--max-tokens", "1"], None),
+    (["--prompt-ids", "1,2,3,4", "--max-model-len", "3"], "context"),
+    (["--prompt-ids", "1,500"], "vocabulary"),
+    (["--prompt", "hi"], "tokenizer"),
+    (["--model", "/nonexistent/ckpt", "--prompt-ids", "1"], "checkpoint"),
+])
+def test_bad_input_is_one_clear_line(ckpt, capsys, argv, msg):
+    rc, out, err = run_cli(capsys, "--model", ckpt, "--dtype", "float64", *argv)
+    if msg is None:
+        assert rc == 0, err
+        return
+    assert rc == 2 and msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_flags_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt-ids", "1,x"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["generate", "--layout", "zz", "--prompt-ids", "1"])
+    assert "invalid choice" in capsys.readouterr().err
