@@ -265,6 +265,24 @@ def test_bad_request_is_4xx_in_openai_shape_and_server_survives(server, path, bo
     assert ok.status_code == 200, ok.text
 
 
+def test_oversized_body_is_refused_before_reading(server):
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 999999999999\r\nAuthorization: Bearer " + API_KEY.encode() + b"\r\n\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = s.recv(65536)
+            if not data:
+                break
+            reply += data
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
 def test_openai_client_raises_typed_errors(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-test", prompt="x", temperature=-1)

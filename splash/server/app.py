@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splash.server.chat import create_chat_completion
 from splash.server.completions import create_completion
@@ -29,6 +29,9 @@ from splash.server.protocol import ChatCompletionRequest, CompletionRequest, Mod
 from splash.server.serving import Serving
 
 log = logging.getLogger("splash.server")
+# Generous for token-id prompts at long contexts (~8 bytes per id), small enough that a runaway body is
+# refused (413) before it is buffered.
+MAX_BODY_BYTES = 64 * 2**20
 
 
 class APIKeyMiddleware:
@@ -51,6 +54,57 @@ class APIKeyMiddleware:
                 await APIError(msg, status=401, code="invalid_api_key").response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodySizeMiddleware:
+    """Refuse a body over MAX_BODY_BYTES with an OpenAI-shaped 413 instead of buffering it.
+
+    A declared Content-Length is checked up front; a chunked body is read up to the limit here and
+    replayed to the app (the client's later messages, e.g. a disconnect, still pass through).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    @staticmethod
+    async def _too_large(scope: Scope, receive: Receive, send: Send, size: str) -> None:
+        err = APIError(f"request body of {size} bytes exceeds the {MAX_BODY_BYTES}-byte limit",
+                       status=413, code="request_too_large")
+        await err.response()(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > MAX_BODY_BYTES:
+                await self._too_large(scope, receive, send, length)
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks, total = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left before sending its body
+            total += len(msg.get("body", b""))
+            if total > MAX_BODY_BYTES:
+                await self._too_large(scope, receive, send, f"more than {MAX_BODY_BYTES}")
+                return
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 async def _maybe_await(x: Any) -> Any:
@@ -82,6 +136,7 @@ def create_app(engine: Any, model_name: str | None = None, api_key: str | None =
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeMiddleware)  # added last = runs first
     metrics = ServerMetrics(name)
     serving = Serving(engine, name, metrics)
     app.state.serving = serving
