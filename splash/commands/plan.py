@@ -1,0 +1,349 @@
+"""`splash plan weights|switches|crossovers|capacity|advise`: the analytical core on the command line.
+
+Every subcommand prints a readable table, or exactly one JSON object with --json. Bad input
+raises ConfigError, which `splash.cli` turns into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from splash.config import ConfigError, ModelConfig, normalize_dtype, resolve_model_config
+from splash.layouts import DIRECTIONS, LAYOUTS, Layout, longest_balanced_context
+from splash.sizes import GIB, MIB, AttentionSizes
+
+FP8_NATIVE = ("deepseek-v3", "kimi-k2")  # presets whose published checkpoints are FP8
+
+
+# ---- shared helpers (also used by `splash simulate`) ----------------------------------------------
+def emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> int:
+    print(json.dumps(obj, default=float) if args.json else text)
+    return 0
+
+
+def need(value: float | int, name: str, minimum: float = 1) -> None:
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum:g}, got {value:g}")
+
+
+def weight_dtype(cfg: ModelConfig, dtype: str | None) -> str:
+    """`auto`: FP8 where the published checkpoint is FP8 (DeepSeek-V3, Kimi-K2), else bf16."""
+    if dtype in (None, "auto"):
+        q = cfg.quantization_config or {}
+        fp8 = cfg.name in FP8_NATIVE or (isinstance(q, dict) and q.get("quant_method") == "fp8")
+        return "fp8" if fp8 else "bf16"
+    return normalize_dtype(dtype)
+
+
+def add_model_args(p: argparse.ArgumentParser, dtype_default: str = "bf16") -> None:
+    p.add_argument("--model", default="deepseek-v3",
+                   help="preset (deepseek-v3, deepseek-v2-lite, kimi-k2, tiny), checkpoint dir, config.json")
+    p.add_argument("--ranks", "-T", type=int, default=8, help="ranks T in the attention group (default 8)")
+    p.add_argument("--dtype", default=dtype_default,
+                   help=f"weight dtype bf16|fp16|fp8|fp32|auto (default {dtype_default})")
+    p.add_argument("--kv-dtype", default="bf16", help="latent KV dtype (default bf16)")
+    p.add_argument("--fp8-scales", action="store_true", help="count FP8 128x128 block scales (fp32)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def sizes_from(args: argparse.Namespace) -> AttentionSizes:
+    cfg = resolve_model_config(args.model)
+    need(args.ranks, "--ranks")
+    cfg.check_ranks(args.ranks)
+    return AttentionSizes(cfg, weight_dtype(cfg, args.dtype), args.kv_dtype, args.fp8_scales)
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)) for r in cells]
+    lines.insert(1, "  ".join("-" * x for x in w))
+    return "\n".join(lines)
+
+
+def parse_layout_map(text: str, what: str) -> dict[Layout, float]:
+    """'TP=1000,DP=2000,CP=..,DOP=..' -> {Layout: value}; all four layouts required."""
+    out: dict[Layout, float] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise ConfigError(f"{what}: expected LAYOUT=VALUE pairs like TP=1000832, got {part!r}")
+        k, v = part.split("=", 1)
+        try:
+            out[Layout.parse(k)] = float(v)
+        except ValueError:
+            raise ConfigError(f"{what}: {v!r} is not a number") from None
+    missing = [lay.label for lay in LAYOUTS if lay not in out]
+    if missing:
+        raise ConfigError(f"{what}: missing {', '.join(missing)} (give all of TP, DP, CP, DOP)")
+    if any(v < 0 for v in out.values()):
+        raise ConfigError(f"{what}: values must be >= 0")
+    return out
+
+
+# ---- weights --------------------------------------------------------------------------------------
+def run_weights(args: argparse.Namespace) -> int:
+    from splash.manifest import weights_report
+
+    rep = weights_report(sizes_from(args), args.ranks)
+    pl = rep["per_layer_mib"]
+    rows = [[k, f"{v:,.2f}"] for k, v in pl.items()]
+    text = (f"{rep['model']} ({rep['dtype']}{', with FP8 scales' if rep['fp8_scales'] else ''}), "
+            f"T={rep['ranks']}, {rep['layers']} layers\n"
+            + table(rows, ["projection", "MiB/layer"])
+            + "\nsharded -> replicated switch receives "
+            f"{rep['receive_mib_per_rank']:,.2f} MiB per rank per layer"
+            f" ({rep['receive_mib_group']:,.2f} MiB across the group; "
+            f"{rep['receive_mib_per_rank_all_layers'] / 1024:,.2f} GiB per rank over all layers)")
+    return emit(args, rep, text)
+
+
+# ---- switches -------------------------------------------------------------------------------------
+def run_switches(args: argparse.Namespace) -> int:
+    from splash.manifest import switch_manifest
+
+    sizes = sizes_from(args)
+    need(args.batch, "--batch", 0)
+    need(args.context, "--context", 0)
+    need(args.page_size, "--page-size")
+    batch = [args.context] * args.batch
+    out, rows = [], []
+    for a, b in DIRECTIONS:
+        m = switch_manifest(sizes, a, b, batch, args.ranks, args.page_size)
+        w, kv = m.weights, m.kv
+        out.append({"from": a.label, "to": b.label,
+                    "weights": {"primitive": w.primitive, "bytes_per_rank": w.bytes_per_rank},
+                    "kv": {"primitive": kv.primitive, "bytes_per_rank": kv.bytes_per_rank},
+                    "bytes_per_rank_all_layers": float(m.recv_bytes_per_rank().max(initial=0))})
+        total = m.recv_bytes_per_rank().max(initial=0)
+        rows.append([f"{a.label}->{b.label}", w.primitive, f"{w.bytes_per_rank / MIB:,.2f}", kv.primitive,
+                     f"{kv.bytes_per_rank / MIB:,.2f}", f"{total / GIB:,.2f}"])
+    obj = {"model": sizes.cfg.name, "ranks": args.ranks, "batch": args.batch, "context": args.context,
+           "dtype": sizes.dtype, "kv_dtype": sizes.kv_dtype, "page_size": args.page_size,
+           "layers": sizes.layers, "note": "bytes_per_rank: busiest rank, per layer", "switches": out}
+    text = (f"{sizes.cfg.name}: T={args.ranks}, B={args.batch}, s={args.context}, weights {sizes.dtype}, "
+            f"KV {sizes.kv_dtype}; per layer, busiest rank\n"
+            + table(rows, ["switch", "weights", "MiB", "KV", "MiB", "GiB all layers"]))
+    return emit(args, obj, text)
+
+
+# ---- crossovers -----------------------------------------------------------------------------------
+def _law_limits(args: argparse.Namespace) -> dict[Layout, float] | None:
+    from splash.capacity import residency_limits, scenario
+    from splash.law import B200_DISPLAYED_LIMITS_K
+
+    if args.limits == "none":
+        return None
+    sc = args.scenario.lower()
+    if sc == "b200":  # the paper's B200 figure: TP sampled, the others prescribed
+        if args.limits == "sampled":
+            tp = residency_limits(scenario("b200"))[Layout.TP]
+            return {**{k: v * 1024 for k, v in B200_DISPLAYED_LIMITS_K.items()}, Layout.TP: float(tp)}
+        return {k: v * 1024 for k, v in B200_DISPLAYED_LIMITS_K.items()}
+    if args.limits == "paper":
+        return {k: v * 1024 for k, v in scenario(sc).paper_limits_k.items()}
+    return {k: float(v) for k, v in residency_limits(scenario(sc)).items()}
+
+
+def run_crossovers(args: argparse.Namespace) -> int:
+    from splash.law import alpha, crossovers, plot_law
+
+    a = alpha(args.scenario)
+    need(args.lo_k, "--lo-k", 1e-6)
+    if args.hi_k <= args.lo_k:
+        raise ConfigError(f"--hi-k ({args.hi_k}) must exceed --lo-k ({args.lo_k})")
+    limits = _law_limits(args)
+    cs = crossovers(args.scenario, args.lo_k * 1024, args.hi_k * 1024, limits=limits)
+    obj: dict[str, Any] = {"scenario": args.scenario.lower(), "alpha": a,
+                           "range_k": [args.lo_k, args.hi_k], "crossovers": [c.to_dict() for c in cs],
+                           "limits_k": None if limits is None else
+                           {k.label: round(v / 1024, 2) for k, v in limits.items()}}
+    if args.plot:
+        plot_law(args.scenario.lower(), args.plot, limits, hi=args.hi_k * 1024)
+        obj["plot"] = args.plot
+    rows = [[f"{c.at_k:.1f}k", c.src.label, c.dst.label, c.cause] for c in cs]
+    text = (f"fastest layout of the illustrative law (Eq 11/12), scenario {args.scenario} (alpha={a})\n"
+            + table(rows, ["at", "from", "to", "cause"]) + (f"\nplot: {args.plot}" if args.plot else ""))
+    return emit(args, obj, text)
+
+
+# ---- capacity -------------------------------------------------------------------------------------
+def run_capacity(args: argparse.Namespace) -> int:
+    from splash.capacity import (
+        CapacityScenario,
+        distinct_tokens,
+        pools_from_budget,
+        residency_limits,
+        scenario,
+    )
+
+    given = [x for x in (args.scenario, args.pool_tokens, args.memory_gib) if x is not None]
+    if len(given) != 1:
+        raise ConfigError("give exactly one of --scenario, --pool-tokens, or --memory-gib (with "
+                          "--weights-gib and --kv-bytes-per-token)")
+    if args.scenario:
+        base = scenario(args.scenario)
+    else:
+        if args.pool_tokens:
+            pools = {k: int(v) for k, v in parse_layout_map(args.pool_tokens, "--pool-tokens").items()}
+        else:
+            if args.weights_gib is None or args.kv_bytes_per_token is None:
+                raise ConfigError("--memory-gib needs --weights-gib and --kv-bytes-per-token")
+            need(args.memory_gib, "--memory-gib", 0)
+            need(args.weights_gib, "--weights-gib", 0)
+            need(args.reserve_gib, "--reserve-gib", 0)
+            need(args.kv_bytes_per_token, "--kv-bytes-per-token", 1e-9)
+            pools = pools_from_budget(args.memory_gib * GIB, args.weights_gib * GIB, args.kv_bytes_per_token,
+                                      args.ranks or 8, args.reserve_gib * GIB)
+        base = CapacityScenario("custom", args.batch or 16, args.ranks or 8, pools)
+    sc = CapacityScenario(base.name, args.batch or base.batch, args.ranks or base.ranks, base.pools,
+                          args.output_min, args.output_max, base.note,
+                          base.paper_limits_k if not (args.batch or args.ranks) else {})
+    need(sc.batch, "--batch")
+    need(sc.ranks, "--ranks")
+    t = time.perf_counter()
+    lim = residency_limits(sc, args.cohorts, args.seed, args.residency)
+    secs = time.perf_counter() - t
+    obj = {"scenario": sc.name, "batch": sc.batch, "ranks": sc.ranks, "cohorts": args.cohorts,
+           "seed": args.seed,
+           "residency": args.residency, "output_range": [sc.output_min, sc.output_max],
+           "pool_tokens": {k.label: v for k, v in sc.pools.items()},
+           "distinct_tokens_group": {k.label: distinct_tokens(k, v, sc.ranks) for k, v in sc.pools.items()},
+           "limits_tokens": {k.label: v for k, v in lim.items()},
+           "limits_k": {k.label: round(v / 1024, 2) for k, v in lim.items()},
+           "paper_limits_k": {k.label: v for k, v in sc.paper_limits_k.items()}, "seconds": round(secs, 2)}
+    rows = []
+    for lay in LAYOUTS:
+        paper = sc.paper_limits_k.get(lay)
+        dev = f"{(lim[lay] / 1024 - paper) / paper:+.3%}" if paper else ""
+        rows.append([lay.label, f"{sc.pools[lay]:,}", f"{distinct_tokens(lay, sc.pools[lay], sc.ranks):,}",
+                     f"{lim[lay] / 1024:.2f}k", f"{paper}k" if paper else "-", dev])
+    text = (f"capacity '{sc.name}': B={sc.batch}, T={sc.ranks}, {args.cohorts:,} cohorts, seed {args.seed}, "
+            f"{args.residency:.0%} residency ({secs:.1f} s)\n"
+            + table(rows, ["layout", "pool tok/rank", "distinct tok/group", "limit", "paper", "diff"]))
+    return emit(args, obj, text)
+
+
+# ---- advise ---------------------------------------------------------------------------------------
+def theta_from(args: argparse.Namespace, sizes: AttentionSizes):  # -> Theta
+    from splash.costmodel import Theta
+    from splash.hardware import theta_for
+
+    if getattr(args, "theta", None):
+        th = Theta.load(args.theta)
+        if th.ranks != args.ranks:
+            raise ConfigError(f"theta file is for T={th.ranks} but --ranks is {args.ranks}")
+        return th
+    if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
+        raise ConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
+    if args.memory_gib is not None:
+        need(args.memory_gib, "--memory-gib", 1e-9)
+    return theta_for(args.gpu, args.ranks, sizes, args.memory_fraction, args.memory_gib)
+
+
+def run_advise(args: argparse.Namespace) -> int:
+    from splash.costmodel import Batch
+    from splash.policy import PolicyConfig, decide
+
+    sizes = sizes_from(args)
+    need(args.batch, "--batch")
+    need(args.context, "--context")
+    need(args.query_rows, "--query-rows")
+    if args.query_rows > args.context:
+        raise ConfigError(f"--query-rows ({args.query_rows}) cannot exceed --context ({args.context})")
+    th = theta_from(args, sizes)
+    batch = Batch.balanced(args.batch, args.context, args.query_rows, args.ranks)
+    cur = None if args.current in (None, "none") else Layout.parse(args.current)
+    cfg = PolicyConfig(margin=args.margin, min_dwell=0, page_size=args.page_size)
+    d = decide(sizes, th, batch, cur, 1 << 30, cfg)
+    avail = th.memory_bytes - sizes.fixed_bytes_per_rank(args.ranks) - th.reserve_bytes
+    layouts = {}
+    rows = []
+    for lay in LAYOUTS:
+        e = d.evals[lay]
+        group = e.kv_pool_tokens if lay is Layout.TP else e.kv_pool_tokens * args.ranks
+        longest = longest_balanced_context(lay, avail, sizes.w_a, sizes.k, args.batch, args.ranks)
+        layouts[lay.label] = {**e.to_dict(), "kv_distinct_tokens_group": group,
+                              "longest_balanced_context": int(longest), **{"stages": e.cost.to_dict()}}
+        rows.append([lay.label + (" *" if lay is d.layout else ""), f"{e.time * 1e3:,.2f}",
+                     f"{e.memory_bytes / GIB:,.1f}", "yes" if e.fits else "NO",
+                     "yes" if e.switch_fits else "NO", f"{e.kv_pool_tokens:,}", f"{group:,}",
+                     f"{int(longest):,}"])
+    obj = {"model": sizes.cfg.name, "gpu": getattr(th, "name", args.gpu), "theta_source": th.source,
+           "ranks": args.ranks, "batch": args.batch, "context": args.context, "query_rows": args.query_rows,
+           "dtype": sizes.dtype, "kv_dtype": sizes.kv_dtype, "memory_per_rank_gib": th.memory_bytes / GIB,
+           "current": cur.label if cur else None, "layout": d.layout.label, "switch": d.switch,
+           "reason": d.reason, "feasible": [lay.label for lay in LAYOUTS if lay in d.feasible],
+           "layouts": layouts}
+    text = (f"{sizes.cfg.name} ({sizes.dtype} weights, {sizes.kv_dtype} KV) on {th.name or args.gpu}, "
+            f"T={args.ranks}, B={args.batch}, s={args.context}, q={args.query_rows}, "
+            f"{th.memory_bytes / GIB:.1f} GiB per rank\n"
+            f"-> run {d.layout.label}: {d.reason}\n"
+            + table(rows, ["layout", "step ms", "mem GiB", "fits", "switch fits", "KV tok/rank",
+                           "KV distinct/group", "longest s"]))
+    return emit(args, obj, text)
+
+
+# ---- registration ---------------------------------------------------------------------------------
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="analytical planner: weights, switches, crossovers, capacity, advise",
+                       description="Answer layout questions from the ownership and cost models (no GPU).")
+    kinds = p.add_subparsers(dest="plan_kind", metavar="KIND")
+
+    w = kinds.add_parser("weights", help="projection bytes per layer and per switch (appendix A)")
+    add_model_args(w)
+    w.set_defaults(func=run_weights)
+
+    s = kinds.add_parser("switches", help="primitive and bytes of all 12 directed switches")
+    add_model_args(s)
+    s.add_argument("--batch", "-B", type=int, default=16, help="requests in the batch (default 16)")
+    s.add_argument("--context", "-s", type=int, default=131072, help="context tokens per request")
+    s.add_argument("--page-size", type=int, default=64, help="KV page size (CP: page j on rank j %% T)")
+    s.set_defaults(func=run_switches)
+
+    c = kinds.add_parser("crossovers", help="where the fastest layout of the illustrative law changes")
+    c.add_argument("--scenario", default="b200", help="b200 | h200 | dcu (alpha of Eq 12)")
+    c.add_argument("--lo-k", type=float, default=1.0, help="scan from (units of 1024 tokens)")
+    c.add_argument("--hi-k", type=float, default=512.0, help="scan to (units of 1024 tokens)")
+    c.add_argument("--limits", choices=("none", "paper", "sampled"), default="none",
+                   help="mask layouts beyond their KV limit: the paper's, or sampled now (slower)")
+    c.add_argument("--plot", metavar="FILE", help="write a PNG like the paper's Figure 1")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(func=run_crossovers)
+
+    k = kinds.add_parser("capacity", help="cohort-residency KV limits per layout (appendix B.1)")
+    k.add_argument("--scenario", help="h200 | dcu | b200 (the paper's scenarios)")
+    k.add_argument("--pool-tokens", help="per-rank pools, e.g. TP=1000832,DP=686144,CP=724736,DOP=948352")
+    k.add_argument("--memory-gib", type=float, help="per-rank budget for attention weights + KV (GiB)")
+    k.add_argument("--weights-gib", type=float, help="full attention weights W_A (GiB)")
+    k.add_argument("--kv-bytes-per-token", type=float, help="KV bytes per token over all layers")
+    k.add_argument("--reserve-gib", type=float, default=0.0, help="reserve taken from the budget (GiB)")
+    k.add_argument("--batch", "-B", type=int, help="requests per cohort (scenario default)")
+    k.add_argument("--ranks", "-T", type=int, help="ranks (scenario default)")
+    k.add_argument("--cohorts", type=int, default=200_000, help="cohorts sampled per length (default 200000)")
+    k.add_argument("--seed", type=int, default=20260922, help="PCG64 seed (default 20260922)")
+    k.add_argument("--residency", type=float, default=0.99, help="all-rank residency target (default 0.99)")
+    k.add_argument("--output-min", type=int, default=512, help="shortest requested output (default 512)")
+    k.add_argument("--output-max", type=int, default=1024, help="longest requested output (default 1024)")
+    k.add_argument("--json", action="store_true", help="print one JSON object")
+    k.set_defaults(func=run_capacity)
+
+    a = kinds.add_parser("advise", help="which layout the policy would run for a batch, and why")
+    add_model_args(a, dtype_default="auto")
+    a.add_argument("--gpu", default="h200", help="hardware profile: h200 | b200 | dcu | cpu (default h200)")
+    a.add_argument("--theta", metavar="FILE", help="calibrated theta JSON (overrides --gpu)")
+    a.add_argument("--batch", "-B", type=int, default=32, help="running requests (default 32)")
+    a.add_argument("--context", "-s", type=int, default=8192, help="live context per request (default 8192)")
+    a.add_argument("--query-rows", "-q", type=int, default=1, help="rows per request this step (1 = decode)")
+    a.add_argument("--current", default="none", help="layout running now (none: a fresh start)")
+    a.add_argument("--margin", type=float, default=0.05, help="relative switching margin (default 0.05)")
+    a.add_argument("--memory-fraction", type=float, help="share of device memory to use (profile default)")
+    a.add_argument("--memory-gib", type=float, help="device memory per rank (profile default)")
+    a.add_argument("--page-size", type=int, default=64, help="KV page size (default 64)")
+    a.set_defaults(func=run_advise)
+
+    p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])
