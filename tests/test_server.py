@@ -180,7 +180,7 @@ def test_streaming_chat(client):
 
 
 def test_raw_sse_format(server):
-    body = {"model": "tiny-test", "prompt": "SSE", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    body = {"model": "tiny-test", "prompt": [3, 4], "max_tokens": 3, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=_auth(), timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -222,7 +222,7 @@ BAD_REQUESTS = [
     ("prompt_over_context", CMPL, {"prompt": _long_ids(MAX_MODEL_LEN + 10)}, None, 400, "prompt"),
     ("prompt_over_kv_pool", CMPL, {"prompt": _long_ids(NUM_KV_PAGES * PAGE_SIZE + 8)}, None,
      400, "prompt"),
-    ("max_tokens_over_context", CMPL, {"prompt": "x", "max_tokens": 10 * MAX_MODEL_LEN}, None,
+    ("max_tokens_over_context", CMPL, {"prompt": [5], "max_tokens": 10 * MAX_MODEL_LEN}, None,
      400, "max_tokens"),
     ("stream_with_bad_value", CMPL, {"prompt": "x", "stream": True, "top_p": 2}, None, 400, "top_p"),
     ("unknown_model", CMPL, {"prompt": "x", "model": "gpt-17"}, None, 404, "model"),
@@ -261,7 +261,7 @@ def test_bad_request_is_4xx_in_openai_shape_and_server_survives(server, path, bo
     assert err["param"] == param
     # ... and the next good request is served.
     ok = httpx.post(server.url + "/v1/completions", headers=_auth(), timeout=60,
-                    json={"model": "tiny-test", "prompt": "ok", "max_tokens": 1})
+                    json={"model": "tiny-test", "prompt": [5, 6, 7], "max_tokens": 1})
     assert ok.status_code == 200, ok.text
 
 
@@ -313,6 +313,7 @@ def test_metrics_parse_and_count(server, client):
     assert _value(fams, "splash:ranks") == 1
     assert _value(fams, "splash:layout", layout="tp") == 1
     assert _value(fams, "splash:kv_pool_tokens_per_rank", rank="0") == NUM_KV_PAGES * PAGE_SIZE
+    assert _value(fams, "splash:kv_distinct_tokens") == NUM_KV_PAGES * PAGE_SIZE  # T = 1: one pool
     assert _value(fams, "splash:request_success", finished_reason="length") > 0
 
 
@@ -321,7 +322,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
     aborted_before = sum(s.value for s in before.get("splash:request_success", [])
                          if s.labels.get("finished_reason") == "abort")
     sampled_before = _value(before, "splash:engine_generated_tokens")
-    body = {"model": "tiny-test", "prompt": "a long one", "max_tokens": 150, "ignore_eos": True,
+    body = {"model": "tiny-test", "prompt": [5, 6, 7], "max_tokens": 150, "ignore_eos": True,
             "stream": True}
     seen = 0
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=_auth(), timeout=60) as r:
@@ -353,7 +354,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
     time.sleep(0.5)
     assert _value(_metrics(server.url), "splash:engine_generated_tokens") - sampled_before == sampled
     ok = httpx.post(server.url + "/v1/completions", headers=_auth(), timeout=60,
-                    json={"model": "tiny-test", "prompt": "still alive", "max_tokens": 2})
+                    json={"model": "tiny-test", "prompt": [8, 9], "max_tokens": 2})
     assert ok.status_code == 200
 
 

@@ -98,7 +98,9 @@ class ServerMetrics:
                             (self.waiting, ("num_waiting", "waiting", "num_requests_waiting")),
                             (self.kv_usage, ("kv_usage", "kv_cache_usage", "kv_cache_usage_perc")),
                             (self.ranks, ("ranks", "world", "tp")),
-                            (self.distinct, ("kv_distinct_tokens",))):
+                            # The allocator's pool_tokens() already counts distinct tokens of the
+                            # group under the current layout (TP: one rank's pool; DP/CP: the sum).
+                            (self.distinct, ("kv_distinct_tokens", "kv_pool_tokens"))):
             v = _first(stats, *keys)
             if isinstance(v, (int, float)):
                 gauge.set(float(v))
