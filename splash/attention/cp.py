@@ -1,8 +1,11 @@
 """CP: projections replicated, each request's history sharded by position (page j on rank j % T).
 
 Every rank runs all N rows for all heads against the keys it stores, giving a partial output and
-its log-sum-exp; the partials are all-gathered and merged exactly (`kernel.merge`) in rank order,
-so every rank computes bit-identical merged latents and the same o_proj output - no reduce needed.
+its log-sum-exp. The merge is split by heads: an all-to-all gives rank j every rank's partials for
+head slice j, rank j merges them exactly (`kernel.merge`, in rank order), and an all-gather of the
+merged slices gives every rank the same full [N, H, d_c] - bit-identical on all ranks, so each runs
+the same W_UV/o_proj and no reduce is needed. Per rank this sends about 2(T-1)/T * N*H*d_c elements
+instead of the (T-1) * N*H*d_c an all-gather of whole partials would.
 """
 
 from __future__ import annotations
@@ -14,6 +17,13 @@ from splash.attention.kernel import attend, merge
 from splash.attention.tp import check_heads
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
+
+
+def _by_head_slice(t: torch.Tensor, world: int) -> torch.Tensor:
+    """[N, H, *rest] -> [world * N, H/world, *rest]: block j holds head slice j of every row."""
+    n, h = t.shape[0], t.shape[1] // world
+    rest = tuple(t.shape[2:])
+    return t.reshape(n, world, h, *rest).transpose(0, 1).reshape(world * n, h, *rest)
 
 
 class CPLayout(Layout):
@@ -34,9 +44,16 @@ class CPLayout(Layout):
             keys, pos = self.keys(layer_idx, s, ctx)
             r = s.rows
             out[r], lse[r] = attend(q_lat[r], q_pe[r], keys, pos, ctx.positions[r], mla.softmax_scale)
-        if ctx.world > 1:
-            h_out = ctx.comm.all_gather_async(out, tag=layer_idx)
-            h_lse = ctx.comm.all_gather_async(lse, tag=layer_idx)
-            outs, lses = h_out.wait(), h_lse.wait()
-            out = merge(list(outs.unbind(0)), list(lses.unbind(0)))
-        return mla.out_heads(out)
+        world = ctx.world
+        if world == 1:
+            return mla.out_heads(out)
+        n, heads, d_c = out.shape
+        h = heads // world
+        comm, counts = ctx.comm, [n] * world
+        h_o = comm.all_to_all_var_async(_by_head_slice(out, world), counts, layer_idx, counts)
+        h_l = comm.all_to_all_var_async(_by_head_slice(lse, world), counts, layer_idx, counts)
+        parts_o = h_o.wait().view(world, n, h, d_c).unbind(0)
+        parts_l = h_l.wait().view(world, n, h).unbind(0)
+        mine = merge(list(parts_o), list(parts_l))  # [N, h, d_c]: my head slice, merged exactly
+        full = comm.all_gather(mine, tag=layer_idx)  # [world, N, h, d_c]
+        return mla.out_heads(full.transpose(0, 1).reshape(n, heads, d_c))

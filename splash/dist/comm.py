@@ -161,6 +161,8 @@ class Communicator(BaseCommunicator):
         import torch.distributed as dist
 
         self._dist = dist
+        # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+        self._all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.group = group
         self.control_group = control_group if control_group is not None else group
         self.rank, self.world = int(rank), int(world)
@@ -194,7 +196,7 @@ class Communicator(BaseCommunicator):
             return _done(t.new_empty((0, *t.shape[1:])))
         buf = t if n == m else torch.cat([t, t.new_zeros((m - n, *t.shape[1:]))])
         out = t.new_empty((self.world * m, *t.shape[1:]))
-        work = self._dist.all_gather_into_tensor(out, buf, group=self.group, async_op=True)
+        work = self._all_gather_single(out, buf, group=self.group, async_op=True)
 
         def finish() -> torch.Tensor:
             if all(s == m for s in sizes):
@@ -228,7 +230,7 @@ class Communicator(BaseCommunicator):
         """All ranks' row counts (one small collective)."""
         mine = torch.tensor([n], dtype=torch.int64, device=self.device)
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
-        self._dist.all_gather_into_tensor(out, mine, group=self.group)
+        self._all_gather_single(out, mine, group=self.group)
         return [int(x) for x in out.tolist()]
 
     def _exchange_counts(self, send: list[int]) -> list[int]:
