@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         sock.close()
-        print(f"splash serve: cannot load model {args.model!r}: {e}", file=sys.stderr)
+        print(f"splash serve: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or args.model
     url_host = f"[{host}]" if ":" in host else host
