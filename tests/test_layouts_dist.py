@@ -216,3 +216,62 @@ def test_layouts_match_reference_on_gloo_ranks(world: int) -> None:
             assert tot["all_to_all"] == pytest.approx(v_dop, rel=0, abs=1e-6)
             assert eq4_bytes(n, H, d_c, d_r, world, b) == pytest.approx(v_dop)
             assert tot["all_reduce"] == world * (2 * (world - 1) * n * d * b // world)
+
+
+# ---- the whole model: every layer through each layout on 2 ranks, two steps -----------------------
+MODEL_STEPS = [  # per step: (request, num_new); request prompts are long enough for both steps
+    [(0, 4), (1, 3), (2, 5)],  # prefill chunks of unequal length
+    [(0, 3), (1, 1), (2, 1)],  # the rest of request 0's prompt + two decode rows
+]
+MODEL_OWNERS = [0, 1, 1]
+
+
+def _model_run(path: str, layout_name: str, rank: int, world: int, comm) -> list[torch.Tensor]:
+    """Logits of every row of every step of MODEL_STEPS, run through `layout_name`."""
+    from splash.model.deepseek import DeepseekForCausalLM
+
+    layout = make_layout(layout_name)
+    model = DeepseekForCausalLM.from_pretrained(path, DT, rank, world, attn_sharded=layout.shards_projections)
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(3, 90, (8,), generator=g).tolist() for _ in MODEL_OWNERS]
+    pool = KVPool(model.cfg.num_hidden_layers, 16, P, model.cfg.latent_dim, DT)
+    nxt = [15] * world
+    tables: dict[int, list[list[int]]] = {i: [[] for _ in range(world)] for i in range(len(ids))}
+    cached = [0] * len(ids)
+    out = []
+    for step in MODEL_STEPS:
+        seqs, tok = [], []
+        for req, n in step:
+            t = tables[req]
+            while len(t[0]) < -(-(cached[req] + n) // P):
+                j = len(t[0])
+                held = holders(layout.kv_ownership, j, MODEL_OWNERS[req] % world, world)
+                for r in range(world):
+                    t[r].append(nxt[r] if r in held else -1)
+                    nxt[r] -= r in held
+            seqs.append(SeqSlice(req_id=req, start=cached[req], num_new=n, owner=MODEL_OWNERS[req] % world,
+                                 pages=[list(x) for x in t], sample=True))
+            tok += ids[req][cached[req]:cached[req] + n]
+            cached[req] += n
+        ctx = ForwardContext.build(seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
+                                   page_size=P)
+        hidden = model(torch.tensor(tok), ctx.positions, ctx)
+        out.append(model.compute_logits(hidden))
+    return out
+
+
+def _model_rank_main(grid, path: str) -> dict[str, list[torch.Tensor]]:
+    return {name: _model_run(path, name, grid.rank, grid.world, grid.comm) for name in NAMES}
+
+
+def test_whole_model_through_each_layout_on_two_ranks(tmp_path) -> None:
+    from helpers_ckpt import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "v3", "v3", seed=3)
+    want = _model_run(path, "local", 0, 1, LocalCommunicator())
+    per_rank = run_ranks(2, _model_rank_main, path, timeout=150)
+    for r, res in enumerate(per_rank):
+        for name, steps in res.items():
+            for i, (got, ref) in enumerate(zip(steps, want)):
+                err = (got - ref).abs().max().item()
+                assert err < 1e-9, f"{name} rank {r} step {i}: logits differ by {err:.2e}"
