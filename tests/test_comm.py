@@ -170,3 +170,36 @@ def test_resolve_launch_flags() -> None:
             resolve_launch(env={}, **kw)
     with pytest.raises(ValueError, match="WORLD_SIZE"):
         resolve_launch(4, env=tr)
+
+
+def _follow_plans(grid) -> list[int]:
+    """A worker loop in miniature: receive plans until shutdown, reduce something per plan."""
+    seen = []
+    while True:
+        plan = grid.comm.broadcast_object(None, src=0)
+        if plan == "shutdown":
+            return seen
+        seen.append(int(grid.comm.all_reduce(torch.tensor([float(plan)]), tag="plan")[0]))
+
+
+def test_leader_in_process_with_spawned_workers() -> None:
+    """The engine's shape: rank 0 stays in this process (scheduler, server), ranks 1.. are children."""
+    from splash.dist.groups import init_distributed
+
+    world, init = 3, f"tcp://127.0.0.1:{free_port()}"
+    workers = start_workers(world, _follow_plans, ranks=[1, 2], init_method=init, backend="gloo",
+                            timeout_s=60, threads=1)
+    grid = init_distributed(0, world, init, backend="gloo", timeout_s=60)
+    try:
+        got = []
+        for p in (1, 2, 5):
+            grid.comm.broadcast_object(p)
+            got.append(int(grid.comm.all_reduce(torch.tensor([float(p)]), tag="plan")[0]))
+            workers.poll()  # a dead worker would raise here
+        grid.comm.broadcast_object("shutdown")
+        done = workers.join(60)
+    finally:
+        grid.destroy()
+        workers.terminate()
+    assert got == [3, 6, 15] and done == {1: got, 2: got}
+    assert grid.comm.stats.total_bytes("broadcast_object") > 0
