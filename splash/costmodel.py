@@ -196,7 +196,8 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
               page_size: int | None = None) -> StepCost:
     """Eq 10 summed over the model's MLA layers for `batch` in `layout` on theta.ranks ranks."""
     T, H, L = theta.ranks, sizes.heads, sizes.layers
-    s, q, o = batch.contexts.astype(float), batch.rows.astype(float), batch.owners
+    q, o = batch.rows.astype(float), batch.owners
+    s = np.where(q > 0, batch.contexts, 0).astype(float)  # requests without rows read no KV this step
     heads = H / T if layout.sharded else H  # projection heads per rank
     att_heads = H / T if layout is Layout.TP else H  # DOP's owner attends its rows over all heads
     keys = np.maximum(s - (q - 1) / 2, 0)  # mean keys a causal row sees (last q of s positions)
@@ -205,7 +206,7 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
         work_r = np.bincount(o, weights=q * keys, minlength=T)  # sum q_i * keys_i per owner
         read_r = np.bincount(o, weights=s, minlength=T)
     elif layout.ownership is Ownership.POSITION:
-        share = position_tokens_matrix(batch.contexts, T, page_size) / np.maximum(s, 1)[None, :]
+        share = position_tokens_matrix(s.astype(np.int64), T, page_size) / np.maximum(s, 1)[None, :]
         rows_r = np.full(T, q.sum())
         work_r = share @ (q * keys)
         read_r = share @ s

@@ -144,6 +144,8 @@ def plot_law(scenario: str, path: str, limits: dict[Layout, float] | None = None
         y = float(latency(c.dst, c.tokens, scenario))
         ax.plot(c.tokens / 1024, y, "o", mfc="none", mec="black", markersize=10)
         ax.annotate(f"{c.at_k}k", (c.tokens / 1024, y), textcoords="offset points", xytext=(4, -14))
+    others = max(float(latency(lay, hi, scenario)) for lay in LAYOUTS if lay is not Layout.TP)
+    ax.set_ylim(-1, others * 1.25)  # TP's line leaves the frame, as in the paper's figures
     ax.set_xlabel("Nominal input length (k = 1024 tokens)")
     ax.set_ylabel("Normalized latency (lower is better)")
     ax.set_title(title or f"Illustrative timing law, {scenario} (relative to TP at 1k)")

@@ -4,9 +4,10 @@ All requests arrive at t = 0; their outputs are heavy-tailed, so the batch narro
 few long requests - the regime change that makes one fixed layout lose somewhere. Each run uses
 continuous batching with chunked prefill (a per-step token budget), admission against the KV pool
 with the whole input + output reserved (no preemption), owners chosen at admission on projected KV
-(least-loaded rank). Fixed-layout runs admit against their own pool; the policy run admits against
-the largest pool among its candidates and lets pi(x; theta) pick the layout of every step, paying
-Eq 7's exposed time for each switch. Decode-only stretches advance `stride` steps at once, priced at
+(least-loaded rank), and an equal per-owner share of the prefill budget. Fixed-layout runs admit
+against their own pool; the policy run first admits against the largest pool among its candidates,
+then against the pool of the layout it runs, and lets pi(x; theta) pick the layout of every step,
+paying Eq 7's exposed time for each switch. Decode-only stretches advance `stride` steps at once, priced at
 their midpoint context, which keeps 30k-step runs to a few seconds.
 """
 
@@ -32,7 +33,7 @@ class Workload:
 
     @classmethod
     def drain(cls, requests: int = 256, prompt_min: int = 2048, prompt_max: int = 8192,
-              output_median: int = 1024, output_sigma: float = 1.2, output_max: int = 32768,
+              output_median: int = 2048, output_sigma: float = 1.0, output_max: int = 16384,
               output_min: int = 16, seed: int = 0) -> Workload:
         """Uniform prompts; log-normal (heavy-tailed) outputs clipped to [output_min, output_max]."""
         if requests < 1:
@@ -162,14 +163,19 @@ def _plan_step(run: _Run, cfg: SimConfig) -> tuple[list[int], np.ndarray, int]:
     if not prefilling:
         left = run.output[idx] - run.generated[idx]
         return idx, rows, int(min(cfg.stride, left.min()))
-    budget = cfg.token_budget - (len(idx) - len(prefilling))
+    # Each owner schedules its own prefill chunks from an equal share of the budget (as DP-attention
+    # servers run one scheduler per rank); under TP/CP only the total matters, so this is neutral.
+    T = run.ranks
+    budget = np.full(T, (cfg.token_budget - (len(idx) - len(prefilling))) // T, dtype=np.int64)
     for k in prefilling:
         i = idx[k]
-        take = int(min(max(budget, 0), run.prompt[i] - run.done_prompt[i]))
+        o = run.owner[i]
+        take = int(min(max(budget[o], 0), run.prompt[i] - run.done_prompt[i]))
         rows[k] = take
-        budget -= take
-    keep = rows > 0
-    return [i for i, ok in zip(idx, keep) if ok], rows[keep], 1
+        budget[o] -= take
+    if not rows.any():  # budget smaller than T: give the first prefill one row so the run advances
+        rows[prefilling[0]] = 1
+    return idx, rows, 1  # requests left without budget keep rows = 0 but still hold their KV
 
 
 def rollout(sizes: AttentionSizes, theta: Theta, wl: Workload, mode: Layout | str,
@@ -182,7 +188,7 @@ def rollout(sizes: AttentionSizes, theta: Theta, wl: Workload, mode: Layout | st
     layout = initial if use_policy else Layout.parse(mode)
     cands = policy_cfg.layouts if use_policy else (layout,)
     pools = {lay: kv_pool_tokens(lay, sizes, theta, cfg.token_budget) for lay in cands}
-    admit_layout = max(cands, key=lambda lay: pools[lay] * (1 if lay is Layout.TP else T))
+    widest = max(cands, key=lambda lay: pools[lay] * (1 if lay is Layout.TP else T))
     policy = Policy(sizes, theta, PolicyConfig(policy_cfg.margin, policy_cfg.min_dwell, tuple(cands),
                                                cfg.page_size), initial=layout) if use_policy else None
     res = RolloutResult("policy" if use_policy else layout.label)
@@ -191,7 +197,10 @@ def rollout(sizes: AttentionSizes, theta: Theta, wl: Workload, mode: Layout | st
     t = 0.0
     first = True
     while run.finished < wl.size:
-        _admit(run, admit_layout, pools[admit_layout], cfg)
+        # Admission checks the pages free in the layout that runs now (the first batch: the widest),
+        # so a policy run grows its batch only after moving into a roomier layout.
+        admit = widest if first and policy is not None else layout
+        _admit(run, admit, pools[admit], cfg)
         idx, rows, k = _plan_step(run, cfg)
         start = run.done_prompt[idx] + run.generated[idx]
         decoding = run.done_prompt[idx] >= run.prompt[idx]
@@ -200,6 +209,7 @@ def rollout(sizes: AttentionSizes, theta: Theta, wl: Workload, mode: Layout | st
         if policy is not None:
             if first:  # the first step picks where to start; no switch is paid
                 policy.current = decide(sizes, theta, batch, None, 0, policy.config).layout
+                layout = policy.current
                 first = False
             else:
                 before = policy.current
@@ -223,7 +233,7 @@ def rollout(sizes: AttentionSizes, theta: Theta, wl: Workload, mode: Layout | st
         pre = ~decoding
         run.done_prompt[np.asarray(idx)[pre]] += rows[pre]
         finishing_prefill = pre & (run.done_prompt[idx] >= run.prompt[idx])
-        gen = np.where(decoding, k, np.where(finishing_prefill, 1, 0))  # last chunk samples a token
+        gen = np.where(decoding, k, np.where(finishing_prefill & (rows > 0), 1, 0))  # last chunk samples
         run.generated[idx] += gen
         res.output_tokens += int(gen.sum())
         res.prompt_tokens += int(rows[pre].sum())
