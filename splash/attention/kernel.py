@@ -1,0 +1,71 @@
+"""The absorbed-MLA attention kernel shared by every layout (see docs/runtime.md).
+
+Scores are `scale * (q_lat . c_kv + q_pe . k_pe)`, one matmul per call against the latent keys; the
+softmax is causal by *position* (a row at position p sees keys with position <= p), so the same call
+serves a full history (TP/DP), a rank's shard of it (CP) and mixed prefill/decode rows. It returns the
+natural-log log-sum-exp so partial results over disjoint key sets combine exactly with `merge`.
+Low-precision dtypes (bf16/fp16) take the softmax in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def key_slots(pages: torch.Tensor, ctx_len: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat slots into a layer's [num_pages * P, D] view, positions) of the keys a page table holds.
+
+    `pages[j]` is the local id of global page j or -1; only positions < ctx_len are returned."""
+    n = pages.shape[0]
+    dev = pages.device
+    pos = torch.arange(n * page_size, device=dev).view(n, page_size)
+    held = (pages >= 0)[:, None].expand(n, page_size)
+    mask = held & (pos < ctx_len)
+    slots = pages[:, None] * page_size + torch.arange(page_size, device=dev)[None, :]
+    return slots[mask], pos[mask]
+
+
+def gather_keys(pool_layer: torch.Tensor, pages: torch.Tensor, ctx_len: int, page_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [m, D] this rank holds for a request (pages as in `key_slots`) and their positions [m]."""
+    slots, pos = key_slots(pages, ctx_len, page_size)
+    return pool_layer.reshape(-1, pool_layer.shape[-1])[slots], pos
+
+
+def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
+           q_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_lat [n, h, d_c], q_pe [n, h, d_r] against keys [m, d_c + d_r] -> (out [n, h, d_c], lse [n, h]).
+
+    A row with no visible key gets out 0 and lse -inf."""
+    n, h, d_c = q_lat.shape
+    m = keys.shape[0]
+    if m == 0:
+        return q_lat.new_zeros(n, h, d_c), torch.full((n, h), float("-inf"), device=q_lat.device,
+                                                       dtype=_acc(q_lat.dtype))
+    q = torch.cat([q_lat, q_pe], dim=-1).reshape(n * h, -1)
+    s = (q @ keys.t()).view(n, h, m) * scale
+    visible = key_pos[None, :] <= q_pos[:, None]  # [n, m]
+    s = s.to(_acc(s.dtype)).masked_fill(~visible[:, None, :], float("-inf"))
+    mx = s.amax(dim=-1, keepdim=True)
+    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+    e = torch.exp(s - mx)
+    tot = e.sum(dim=-1)  # [n, h]; 0 only for rows that see no key (then e is all 0 and so is out)
+    p = e / torch.where(tot > 0, tot, torch.ones_like(tot))[..., None]
+    out = (p.to(keys.dtype).view(n * h, m) @ keys[:, :d_c]).view(n, h, d_c)
+    lse = mx[..., 0] + torch.log(tot)
+    return out, lse
+
+
+def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Exact combination of partial attentions over disjoint key sets (outs [n, h, d], lses [n, h])."""
+    if len(outs) == 1:
+        return outs[0]
+    lse = torch.stack(lses)  # [k, n, h]
+    total = torch.logsumexp(lse, dim=0)
+    w = torch.exp(lse - torch.where(torch.isinf(total), torch.zeros_like(total), total))  # 0 where lse=-inf
+    w = torch.nan_to_num(w, nan=0.0)
+    return sum(o * wi[..., None].to(o.dtype) for o, wi in zip(outs, w))
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype

@@ -1,0 +1,113 @@
+"""Reading a Hugging Face checkpoint: one or many `*.safetensors` files, FP8 block dequantisation.
+
+Tensors are read lazily by name through `safe_open` slices, so a rank that holds only some heads
+(or, later, some experts) reads only those rows/columns from disk. FP8 (`float8_e4m3fn`) weights with
+a `<name>_scale_inv` block scale (DeepSeek-V3's 128x128 blocks) are dequantised on read: in float64
+when the model runs in float64 (exact: 4-bit mantissa x float32 scale), else in float32, then cast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import torch
+from safetensors import safe_open
+
+from splash.config import ConfigError
+
+Span = tuple[int, int] | None
+_FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+
+def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """w [R, C] (fp8) times its per-block scale [ceil(R/bm), ceil(C/bn)] -> dtype."""
+    bm, bn = int(block[0]), int(block[1])
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    r, c = w.shape
+    s = scale_inv.to(work).repeat_interleave(bm, 0)[:r].repeat_interleave(bn, 1)[:, :c]
+    return (w.to(work) * s).to(dtype)
+
+
+class CheckpointReader:
+    """Name -> tensor access over a checkpoint directory (single file or sharded with an index)."""
+
+    def __init__(self, path: str | os.PathLike[str], quantization_config: dict | None = None) -> None:
+        self.path = os.fspath(path)
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        self.where: dict[str, str] = {}
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                wm = json.load(f).get("weight_map", {})
+            self.where = {k: os.path.join(self.path, v) for k, v in wm.items()}
+        else:
+            files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+            if not files:
+                raise ConfigError(f"no *.safetensors weights in {self.path!r}")
+            for fn in files:
+                full = os.path.join(self.path, fn)
+                with safe_open(full, framework="pt") as h:
+                    for k in h.keys():
+                        self.where[k] = full
+        self._handles: dict[str, object] = {}
+        q = quantization_config or {}
+        self.block = tuple(q.get("weight_block_size") or (128, 128))
+
+    def keys(self) -> list[str]:
+        return list(self.where)
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def _slice(self, name: str):
+        fn = self.where.get(name)
+        if fn is None:
+            raise ConfigError(f"checkpoint {self.path!r} lacks tensor {name!r}; is config.json the one "
+                              f"these weights were saved with?")
+        h = self._handles.get(fn)
+        if h is None:
+            h = self._handles[fn] = safe_open(fn, framework="pt")
+        return h.get_slice(name)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._slice(name).get_shape())
+
+    def _read(self, name: str, rows: Span, cols: Span) -> torch.Tensor:
+        sl = self._slice(name)
+        nd = len(sl.get_shape())
+        r = slice(*rows) if rows else slice(None)
+        if cols:
+            return sl[r, slice(*cols)] if nd == 2 else sl[r, :, slice(*cols)]
+        return sl[r] if rows else sl[:]
+
+    def get(self, name: str, dtype: torch.dtype, device: torch.device | str | None = None,
+            rows: Span = None, cols: Span = None) -> torch.Tensor:
+        """Tensor `name` (rows/cols half-open spans of a 2-D weight), dequantised and cast to dtype."""
+        scale_name = name + "_scale_inv"
+        if name.endswith(".weight") and self.has(scale_name):
+            t = self._read_fp8(name, scale_name, dtype, rows, cols)
+        else:
+            t = self._read(name, rows, cols)
+            if t.dtype in _FP8:
+                raise ConfigError(f"{name} is stored in {t.dtype} without {scale_name}; cannot dequantise")
+            t = t.to(dtype)
+        return t.to(device).contiguous() if device is not None else t.contiguous()
+
+    def _read_fp8(self, name: str, scale_name: str, dtype: torch.dtype, rows: Span, cols: Span
+                  ) -> torch.Tensor:
+        bm, bn = self.block
+        shape = self.shape(name)
+        r0, r1 = rows or (0, shape[0])
+        c0, c1 = cols or (0, shape[1])
+        # widen to whole blocks, dequantise, then trim to the asked span
+        br0, br1 = r0 // bm, -(-r1 // bm)
+        bc0, bc1 = c0 // bn, -(-c1 // bn)
+        w = self._read(name, (br0 * bm, min(br1 * bm, shape[0])), (bc0 * bn, min(bc1 * bn, shape[1])))
+        s = self._read(scale_name, (br0, br1), (bc0, bc1))
+        full = dequantize_blocks(w, s, (bm, bn), dtype)
+        return full[r0 - br0 * bm: r1 - br0 * bm, c0 - bc0 * bn: c1 - bc0 * bn]
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,142 @@
+"""Multi-head latent attention (MLA) in the absorbed form, over a set of held heads.
+
+The per-token work every rank repeats (`prepare`: q_a + norm or the raw x, kv_a -> normed c_kv ++
+roped k_pe) is separate from the per-head work (`q_heads`, `out_heads`) so a layout can run the head
+part over all heads (DP, CP) or a slice of them (TP, DOP), and `set_heads` swaps the slice when the
+layout switches. Absorbed: q_lat = q_nope W_UK, so scores are q_lat . c_kv + q_pe . k_pe against the
+cached latent directly, and the output latent goes through W_UV then o_proj.
+
+Head-tensor layout for switching (`head_tensors` / `set_heads`): "q_b" [h, d_nope+d_rope, q_in],
+"w_uk" [h, d_nope, d_c], "w_uv" [h, d_c, d_v] (all head-major), "o" [d, h, d_v] (o_proj columns).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splash.config import ModelConfig
+from splash.model.layers import RMSNorm
+from splash.model.loader import CheckpointReader
+from splash.model.rope import Rotary, softmax_scale
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, heads: range, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.cfg, self.rotary = cfg, rotary
+        d = cfg.hidden_size
+        self.total_heads = cfg.num_attention_heads
+        self.d_nope, self.d_rope, self.d_v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.d_c = cfg.kv_lora_rank
+        self.q_lora = cfg.q_lora_rank
+        self.q_in_dim = self.q_lora or d
+        self.softmax_scale: float = softmax_scale(cfg)
+        bias = cfg.attention_bias
+
+        def buf(name: str, *shape: int) -> None:
+            self.register_buffer(name, torch.empty(*shape, dtype=dtype, device=device) if shape else None)
+
+        if self.q_lora:
+            buf("q_a", self.q_lora, d)
+            buf("q_a_bias", *((self.q_lora,) if bias else ()))
+            self.q_a_norm = RMSNorm(self.q_lora, 1e-6, dtype, device)
+        buf("kv_a", self.d_c + self.d_rope, d)
+        buf("kv_a_bias", *((self.d_c + self.d_rope,) if bias else ()))
+        self.kv_a_norm = RMSNorm(self.d_c, 1e-6, dtype, device)
+        buf("o_bias", *((d,) if bias else ()))
+        self.heads = range(0)
+        self._alloc_heads(heads, dtype, device)
+
+    # ---- held heads -----------------------------------------------------------------------------
+    def _alloc_heads(self, heads: range, dtype: torch.dtype, device) -> None:
+        h = len(heads)
+        self.heads = heads
+        self.register_buffer("q_b", torch.empty(h * (self.d_nope + self.d_rope), self.q_in_dim,
+                                                dtype=dtype, device=device))
+        self.register_buffer("w_uk", torch.empty(h, self.d_nope, self.d_c, dtype=dtype, device=device))
+        self.register_buffer("w_uv", torch.empty(h, self.d_c, self.d_v, dtype=dtype, device=device))
+        self.register_buffer("o_w", torch.empty(self.cfg.hidden_size, h * self.d_v, dtype=dtype,
+                                                device=device))
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    def head_tensors(self, sub: range | None = None) -> dict[str, torch.Tensor]:
+        """Views of the projection blocks of held heads `sub` (default all held), for a switch."""
+        sub = self.heads if sub is None else sub
+        if sub.step != 1 or sub.start < self.heads.start or sub.stop > self.heads.stop:
+            raise ValueError(f"heads {sub} are not within the held heads {self.heads}")
+        a, b = sub.start - self.heads.start, sub.stop - self.heads.start
+        h, d = self.num_heads, self.cfg.hidden_size
+        return {
+            "q_b": self.q_b.view(h, self.d_nope + self.d_rope, self.q_in_dim)[a:b],
+            "w_uk": self.w_uk[a:b],
+            "w_uv": self.w_uv[a:b],
+            "o": self.o_w.view(d, h, self.d_v)[:, a:b],
+        }
+
+    def set_heads(self, heads: range, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold `heads` from now on, with their projection blocks (layout as in `head_tensors`)."""
+        h, d = len(heads), self.cfg.hidden_size
+        q_b, w_uk, w_uv, o = (tensors[k] for k in ("q_b", "w_uk", "w_uv", "o"))
+        if q_b.shape[0] != h or w_uk.shape[0] != h or w_uv.shape[0] != h or o.shape[1] != h:
+            raise ValueError(f"set_heads({heads}): tensors hold a different number of heads")
+        dev, dt = self.w_uk.device, self.w_uk.dtype
+        self.heads = heads
+        self.q_b = q_b.reshape(h * (self.d_nope + self.d_rope), self.q_in_dim).to(dev, dt).contiguous()
+        self.w_uk = w_uk.to(dev, dt).contiguous()
+        self.w_uv = w_uv.to(dev, dt).contiguous()
+        self.o_w = o.reshape(d, h * self.d_v).to(dev, dt).contiguous()
+
+    # ---- loading --------------------------------------------------------------------------------
+    def load(self, reader: CheckpointReader, prefix: str, dev: torch.device) -> None:
+        dt = self.kv_a.dtype
+        get = reader.get
+        if self.q_lora:
+            self.q_a = get(f"{prefix}.q_a_proj.weight", dt, dev)
+            if self.q_a_bias is not None:
+                self.q_a_bias = get(f"{prefix}.q_a_proj.bias", dt, dev)
+            self.q_a_norm.load(reader, f"{prefix}.q_a_layernorm.weight", dev)
+        self.kv_a = get(f"{prefix}.kv_a_proj_with_mqa.weight", dt, dev)
+        if self.kv_a_bias is not None:
+            self.kv_a_bias = get(f"{prefix}.kv_a_proj_with_mqa.bias", dt, dev)
+            self.o_bias = get(f"{prefix}.o_proj.bias", dt, dev)
+        self.kv_a_norm.load(reader, f"{prefix}.kv_a_layernorm.weight", dev)
+        a, b = self.heads.start, self.heads.stop
+        dq, dkv = self.d_nope + self.d_rope, self.d_nope + self.d_v
+        qn = f"{prefix}.q_b_proj.weight" if self.q_lora else f"{prefix}.q_proj.weight"
+        self.q_b = get(qn, dt, dev, rows=(a * dq, b * dq))
+        kv_b = get(f"{prefix}.kv_b_proj.weight", dt, dev, rows=(a * dkv, b * dkv)).view(b - a, dkv, self.d_c)
+        self.w_uk = kv_b[:, : self.d_nope].contiguous()
+        self.w_uv = kv_b[:, self.d_nope:].transpose(1, 2).contiguous()
+        self.o_w = get(f"{prefix}.o_proj.weight", dt, dev, cols=(a * self.d_v, b * self.d_v))
+
+    # ---- compute --------------------------------------------------------------------------------
+    def prepare(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replicated part: x [N, d] -> (q_in [N, q_in], latent_new [N, d_c + d_rope])."""
+        q_in = self.q_a_norm(F.linear(x, self.q_a, self.q_a_bias)) if self.q_lora else x
+        kv = F.linear(x, self.kv_a, self.kv_a_bias)
+        c, k_pe = kv.split([self.d_c, self.d_rope], dim=-1)
+        k_pe = self.rotary.apply(k_pe, self.rotary.tables(positions))
+        return q_in, torch.cat([self.kv_a_norm(c), k_pe], dim=-1)
+
+    def q_heads(self, q_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held heads' absorbed queries: (q_lat [N, h, d_c], roped q_pe [N, h, d_rope])."""
+        n = q_in.shape[0]
+        q = F.linear(q_in, self.q_b).view(n, self.num_heads, self.d_nope + self.d_rope)
+        q_nope, q_pe = q.split([self.d_nope, self.d_rope], dim=-1)
+        q_pe = self.rotary.apply(q_pe, self.rotary.tables(positions))
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        return q_lat, q_pe
+
+    def out_heads(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [N, h, d_c] -> [N, d]: W_UV then o_proj over held heads (a partial sum if sharded;
+        the o_proj bias, if any, is added by the rank holding head 0)."""
+        n = o_lat.shape[0]
+        v = torch.bmm(o_lat.transpose(0, 1), self.w_uv).transpose(0, 1).reshape(n, self.num_heads * self.d_v)
+        bias = self.o_bias if self.heads.start == 0 else None
+        return F.linear(v, self.o_w, bias)

@@ -1,0 +1,134 @@
+"""Rotary position embedding of the DeepSeek family, bit-for-bit as transformers computes it.
+
+The frequencies and the cos/sin tables are computed in float32 whatever the model dtype (as the
+reference does), so a float64 model reproduces the reference's logits to ~1e-12 rather than ~1e-7.
+Three application styles exist:
+- `complex` (DeepSeek-V2 in transformers): the rotary slice is rotated as complex pairs in float32,
+  output kept interleaved;
+- `interleave` (V3 with `rope_interleave`): pairs (x0, x1), (x2, x3)... rotated and written out
+  de-interleaved ([even outputs, odd outputs]), in the model dtype;
+- `half` (V3 without `rope_interleave`): the usual rotate-half layout, in the model dtype.
+q_pe and k_pe go through the same style, so their dot product is what the reference computes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from splash.config import ConfigError, ModelConfig
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(rope: dict[str, Any], dim: int, base: float, max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN frequencies and cos/sin attention factor (transformers' `_compute_yarn_parameters`)."""
+    orig = rope.get("original_max_position_embeddings") or max_pos
+    factor = rope.get("factor")
+    if factor is None:
+        factor = max_pos / orig
+    attention_factor = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_get_mscale(factor)
+    beta_fast = rope.get("beta_fast") or 32
+    beta_slow = rope.get("beta_slow") or 1
+    truncate = rope.get("truncate", True)
+
+    def correction_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extra = 1.0 / pos_freqs
+    inter = 1.0 / (factor * pos_freqs)
+    extra_factor = 1 - ramp
+    inv_freq = inter * (1 - extra_factor) + extra * extra_factor
+    return inv_freq, float(attention_factor)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(d_qk), times mscale(factor, mscale_all_dim)^2 under YaRN (transformers' yarn_apply_mscale)."""
+    scale = cfg.qk_head_dim ** (-0.5)
+    rope = cfg.rope_scaling
+    if rope and rope.get("rope_type", "default") != "default":
+        mad = rope.get("mscale_all_dim", 0)
+        if mad:
+            m = yarn_get_mscale(rope["factor"], mad)
+            scale = scale * m * m
+    return scale
+
+
+class Rotary:
+    """cos/sin of the rotary slice for given positions, and their application to q_pe / k_pe."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+        dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+        rope = cfg.rope_scaling
+        kind = (rope or {}).get("rope_type", "default")
+        if kind == "default":
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.attention_factor = 1.0
+        elif kind == "yarn":
+            inv_freq, self.attention_factor = _yarn_inv_freq(rope, dim, base, cfg.max_position_embeddings)
+        else:
+            raise ConfigError(f"rope type {kind!r} is not supported (DeepSeek models use 'yarn' or none)")
+        self.inv_freq = inv_freq.to(device)
+        self.style = "complex" if cfg.model_type == "deepseek_v2" else (
+            "interleave" if cfg.rope_interleave else "half")
+
+    def to(self, device: torch.device | str) -> Rotary:
+        self.inv_freq = self.inv_freq.to(device)
+        return self
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """[N, d_r/2] float32 angles, exactly `position.float() * inv_freq`."""
+        return positions[:, None].float() * self.inv_freq.to(device=positions.device, dtype=torch.float)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """What `apply` needs for these positions; compute once per step and share across layers."""
+        freqs = self.angles(positions)
+        if self.style == "complex":
+            return torch.polar(torch.ones_like(freqs), freqs) * self.attention_factor
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+    def apply(self, x: torch.Tensor, tables: Any) -> torch.Tensor:
+        """Rotate x [N, h, d_r] (or [N, d_r]) by the tables of its rows' positions."""
+        squeeze = x.dim() == 2
+        if squeeze:
+            x = x[:, None, :]
+        if self.style == "complex":
+            # (a + ib)(c + id) in float32 written out: what torch's vectorised complex product computes
+            # (its scalar tail rounds differently), so the result does not depend on the batch shape.
+            xf = x.float().reshape(*x.shape[:-1], -1, 2)
+            a, b = xf[..., 0], xf[..., 1]
+            c, d = tables.real[:, None, :], tables.imag[:, None, :]
+            out = torch.stack([a * c - b * d, a * d + b * c], dim=-1).flatten(2).type_as(x)
+        else:
+            cos, sin = (t.to(x.dtype)[:, None, :] for t in tables)
+            if self.style == "interleave":
+                half = cos.shape[-1] // 2
+                c, s = cos[..., :half], sin[..., :half]
+                x1, x2 = x[..., 0::2], x[..., 1::2]
+                out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+            else:
+                h = x.shape[-1] // 2
+                rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+                out = x * cos + rot * sin
+        return out[:, 0, :] if squeeze else out
