@@ -56,6 +56,7 @@ def _comm_ops(grid) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_comm_ops_on_three_gloo_ranks() -> None:
     res = run_ranks(W, _comm_ops, timeout=120)
     sizes = [2, 0, 3]
@@ -115,6 +116,7 @@ def _die_rank1(grid) -> None:
     grid.comm.all_reduce(torch.ones(2))
 
 
+@pytest.mark.slow
 def test_failing_rank_reports_its_traceback() -> None:
     with pytest.raises(WorkerError) as e:
         run_ranks(2, _raise_on_rank1, timeout=60)
@@ -122,6 +124,7 @@ def test_failing_rank_reports_its_traceback() -> None:
     assert "_raise_on_rank1" in e.value.remote_traceback
 
 
+@pytest.mark.slow
 def test_hung_rank_fails_within_collective_timeout() -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as e:
@@ -130,6 +133,7 @@ def test_hung_rank_fails_within_collective_timeout() -> None:
     assert time.monotonic() - t0 < 50
 
 
+@pytest.mark.slow
 def test_dead_rank_fails_loudly() -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerError):
@@ -142,6 +146,7 @@ def _sum_ranks(grid) -> float:
     return float(grid.comm.all_reduce(torch.tensor([float(grid.rank + 1)]))[0])
 
 
+@pytest.mark.slow
 def test_two_nodes_join_one_grid() -> None:
     addr = f"127.0.0.1:{free_port()}"
     specs = [resolve_launch(2, nnodes=2, node_rank=n, dist_init_addr=addr, env={}) for n in (0, 1)]
@@ -182,6 +187,7 @@ def _follow_plans(grid) -> list[int]:
         seen.append(int(grid.comm.all_reduce(torch.tensor([float(plan)]), tag="plan")[0]))
 
 
+@pytest.mark.slow
 def test_leader_in_process_with_spawned_workers() -> None:
     """The engine's shape: rank 0 stays in this process (scheduler, server), ranks 1.. are children."""
     from splash.dist.groups import init_distributed

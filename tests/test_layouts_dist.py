@@ -184,6 +184,7 @@ def test_layouts_on_one_rank_match_reference() -> None:
         assert err < 1e-12, f"{name}/{cname} at T=1: max error {err:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_layouts_match_reference_on_gloo_ranks(world: int) -> None:
     per_rank = run_ranks(world, _rank_main, timeout=150)
@@ -264,6 +265,7 @@ def _model_rank_main(grid, path: str) -> dict[str, list[torch.Tensor]]:
     return {name: _model_run(path, name, grid.rank, grid.world, grid.comm) for name in NAMES}
 
 
+@pytest.mark.slow
 def test_whole_model_through_each_layout_on_two_ranks(tmp_path) -> None:
     from helpers_ckpt import build_checkpoint
 
