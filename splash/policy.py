@@ -108,12 +108,17 @@ def activation_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks:
 
 
 def resident_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: int,
-                   page_size: int | None) -> np.ndarray:
-    """M_r(l) = M0 + W_r(l) + K_r(l, x): what each rank keeps resident in `layout`."""
+                   page_size: int | None, reserved: bool = True) -> np.ndarray:
+    """M_r(l) = M0 + W_r(l) + K_r(l, x): what each rank keeps resident in `layout`.
+
+    `reserved=True` counts each request's reservation (the steady state of Eq 6); False counts the
+    context written so far (what a switch moves now, Eq 5).
+    """
+    tokens = batch.kv_tokens if reserved else batch.contexts
     if page_size:
-        kv = kv_pages_per_rank(layout, batch.kv_tokens, batch.owners, ranks, page_size) * page_size
+        kv = kv_pages_per_rank(layout, tokens, batch.owners, ranks, page_size) * page_size
     else:
-        kv = kv_tokens_per_rank(layout, batch.kv_tokens, batch.owners, ranks)
+        kv = kv_tokens_per_rank(layout, tokens, batch.owners, ranks)
     w = np.array([sizes.attention_weight_bytes(layout.sharded, ranks, r) for r in range(ranks)])
     return sizes.fixed_bytes_per_rank(ranks) + w + kv * sizes.k
 
@@ -127,11 +132,11 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
     T, P = theta.ranks, config.page_size
     sizes.cfg.check_ranks(T)
     H, R = theta.memory_bytes, theta.reserve_bytes
-    m_cur = resident_bytes(current, sizes, batch, T, P) if current is not None else None
+    now_cur = resident_bytes(current, sizes, batch, T, P, False) if current is not None else None
     out: dict[Layout, LayoutEval] = {}
     for lay in config.layouts:
         cost = step_cost(lay, sizes, batch, theta, P)
-        m = resident_bytes(lay, sizes, batch, T, P) if lay is not current else m_cur
+        m = resident_bytes(lay, sizes, batch, T, P)
         steady = m + activation_bytes(lay, sizes, batch, T, theta.act_bytes) + R
         fits = bool((steady <= H).all())
         if current is None or lay is current:
@@ -140,7 +145,8 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
             w = weight_transfer_bytes(sizes, current, lay, T)
             kv_tok, _ = kv_transfer_tokens(current, lay, batch.contexts, batch.owners, None, T, P)
             kv = kv_tok * sizes.kv_token_layer
-            peak_r = np.maximum(m_cur, m) + w + kv + R
+            now = resident_bytes(lay, sizes, batch, T, P, False)
+            peak_r = np.maximum(now_cur, now) + w + kv + R
             peak, sw_fits = float(peak_r.max(initial=0)), bool((peak_r <= H).all())
             exposed, _ = switch_time(w, kv, cost, theta)
         fixed = sizes.fixed_bytes_per_rank(T) + sizes.attention_weight_bytes(lay.sharded, T) + R
