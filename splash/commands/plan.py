@@ -116,15 +116,18 @@ def run_switches(args: argparse.Namespace) -> int:
         m = switch_manifest(sizes, a, b, batch, args.ranks, args.page_size)
         w, kv = m.weights, m.kv
         out.append({"from": a.label, "to": b.label,
-                    "weights": {"primitive": w.primitive, "bytes_per_rank": w.bytes_per_rank},
-                    "kv": {"primitive": kv.primitive, "bytes_per_rank": kv.bytes_per_rank},
+                    "weights": {"primitive": w.primitive, "bytes_per_rank": w.bytes_per_rank,
+                                "bytes_group": w.total_bytes},
+                    "kv": {"primitive": kv.primitive, "bytes_per_rank": kv.bytes_per_rank,
+                           "bytes_group": kv.total_bytes},
                     "bytes_per_rank_all_layers": float(m.recv_bytes_per_rank().max(initial=0))})
         total = m.recv_bytes_per_rank().max(initial=0)
         rows.append([f"{a.label}->{b.label}", w.primitive, f"{w.bytes_per_rank / MIB:,.2f}", kv.primitive,
                      f"{kv.bytes_per_rank / MIB:,.2f}", f"{total / GIB:,.2f}"])
     obj = {"model": sizes.cfg.name, "ranks": args.ranks, "batch": args.batch, "context": args.context,
            "dtype": sizes.dtype, "kv_dtype": sizes.kv_dtype, "page_size": args.page_size,
-           "layers": sizes.layers, "note": "bytes_per_rank: busiest rank, per layer", "switches": out}
+           "layers": sizes.layers, "note": "per layer: bytes_per_rank busiest rank, bytes_group all ranks",
+           "switches": out}
     text = (f"{sizes.cfg.name}: T={args.ranks}, B={args.batch}, s={args.context}, weights {sizes.dtype}, "
             f"KV {sizes.kv_dtype}; per layer, busiest rank\n"
             + table(rows, ["switch", "weights", "MiB", "KV", "MiB", "GiB all layers"]))

@@ -1,0 +1,60 @@
+"""Rollout simulator: conservation of work, switches accounted, fixed vs policy runs, plot written."""
+
+import numpy as np
+import pytest
+
+from splash.config import PRESETS, ConfigError
+from splash.hardware import theta_for
+from splash.layouts import Layout
+from splash.policy import PolicyConfig
+from splash.simulate import SimConfig, Workload, plot_rollouts, rollout, rollout_all
+from splash.sizes import AttentionSizes
+
+SIZES = AttentionSizes(PRESETS["tiny"])
+THETA = theta_for("cpu", 4, SIZES)
+WL = Workload.drain(24, 64, 512, output_median=48, output_sigma=1.2, output_max=1500, seed=3)
+CFG = SimConfig(token_budget=512, max_running=16, stride=8, page_size=16)
+
+
+def test_workload_is_heavy_tailed_and_seeded():
+    a = Workload.drain(256, seed=1)
+    assert (a.prompts == Workload.drain(256, seed=1).prompts).all()
+    assert a.outputs.max() > 4 * np.median(a.outputs)
+    with pytest.raises(ConfigError):
+        Workload.drain(0)
+
+
+@pytest.mark.parametrize("mode", [Layout.TP, Layout.DOP, "policy"])
+def test_every_token_is_processed_once(mode):
+    r = rollout(SIZES, THETA, WL, mode, CFG)
+    assert r.output_tokens == int(WL.outputs.sum())
+    assert r.prompt_tokens == int(WL.prompts.sum())
+    assert len(r.completion_s) == WL.size
+    assert r.makespan_s == pytest.approx(sum(r.time_by_layout.values()) + r.switch_s)
+    assert r.makespan_s >= max(r.completion_s) - 1e-12
+    if mode != "policy":
+        assert r.switches == 0 and r.time_by_layout[mode.label] == pytest.approx(r.makespan_s)
+
+
+def test_policy_run_records_its_switches():
+    res = rollout_all(SIZES, THETA, WL, CFG, PolicyConfig(margin=0.0, min_dwell=0))
+    pol = res["policy"]
+    segs = pol.segments()
+    assert len(segs) == pol.switches + 1  # every change of layout in the timeline was a paid switch
+    assert all(s["start_s"] <= s["end_s"] for s in segs)
+    assert set(res) == {"TP", "DP", "CP", "DOP", "policy"}
+    # the policy picks per step among the fixed layouts, so it is never slower than the worst of them
+    assert pol.makespan_s <= max(r.makespan_s for n, r in res.items() if n != "policy")
+
+
+def test_a_request_that_never_fits_is_reported():
+    tiny_mem = theta_for("cpu", 4, SIZES, memory_gib=0.001)
+    with pytest.raises(ConfigError, match="never fits"):
+        rollout(SIZES, tiny_mem, WL, Layout.TP, CFG)
+
+
+def test_plot(tmp_path):
+    res = rollout_all(SIZES, THETA, WL, CFG)
+    out = tmp_path / "rollout.png"
+    plot_rollouts(res, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
