@@ -1,0 +1,67 @@
+"""`splash model init-tiny DIR [--seed N]` and `splash model info MODEL`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from splash.config import ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="model checkpoints: write the built-in tiny model, describe one")
+    kinds = p.add_subparsers(dest="model_cmd", metavar="ACTION")
+    t = kinds.add_parser("init-tiny", help="write the built-in tiny DeepSeek-V3-architecture checkpoint")
+    t.add_argument("dir", help="output directory (created; must not already hold a checkpoint)")
+    t.add_argument("--seed", type=int, default=0, help="weight seed (default 0, the one '--model tiny' uses)")
+    t.add_argument("--force", action="store_true", help="overwrite a checkpoint already in DIR")
+    t.set_defaults(func=_init_tiny)
+    i = kinds.add_parser("info", help="dimensions, parameters and KV bytes per token of a checkpoint")
+    i.add_argument("model", help="checkpoint directory or 'tiny'")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.set_defaults(func=_info)
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+
+def _init_tiny(args: argparse.Namespace) -> int:
+    from splash.model.tiny import write_tiny_model
+
+    if os.path.isfile(os.path.join(args.dir, "config.json")) and not args.force:
+        raise ConfigError(f"{args.dir} already holds a checkpoint; pass --force to overwrite it")
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        raise ConfigError(f"{args.dir} exists and is not a directory")
+    path = write_tiny_model(args.dir, seed=args.seed)
+    print(f"wrote the tiny model (seed {args.seed}) to {path}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from splash.config import ModelConfig
+    from splash.model import resolve_model_path
+    from splash.model.tiny import weight_shapes
+
+    path = resolve_model_path(args.model)
+    cfg = ModelConfig.from_hf(path)
+    params = sum(_numel(s) for s in weight_shapes(cfg).values())
+    info = {"path": path, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank,
+            "kv_lora_rank": cfg.kv_lora_rank, "rope_head_dim": cfg.qk_rope_head_dim,
+            "experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
+            "vocab_size": cfg.vocab_size, "parameters": params,
+            "kv_values_per_token": cfg.num_hidden_layers * cfg.latent_dim,
+            "rope_scaling": (cfg.rope_scaling or {}).get("rope_type"),
+            "quantization": (cfg.quantization_config or {}).get("quant_method")}
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for k, v in info.items():
+            print(f"{k:>22}: {v}")
+    return 0
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

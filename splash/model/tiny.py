@@ -1,0 +1,227 @@
+"""The built-in "tiny" model: PRESETS["tiny"] written as a real Hugging Face checkpoint.
+
+Deterministic random weights (a seed), scaled so activations stay O(1) through the layers and the
+logits are neither flat nor one-hot, plus a byte-level BPE tokenizer built here with `tokenizers` from a
+short built-in text, with BOS/EOS/PAD at the preset's ids. No download, no transformers needed;
+transformers can still load the result (DeepseekV3ForCausalLM) for comparisons.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+
+import torch
+from safetensors.torch import save_file
+
+from splash.config import PRESETS, ConfigError, ModelConfig
+
+TINY_VERSION = "1"
+SPECIALS = {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"}
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n\n"
+    "{% else %}Assistant: {{ message['content'] }}{{ eos_token }}\n\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A model that serves many requests at once keeps the
+keys and values of every token in a cache, and the cache is split into pages. Attention reads the
+pages of each request; the layout decides which rank holds which pages and which heads. When the
+batch is large, data parallel attention saves memory; when the context is long, context parallel
+attention spreads the pages. The server streams tokens to the client as soon as they are ready.
+Hello, world! How are you today? I am fine, thank you. What is the weather like in the city?
+It is sunny and warm, with a light wind from the west. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+"""
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """config.json for a ModelConfig, in the form transformers 5 reads (and ModelConfig.from_hf)."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    arch = "DeepseekV2ForCausalLM" if cfg.model_type == "deepseek_v2" else "DeepseekV3ForCausalLM"
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
+            "topk_group", "topk_method", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
+            "first_k_dense_replace", "rms_norm_eps", "rope_interleave", "max_position_embeddings",
+            "tie_word_embeddings", "attention_bias", "hidden_act", "bos_token_id", "eos_token_id",
+            "pad_token_id")
+    d = {k: getattr(cfg, k) for k in keys}
+    d.update(architectures=[arch], model_type=cfg.model_type, num_key_value_heads=cfg.num_attention_heads,
+             rope_parameters=rope, rope_theta=cfg.rope_theta, dtype="float32", initializer_range=0.02)
+    return d
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a DeepSeek-family checkpoint (HF names) and its shape."""
+    d, H = cfg.hidden_size, cfg.num_attention_heads
+    dq, dkv = cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d),
+                                     "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        s["lm_head.weight"] = (cfg.vocab_size, d)
+
+    def mlp(p: str, inter: int) -> None:
+        s.update({f"{p}.gate_proj.weight": (inter, d), f"{p}.up_proj.weight": (inter, d),
+                  f"{p}.down_proj.weight": (d, inter)})
+
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        s[f"{p}.input_layernorm.weight"] = (d,)
+        s[f"{p}.post_attention_layernorm.weight"] = (d,)
+        if cfg.q_lora_rank:
+            s[f"{a}.q_a_proj.weight"] = (cfg.q_lora_rank, d)
+            s[f"{a}.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            s[f"{a}.q_b_proj.weight"] = (H * dq, cfg.q_lora_rank)
+        else:
+            s[f"{a}.q_proj.weight"] = (H * dq, d)
+        s[f"{a}.kv_a_proj_with_mqa.weight"] = (cfg.latent_dim, d)
+        s[f"{a}.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        s[f"{a}.kv_b_proj.weight"] = (H * dkv, cfg.kv_lora_rank)
+        s[f"{a}.o_proj.weight"] = (d, H * cfg.v_head_dim)
+        if cfg.is_moe_layer(i):
+            s[f"{p}.mlp.gate.weight"] = (int(cfg.n_routed_experts), d)
+            if cfg.model_type != "deepseek_v2":
+                s[f"{p}.mlp.gate.e_score_correction_bias"] = (int(cfg.n_routed_experts),)
+            for e in range(int(cfg.n_routed_experts)):
+                mlp(f"{p}.mlp.experts.{e}", cfg.moe_intermediate_size)
+            if cfg.n_shared_experts:
+                mlp(f"{p}.mlp.shared_experts", cfg.moe_intermediate_size * int(cfg.n_shared_experts))
+        else:
+            mlp(f"{p}.mlp", cfg.intermediate_size)
+    return s
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """N(0, 1/fan_in) projections (residual outputs x0.7), unit norms, N(0, 1) embeddings.
+
+    The LM-head rows of control / non-ASCII bytes and of BOS/PAD are shrunk 10x, so greedy text from
+    this random model is mostly printable; the residual scale keeps greedy runs from settling into
+    one repeated token (both picked by trying a few settings on short prompts)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(cfg).items():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            t = torch.ones(shape)
+        elif name.endswith("e_score_correction_bias"):
+            t = 0.05 * torch.randn(shape, generator=g)
+        elif name == "model.embed_tokens.weight":
+            t = torch.randn(shape, generator=g)
+        else:
+            t = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t = t * 0.7
+            elif name == "lm_head.weight":
+                t = t * 2.0  # logits of a few units: varied but not flat
+                quiet = [b for b in range(min(256, shape[0])) if not (32 <= b < 127 or b == 10)]
+                quiet += [i for i in (cfg.bos_token_id, cfg.pad_token_id) if i is not None and i < shape[0]]
+                t[quiet] *= 0.1
+        out[name] = t.to(torch.float32).contiguous()
+    return out
+
+
+def build_byte_tokenizer(vocab_size: int, special_ids: dict[str, int]):
+    """Byte-level BPE: ids 0-255 are the bytes, specials at their given ids, merges (learnt from
+    CORPUS) fill the remaining ids in order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    free = sorted(set(range(256, vocab_size)) - set(special_ids.values()))
+    ok = all(256 <= i < vocab_size for i in special_ids.values())
+    if not ok or len(free) + 256 + len(special_ids) != vocab_size:
+        raise ConfigError("tiny tokenizer: special ids must be distinct and lie in [256, vocab_size)")
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=256 + len(free), initial_alphabet=byte_chars,
+                                  show_progress=False, min_frequency=2)
+    learner.train_from_iterator(CORPUS.splitlines(), trainer)
+    merges = json.loads(learner.to_str())["model"]["merges"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges][: len(free)]
+    # byte b -> its printable stand-in, in byte order (GPT-2's table)
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    for (a, b), i in zip(merges, free):
+        vocab[a + b] = i
+    for key, i in special_ids.items():
+        vocab[SPECIALS[key]] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([SPECIALS[k] for k in special_ids])
+    bos = SPECIALS["bos"]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, special_ids["bos"])])
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def write_tiny_model(path: str | os.PathLike[str], seed: int = 0, cfg: ModelConfig | None = None) -> str:
+    """Write config.json, model.safetensors, tokenizer files and generation_config.json to `path`."""
+    cfg = cfg or PRESETS["tiny"]
+    p = os.fspath(path)
+    os.makedirs(p, exist_ok=True)
+    specials = {"bos": cfg.bos_token_id, "eos": cfg.eos_token_ids[0], "pad": cfg.pad_token_id}
+    tok = build_byte_tokenizer(cfg.vocab_size, specials)
+    tok.save(os.path.join(p, "tokenizer.json"))
+    tcfg = {"bos_token": SPECIALS["bos"], "eos_token": SPECIALS["eos"], "pad_token": SPECIALS["pad"],
+            "chat_template": CHAT_TEMPLATE, "model_max_length": cfg.max_position_embeddings,
+            "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    _dump(os.path.join(p, "tokenizer_config.json"), tcfg)
+    _dump(os.path.join(p, "special_tokens_map.json"),
+          {k + "_token": v for k, v in SPECIALS.items()})
+    _dump(os.path.join(p, "config.json"), hf_config_dict(cfg))
+    _dump(os.path.join(p, "generation_config.json"), {"bos_token_id": cfg.bos_token_id,
+                                                      "eos_token_id": cfg.eos_token_id,
+                                                      "pad_token_id": cfg.pad_token_id})
+    save_file(random_weights(cfg, seed), os.path.join(p, "model.safetensors"), metadata={"format": "pt"})
+    return p
+
+
+def _dump(path: str, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def cache_dir() -> str:
+    return os.environ.get("SPLASH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "splash")
+
+
+def ensure_tiny_model() -> str:
+    """Path of the built-in tiny model, written on first use. Race-safe: built in a temp folder next to
+    the target and renamed into place; whoever renames first wins, the others discard theirs."""
+    final = os.path.join(cache_dir(), f"tiny-v{TINY_VERSION}")
+    if os.path.isfile(os.path.join(final, "model.safetensors")):
+        return final
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=os.path.dirname(final))
+    try:
+        write_tiny_model(tmp, seed=0)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isfile(os.path.join(final, "model.safetensors")):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
