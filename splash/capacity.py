@@ -172,13 +172,18 @@ def residency_limit(layout: Layout, sc: CapacityScenario, cohorts: int = PAPER_C
 
     if not ok(1):
         return 0
-    g = max(2, _guess(layout, sc, target))
-    step = max(16, g // 100)
+    if cohorts >= 50_000:  # a cheap pass on a tenth of the cohorts starts the bracket close by
+        g = max(2, residency_limit(layout, sc, cohorts // 10, seed, target))
+        first = max(16, g // 400)
+    else:
+        g = max(2, _guess(layout, sc, target))
+        first = max(16, g // 100)
+    step = first
     lo, hi = g, g
     while not ok(lo):  # walk down until feasible
         hi, lo = lo, max(1, lo - step)
         step *= 2
-    step = max(16, g // 100)
+    step = first
     while ok(hi):  # walk up until infeasible
         lo, hi = hi, hi + step
         step *= 2
