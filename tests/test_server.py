@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_utils import REPO, ServeProcess, free_port
+from serve_utils import REPO, ServeProcess
 
 API_KEY = "sk-splash-test"
 MAX_MODEL_LEN = 256
@@ -371,8 +371,21 @@ def test_port_in_use_fails_fast_with_one_line():
     assert "cannot listen" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_sigterm_shuts_down_cleanly(server):
-    assert free_port()  # loopback sockets still work in this process
+def test_sigterm_drains_open_streams_and_exits_0(server):
+    body = {"model": "tiny-test", "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=_auth(), timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line)
+                break
+        server.proc.send_signal(signal.SIGTERM)  # mid-stream: the open request may finish
+        events += [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert sum('"finish_reason":"length"' in e for e in events) == 1
     code = server.stop(signal.SIGTERM, timeout=60)
     assert code == 0, server.output()
     assert "server stopped" in server.output()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=5)
