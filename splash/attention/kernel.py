@@ -38,21 +38,15 @@ def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor, key_pos:
 
     A row with no visible key gets out 0 and lse -inf."""
     n, h, d_c = q_lat.shape
-    m = keys.shape[0]
-    if m == 0:
-        return q_lat.new_zeros(n, h, d_c), torch.full((n, h), float("-inf"), device=q_lat.device,
-                                                       dtype=_acc(q_lat.dtype))
-    q = torch.cat([q_lat, q_pe], dim=-1).reshape(n * h, -1)
-    s = (q @ keys.t()).view(n, h, m) * scale
-    visible = key_pos[None, :] <= q_pos[:, None]  # [n, m]
-    s = s.to(_acc(s.dtype)).masked_fill(~visible[:, None, :], float("-inf"))
-    mx = s.amax(dim=-1, keepdim=True)
-    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
-    e = torch.exp(s - mx)
-    tot = e.sum(dim=-1)  # [n, h]; 0 only for rows that see no key (then e is all 0 and so is out)
-    p = e / torch.where(tot > 0, tot, torch.ones_like(tot))[..., None]
-    out = (p.to(keys.dtype).view(n * h, m) @ keys[:, :d_c]).view(n, h, d_c)
-    lse = mx[..., 0] + torch.log(tot)
+    acc = _acc(q_lat.dtype)
+    if keys.shape[0] == 0:
+        return q_lat.new_zeros(n, h, d_c), torch.full((n, h), float("-inf"), device=q_lat.device, dtype=acc)
+    s = torch.matmul(torch.cat([q_lat, q_pe], dim=-1), keys.t()).to(acc)  # [n, h, m]
+    s.mul_(scale)
+    s.masked_fill_((key_pos[None, :] > q_pos[:, None])[:, None, :], float("-inf"))  # causal by position
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1)  # NaN on rows that see no key: zeroed below (no host sync needed)
+    out = torch.nan_to_num(torch.matmul(p.to(keys.dtype), keys[:, :d_c]), nan=0.0)
     return out, lse
 
 

@@ -84,26 +84,26 @@ class ForwardContext:
             dev = kv.device if kv is not None else torch.device("cpu")
         P = page_size
         out: list[SliceCtx] = []
-        positions: list[int] = []
-        w_rows: list[int] = []
-        w_slots: list[int] = []
+        positions: list[torch.Tensor] = []
+        w_rows: list[torch.Tensor] = []
+        w_slots: list[torch.Tensor] = []
         row = 0
         for s in seqs:
-            table = s.pages[rank]
+            table = torch.tensor(s.pages[rank], dtype=torch.long)
             out.append(SliceCtx(req_id=s.req_id, start=s.start, num_new=s.num_new, owner=s.owner,
                                 sample=s.sample, row_start=row, all_pages=s.pages, page_size=P,
-                                pages=torch.tensor(table, dtype=torch.long, device=dev)))
-            for i, p in enumerate(range(s.start, s.start + s.num_new)):
-                local = table[p // P]
-                if local >= 0:
-                    w_rows.append(row + i)
-                    w_slots.append(local * P + p % P)
-            positions.extend(range(s.start, s.start + s.num_new))
+                                pages=table.to(dev)))
+            pos = torch.arange(s.start, s.start + s.num_new)
+            local = table[pos // P]
+            held = local >= 0
+            positions.append(pos)
+            w_rows.append(torch.arange(row, row + s.num_new)[held])
+            w_slots.append((local * P + pos % P)[held])
             row += s.num_new
 
-        def lt(v: list[int]) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.long, device=dev)
+        def cat(v: list[torch.Tensor]) -> torch.Tensor:
+            return (torch.cat(v) if v else torch.zeros(0, dtype=torch.long)).to(dev)
 
-        return cls(positions=lt(positions), seqs=out, kv=kv, layout=layout, comm=comm, rank=rank,
-                   world=world, stats=stats if stats is not None else {}, write_rows=lt(w_rows),
-                   write_slots=lt(w_slots))
+        return cls(positions=cat(positions), seqs=out, kv=kv, layout=layout, comm=comm, rank=rank,
+                   world=world, stats=stats if stats is not None else {}, write_rows=cat(w_rows),
+                   write_slots=cat(w_slots))
