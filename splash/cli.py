@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from splash.config import ConfigError
@@ -42,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Output piped into e.g. `head` that closed early: not an error of ours.
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the interpreter's final flush
+        except OSError:
+            pass
+        return 0
 
 
 if __name__ == "__main__":
