@@ -118,7 +118,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                  layout: str = "tp", ranks: int | None = None, tp: int | None = None,
                  seed: int | None = None) -> LLMEngine:
     """Load `model` ('tiny' or a checkpoint directory) and build a single-rank LLMEngine."""
-    from splash.attention.local import LocalLayout
+    from splash.attention.batched import BatchedLocalLayout
     from splash.kv.pool import KVPool
     from splash.model import load_model, resolve_dtype, resolve_model_path
 
@@ -144,7 +144,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     pages = _kv_pages(cfg, net, tdtype, page_size, memory_per_rank, num_kv_pages, max_num_seqs,
                       max_model_len, dev)
     pool = KVPool(cfg.num_hidden_layers, pages, page_size, cfg.latent_dim, tdtype, dev)
-    runner = ModelRunner(net, pool, LocalLayout())
+    runner = ModelRunner(net, pool, BatchedLocalLayout())
     alloc = KVAllocator(pages, page_size, world=1, layout=layout)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len)
