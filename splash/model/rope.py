@@ -69,7 +69,8 @@ def softmax_scale(cfg: ModelConfig) -> float:
     if rope and rope.get("rope_type", "default") != "default":
         mad = rope.get("mscale_all_dim", 0)
         if mad:
-            m = yarn_get_mscale(rope["factor"], mad)
+            orig = rope.get("original_max_position_embeddings") or cfg.max_position_embeddings
+            m = yarn_get_mscale(rope.get("factor") or cfg.max_position_embeddings / orig, mad)
             scale = scale * m * m
     return scale
 

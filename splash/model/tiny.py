@@ -8,6 +8,7 @@ transformers can still load the result (DeepseekV3ForCausalLM) for comparisons.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -209,7 +210,9 @@ def cache_dir() -> str:
 def ensure_tiny_model() -> str:
     """Path of the built-in tiny model, written on first use. Race-safe: built in a temp folder next to
     the target and renamed into place; whoever renames first wins, the others discard theirs."""
-    final = os.path.join(cache_dir(), f"tiny-v{TINY_VERSION}")
+    # the preset is part of the name, so editing PRESETS["tiny"] never serves a stale checkpoint
+    tag = hashlib.sha1(repr(PRESETS["tiny"]).encode()).hexdigest()[:8]
+    final = os.path.join(cache_dir(), f"tiny-v{TINY_VERSION}-{tag}")
     if os.path.isfile(os.path.join(final, "model.safetensors")):
         return final
     os.makedirs(os.path.dirname(final), exist_ok=True)
