@@ -58,7 +58,7 @@ class LLM:
             for rid, (text, toks), p in zip(ids, items, params):
                 eng.add_request(rid, prompt=text, params=p, prompt_token_ids=toks)
             while eng.has_unfinished():
-                for out in eng.step():
+                for out in eng.step(final_only=True):
                     if out.finished and out.request_id in ids:
                         results[out.request_id] = out
                         if bar is not None:

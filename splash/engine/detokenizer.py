@@ -30,13 +30,28 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop = list(stop or [])
         self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self._pending: list[int] = []
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
+    def defer(self, token_id: int) -> None:
+        """Queue a token without decoding yet (no stop strings to check): snapshots catch up in one
+        decode, so offline runs and slow consumers do not pay two decodes per token."""
+        self._pending.append(token_id)
+
+    def _catch_up(self) -> None:
+        if self._pending:
+            ids, self._pending = self._pending, []
+            self.add_many(ids)
+
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completed ('' while a character is incomplete)."""
-        self.ids.append(token_id)
+        return self.add_many([token_id])
+
+    def add_many(self, token_ids: list[int]) -> str:
+        self._catch_up()
+        self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -64,6 +79,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At finish: emit what an incomplete tail decodes to (replacement chars included)."""
+        self._catch_up()
         if self.read_offset < len(self.ids):
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
@@ -72,6 +88,7 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
 
     def visible_text(self, finished: bool) -> str:
+        self._catch_up()
         if finished or not self.hold:
             return self.text
         return self.text[:max(0, len(self.text) - self.hold)]

@@ -137,15 +137,16 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return snapshots of the requests that changed."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduling step; return snapshots of the requests that changed (with
+        `final_only`, only of those that finished: offline callers skip building the rest)."""
         changed: dict[str, Request] = {}
         st = self.scheduler.schedule()
         for seq in self.scheduler.finished_by_scheduler:
             self._seq_finished(seq, changed)
         self.scheduler.finished_by_scheduler.clear()
         if st.empty:
-            return self._collect(changed)
+            return self._collect(changed, final_only)
         now = time.time()
         for seq in st.seqs:
             if seq.group.metrics.first_scheduled_time is None:
@@ -165,7 +166,7 @@ class LLMEngine:
                 changed[seq.group.request_id] = seq.group
                 if seq.status.done:
                     self._seq_finished(seq, changed)
-        outs = self._collect(changed)
+        outs = self._collect(changed, final_only)
         if self.on_step:
             info = {"step": self.steps, "rows": st.plan.num_rows, "sampled": len(to_sample),
                     "finished": [o for o in outs if o.finished]}
@@ -192,7 +193,9 @@ class LLMEngine:
         if may_stop and tok in p.stop_token_ids:
             seq.finish("stop", tok)
             return
-        if seq.detok is not None:
+        if seq.detok is not None and not p.stop:
+            seq.detok.defer(tok)
+        elif seq.detok is not None:
             delta = seq.detok.add(tok)
             if may_stop:
                 hit = seq.detok.find_stop(len(delta))
@@ -208,12 +211,14 @@ class LLMEngine:
         self.scheduler.free(seq)
         changed[seq.group.request_id] = seq.group
 
-    def _collect(self, changed: dict[str, Request]) -> list[RequestOutput]:
+    def _collect(self, changed: dict[str, Request], final_only: bool = False) -> list[RequestOutput]:
         outs = []
         for rid, req in changed.items():
             if req.finished:
                 req.metrics.finished_time = time.time()
                 self.requests.pop(rid, None)
+            elif final_only:
+                continue
             outs.append(req.output())
         return outs
 

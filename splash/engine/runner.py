@@ -107,7 +107,7 @@ def _kv_pages(cfg: ModelConfig, model: torch.nn.Module, kv_dtype: torch.dtype, p
     want = max_num_seqs * -(-max_model_len // page_size) * per_page
     cap = int(_available_bytes(device) * (0.85 if device.type == "cuda" else 0.2))
     if device.type != "cuda":
-        cap = min(cap, 512 * 2**20)
+        cap = min(cap, 128 * 2**20)  # CPU demos and tests: plenty, and quick to allocate
     return max(1, min(want, cap) // per_page)
 
 
