@@ -67,3 +67,47 @@ def test_bad_flags_exit_2(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--layout", "zz", "--prompt-ids", "1"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from splash.model.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def test_text_prompts_detokenize_and_stop_strings_on_the_tiny_model(tiny_dir, capsys):
+    from splash.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    base = ["--model", tiny_dir, "--prompt", "Hello world", "--max-tokens", "24", "--ignore-eos", "--json"]
+    rc, out, err = run_cli(capsys, *base)
+    assert rc == 0, err
+    first = json.loads(out)["outputs"][0]
+    assert first["prompt_token_ids"] == tok.encode("Hello world")
+    assert first["text"] == tok.decode(first["token_ids"]) and first["finish_reason"] == "length"
+    text = first["text"]
+    # Stop on a piece of the greedy text: same tokens up to it, text cut before it.
+    cut = next((i for i in range(4, len(text) - 2)
+                if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i), None)
+    assert cut is not None, text
+    rc, out, err = run_cli(capsys, *base, "--stop", text[cut:cut + 2])
+    assert rc == 0, err
+    stopped = json.loads(out)["outputs"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["text"] == text[:cut]
+    assert first["token_ids"][:len(stopped["token_ids"])] == stopped["token_ids"]
+    # Human-readable output names the prompt and the engine.
+    rc, out, err = run_cli(capsys, "--model", tiny_dir, "--prompt", "Hi", "--max-tokens", "3")
+    assert rc == 0 and "'Hi'" in out and "KV pool" in out
+
+
+def test_cli_entry_point_in_a_subprocess(tiny_dir):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "splash", "generate", "--model", tiny_dir,
+                        "--prompt-ids", "65,66", "--max-tokens", "4", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert len(doc["outputs"][0]["token_ids"]) <= 4 and doc["engine"]["kv_pool_tokens"] > 0
