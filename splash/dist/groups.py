@@ -49,6 +49,9 @@ class RankGrid:
     group: Any = None    # data-plane ProcessGroup (None for world of one)
     control: Any = None  # gloo ProcessGroup for control messages
     _owns_pg: bool = field(default=False, repr=False)
+    # Layout-switch transfers (splash/switch) run on their own group so their async collectives never
+    # interleave with the step's own collectives; it shares `comm.stats` (tags "switch.*").
+    switch: BaseCommunicator | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -67,19 +70,21 @@ class RankGrid:
 def local_grid(device: torch.device | str = "cpu") -> RankGrid:
     """A world of one rank: no torch.distributed, the same API."""
     dev = torch.device(device)
-    return RankGrid(rank=0, world=1, local_rank=0, backend="local", device=dev,
-                    comm=LocalCommunicator(dev))
+    comm = LocalCommunicator(dev)
+    return RankGrid(rank=0, world=1, local_rank=0, backend="local", device=dev, comm=comm, switch=comm)
 
 
 def init_distributed(rank: int, world: int, init_method: str | None = None,
                      backend: str | None = None, local_rank: int | None = None,
                      timeout_s: float = DEFAULT_TIMEOUT_S,
-                     control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> RankGrid:
+                     control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
+                     switch_group: bool = True) -> RankGrid:
     """Join (or form) the group of `world` ranks as `rank` and build every group once.
 
     `init_method`: "tcp://HOST:PORT", "env://" (torchrun: MASTER_ADDR/PORT), or "file://...".
     `backend`: None picks NCCL on CUDA, else gloo. World 1 returns `local_grid()` unless a backend
-    is forced (useful to test the distributed path on one process).
+    is forced (useful to test the distributed path on one process). `switch_group`: also build the
+    data-plane group that layout switches transfer on (`grid.switch`).
     """
     if world < 1 or not 0 <= rank < world:
         raise DistError(f"rank {rank} is outside a world of {world} ranks")
@@ -114,8 +119,12 @@ def init_distributed(rank: int, world: int, init_method: str | None = None,
     group = dist.group.WORLD
     control = dist.new_group(backend="gloo", timeout=_td(control_timeout_s))
     comm = Communicator(group, rank, world, device, control_group=control)
+    switch = None
+    if switch_group:
+        sw = dist.new_group(backend=backend, timeout=_td(timeout_s))
+        switch = Communicator(sw, rank, world, device, control_group=control, stats=comm.stats)
     return RankGrid(rank=rank, world=world, local_rank=local_rank, backend=backend, device=device,
-                    comm=comm, group=group, control=control, _owns_pg=True)
+                    comm=comm, group=group, control=control, _owns_pg=True, switch=switch)
 
 
 def _td(seconds: float) -> datetime.timedelta:
