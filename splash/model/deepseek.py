@@ -2,11 +2,18 @@
 
 `forward` returns the residual stream *before* the final norm; `compute_logits` applies the norm and
 the LM head to just the rows that are sampled, which saves the [N, V] product for prefill rows.
+
+Parallelism outside attention is fixed on T ranks (it never changes with the attention layout, so a
+layout switch moves no MLP weights): dense MLP and shared experts tensor-parallel, routed experts
+expert-parallel (tensor-parallel when T does not divide E), input embedding vocab-parallel; each
+layer's MLP/MoE partials take one all-reduce, tagged "mlp.<layer>" so that CommStats keeps them
+apart from the layout's own traffic (tagged with the bare layer index).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +26,7 @@ from splash.model.loader import CheckpointReader
 from splash.model.mla import MLA
 from splash.model.moe import MoE
 from splash.model.rope import Rotary
+from splash.model.shard import even_range, span
 
 
 def held_heads(cfg: ModelConfig, rank: int, world: int, sharded: bool) -> range:
@@ -33,16 +41,23 @@ def held_heads(cfg: ModelConfig, rank: int, world: int, sharded: bool) -> range:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, rotary: Rotary, heads: range, dtype: torch.dtype,
-                 device: torch.device | str | None) -> None:
+                 device: torch.device | str | None, rank: int = 0, world: int = 1,
+                 expert_parallel: str = "auto") -> None:
         super().__init__()
         self.idx = idx
+        self.mlp_tag = f"mlp.{idx}"
         d = cfg.hidden_size
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.self_attn = MLA(cfg, rotary, heads, dtype, device)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.is_moe = cfg.is_moe_layer(idx)
-        self.mlp: nn.Module = MoE(cfg, dtype, device) if self.is_moe else MLP(d, cfg.intermediate_size, dtype,
-                                                                             device)
+        self.mlp: MoE | MLP
+        if self.is_moe:
+            self.mlp = MoE(cfg, dtype, device, rank, world, expert_parallel)
+        else:
+            inter = cfg.intermediate_size
+            self.mlp = MLP(d, inter, dtype, device, cols=even_range(inter, rank, world))
+        self.mlp_partial = self.mlp.partial
 
     def load(self, reader: CheckpointReader, prefix: str, dev: torch.device) -> None:
         self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight", dev)
@@ -53,15 +68,32 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q_in, latent_new = self.self_attn.prepare(self.input_layernorm(x), ctx.positions)
         x = x + ctx.layout.attention(self.idx, self.self_attn, q_in, latent_new, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.mlp(self.post_attention_layernorm(x))
+        if self.mlp_partial:
+            h = ctx.comm.all_reduce(h, tag=self.mlp_tag)
+        return x + h
 
 
 class DeepseekForCausalLM(nn.Module):
-    """One rank's share of the model. `attn_sharded`: hold a 1/world slice of the attention heads'
-    projections (TP/DOP) rather than all of them (DP/CP); MLP, MoE and embeddings are replicated."""
+    """One rank's share of the model.
+
+    `attn_sharded`: hold a 1/world slice of the attention heads' projections (TP/DOP) rather than all
+    of them (DP/CP). Outside attention the split is fixed: dense MLP and shared experts hold a 1/world
+    slice of their intermediate size, routed experts a contiguous block of E/world experts
+    (`expert_parallel` "auto"/"ep"; "tp" or a world not dividing E: a slice of every expert's
+    intermediate size instead), and the input embedding a contiguous 1/world of the vocabulary rows
+    (looked up where held, zero elsewhere, summed by one all-reduce per step).
+
+    The LM head is replicated by default, so `compute_logits` stays local to the rank that samples
+    (rank 0) and costs no collective; it is small next to the experts for DeepSeek models (~2% of
+    V3). `shard_lm_head=True` splits it by vocabulary rows too; `compute_logits(rows, comm)` then is
+    a collective every rank must call with the same rows (an all-gather of the [n, V/T] pieces).
+    Tied embeddings are sharded only together with the head (they are the same matrix).
+    """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, rank: int = 0, world: int = 1,
-                 attn_sharded: bool = True, device: torch.device | str | None = None) -> None:
+                 attn_sharded: bool = True, device: torch.device | str | None = None, *,
+                 expert_parallel: str = "auto", shard_lm_head: bool = False) -> None:
         super().__init__()
         check_activation(cfg.hidden_act)
         if not 0 <= rank < world:
@@ -72,33 +104,68 @@ class DeepseekForCausalLM(nn.Module):
         self.rotary = Rotary(cfg, None if self.device.type == "meta" else self.device)
         heads = held_heads(cfg, rank, world, attn_sharded)
         d, v = cfg.hidden_size, cfg.vocab_size
-        self.register_buffer("embed", torch.empty(v, d, dtype=dtype, device=self.device))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, heads, dtype, self.device)
+        self.vocab_size = v
+        shard_head = shard_lm_head and world > 1
+        shard_embed = world > 1 and (shard_head or not cfg.tie_word_embeddings)
+        self.embed_rows = even_range(v, rank, world) if shard_embed else range(v)
+        self.head_rows = even_range(v, rank, world) if shard_head else range(v)
+        self.register_buffer("embed", torch.empty(len(self.embed_rows), d, dtype=dtype, device=self.device))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, heads, dtype, self.device, rank, world,
+                                                 expert_parallel)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype, self.device)
         self.register_buffer("lm_head", None if cfg.tie_word_embeddings
-                             else torch.empty(v, d, dtype=dtype, device=self.device))
+                             else torch.empty(len(self.head_rows), d, dtype=dtype, device=self.device))
 
     # ---- weights --------------------------------------------------------------------------------
     def load_weights(self, reader: CheckpointReader) -> None:
         dt, dev = self.dtype, self.device
-        self.embed = reader.get("model.embed_tokens.weight", dt, dev)
+        expect = [self.cfg.vocab_size, self.cfg.hidden_size]
+        if reader.shape("model.embed_tokens.weight") != expect:
+            raise ConfigError(f"embed_tokens has shape {tuple(reader.shape('model.embed_tokens.weight'))}, "
+                              f"config says {tuple(expect)}")
+        self.embed = reader.get("model.embed_tokens.weight", dt, dev, rows=span(self.embed_rows, expect[0]))
         for i, layer in enumerate(self.layers):
             layer.load(reader, f"model.layers.{i}", dev)
         self.norm.load(reader, "model.norm.weight", dev)
         if not self.cfg.tie_word_embeddings:
-            self.lm_head = reader.get("lm_head.weight", dt, dev)
-        expect = (self.cfg.vocab_size, self.cfg.hidden_size)
-        if tuple(self.embed.shape) != expect:
-            raise ConfigError(f"embed_tokens has shape {tuple(self.embed.shape)}, config says {expect}")
+            self.lm_head = reader.get("lm_head.weight", dt, dev, rows=span(self.head_rows, expect[0]))
+
+    def weight_counts(self) -> dict[str, int]:
+        """Elements this rank holds per part: attention, mlp (dense), experts (routed), shared,
+        router, embed, lm_head, norms. What the fixed parallelism splits is mlp/experts/shared/embed."""
+        parts = ("attention", "mlp", "experts", "shared", "router", "embed", "lm_head", "norms")
+        out = dict.fromkeys(parts, 0)
+        for name, b in self.named_buffers():
+            if b is None or name.startswith("rotary."):
+                continue
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                part = "norms"
+            elif ".self_attn." in name:
+                part = "attention"
+            elif ".mlp.gate." in name:
+                part = "router"
+            elif ".mlp.shared." in name:
+                part = "shared"
+            elif ".mlp." in name:
+                part = "experts" if name.endswith(("mlp.gate_up", "mlp.down")) else "mlp"
+            elif name in ("embed", "lm_head"):
+                part = name
+            else:
+                raise AssertionError(f"unclassified weight {name}")
+            out[part] += b.numel()
+        return out
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, rank: int = 0,
                         world: int = 1, attn_sharded: bool = True, device: torch.device | str | None = None,
-                        cfg: ModelConfig | None = None) -> DeepseekForCausalLM:
+                        cfg: ModelConfig | None = None, *, expert_parallel: str = "auto",
+                        shard_lm_head: bool = False) -> DeepseekForCausalLM:
+        """Build this rank's share and read only its slices from the checkpoint."""
         cfg = cfg or ModelConfig.from_hf(path)
         # weights are replaced tensor by tensor on load, so build the skeleton on the meta device
-        model = cls(cfg, dtype, rank, world, attn_sharded, device="meta")
+        model = cls(cfg, dtype, rank, world, attn_sharded, device="meta", expert_parallel=expert_parallel,
+                    shard_lm_head=shard_lm_head)
         model.device = torch.device(device or "cpu")
         model.rotary.to(model.device)
         reader = CheckpointReader(path, cfg.quantization_config)
@@ -115,13 +182,35 @@ class DeepseekForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [N] -> residual stream [N, d] after the last layer (pre final norm)."""
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids, ctx)
         for layer in self.layers:
             x = layer(x, ctx)
         return x
 
+    def embed_tokens(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """[N] -> [N, d]; vocab-parallel: held rows looked up, others zero, then summed over ranks
+        (exact: every row has exactly one non-zero term)."""
+        if len(self.embed_rows) == self.vocab_size:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.embed_rows.start
+        miss = (local < 0) | (local >= len(self.embed_rows))
+        x = F.embedding(local.masked_fill(miss, 0), self.embed).masked_fill_(miss[:, None], 0.0)
+        return ctx.comm.all_reduce(x, tag="embed")
+
     @torch.inference_mode()
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """[n, d] rows from `forward` -> [n, V] logits (final norm + LM head)."""
+    def compute_logits(self, hidden_rows: torch.Tensor, comm: Any = None) -> torch.Tensor:
+        """[n, d] rows from `forward` -> [n, V] logits (final norm + LM head). With a vocab-parallel
+        head (`shard_lm_head`), every rank calls this with the same rows and `comm`; all get [n, V]."""
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(hidden_rows), head)
+        h = self.norm(hidden_rows)
+        if len(self.head_rows) == self.vocab_size:
+            return F.linear(h, head)
+        if comm is None:
+            raise RuntimeError("this model's LM head is vocab-parallel (shard_lm_head=True): every rank "
+                               "must call compute_logits(rows, comm) with the same rows")
+        sizes = [len(even_range(self.vocab_size, r, self.world)) for r in range(self.world)]
+        part = F.linear(h, head)
+        if part.shape[1] < sizes[0]:  # equal-shape gather: pad the shorter slices by a column
+            part = F.pad(part, (0, sizes[0] - part.shape[1]))
+        pieces = comm.all_gather(part.contiguous(), tag="lm_head")  # [T, n, ceil(V/T)]
+        return torch.cat([pieces[r, :, :sizes[r]] for r in range(self.world)], dim=1)

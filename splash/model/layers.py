@@ -11,6 +11,7 @@ from torch import nn
 
 from splash.config import ConfigError
 from splash.model.loader import CheckpointReader
+from splash.model.shard import span
 
 
 def check_activation(name: str) -> None:
@@ -38,22 +39,44 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): the dense layers' MLP and the MoE's shared experts."""
+    """down(silu(gate(x)) * up(x)): the dense layers' MLP and the MoE's shared experts.
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str | None = None):
+    `cols` is the slice of the intermediate size this rank holds (all of it by default). A slice makes
+    it tensor-parallel: gate/up column-parallel (their rows `cols`), down row-parallel (its columns
+    `cols`); `forward` then returns this rank's partial sum and the caller all-reduces it (once per
+    layer, together with any other partial such as the routed experts')."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str | None = None,
+                 cols: range | None = None):
         super().__init__()
-        self.register_buffer("gate_proj", torch.empty(inter, hidden, dtype=dtype, device=device))
-        self.register_buffer("up_proj", torch.empty(inter, hidden, dtype=dtype, device=device))
-        self.register_buffer("down_proj", torch.empty(hidden, inter, dtype=dtype, device=device))
+        self.inter = inter
+        self.cols = range(inter) if cols is None else cols
+        n = len(self.cols)
+        self.register_buffer("gate_proj", torch.empty(n, hidden, dtype=dtype, device=device))
+        self.register_buffer("up_proj", torch.empty(n, hidden, dtype=dtype, device=device))
+        self.register_buffer("down_proj", torch.empty(hidden, n, dtype=dtype, device=device))
+
+    @property
+    def partial(self) -> bool:
+        """True when this rank holds only a slice: its output must be summed over ranks."""
+        return len(self.cols) != self.inter
 
     def load(self, reader: CheckpointReader, prefix: str, dev: torch.device) -> None:
         dt = self.gate_proj.dtype
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            t = reader.get(f"{prefix}.{n}.weight", dt, dev)
+        sp = span(self.cols, self.inter)
+        reads = (("gate_proj", sp, None, 0), ("up_proj", sp, None, 0), ("down_proj", None, sp, 1))
+        for n, rows, cols, dim in reads:
+            name = f"{prefix}.{n}.weight"
+            full = reader.shape(name)
+            if len(full) != 2 or full[dim] != self.inter:
+                raise ValueError(f"{name} has shape {tuple(full)}, but config.json gives an intermediate "
+                                 f"size of {self.inter}; config.json does not match the weights")
+            t = reader.get(name, dt, dev, rows=rows, cols=cols)
             if t.shape != getattr(self, n).shape:
-                raise ValueError(f"{prefix}.{n}.weight has shape {tuple(t.shape)}, expected "
+                raise ValueError(f"{name} has shape {tuple(t.shape)} for this rank, expected "
                                  f"{tuple(getattr(self, n).shape)}; config.json does not match the weights")
             setattr(self, n, t)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, d] -> [N, d] (this rank's partial sum when `partial`)."""
         return F.linear(F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj)

@@ -1,9 +1,10 @@
 """Reading a Hugging Face checkpoint: one or many `*.safetensors` files, FP8 block dequantisation.
 
 Tensors are read lazily by name through `safe_open` slices, so a rank that holds only some heads
-(or, later, some experts) reads only those rows/columns from disk. FP8 (`float8_e4m3fn`) weights with
-a `<name>_scale_inv` block scale (DeepSeek-V3's 128x128 blocks) are dequantised on read: in float64
-when the model runs in float64 (exact: 4-bit mantissa x float32 scale), else in float32, then cast.
+(or some experts, or a slice of the MLP) reads only those rows/columns from disk. FP8
+(`float8_e4m3fn`) weights with a `<name>_scale_inv` block scale (DeepSeek-V3's 128x128 blocks) are
+dequantised on read: in float64 when the model runs in float64 (exact: 4-bit mantissa x float32
+scale), else in float32, then cast.
 """
 
 from __future__ import annotations
@@ -74,22 +75,35 @@ class CheckpointReader:
     def shape(self, name: str) -> list[int]:
         return list(self._slice(name).get_shape())
 
-    def _read(self, name: str, rows: Span, cols: Span) -> torch.Tensor:
+    def _read(self, name: str, rows: Span, cols: Span, mid: Span = None) -> torch.Tensor:
+        """Read a block: `rows` spans dim 0, `cols` the last dim, `mid` dim 1 of a 3-D tensor."""
         sl = self._slice(name)
         nd = len(sl.get_shape())
-        r = slice(*rows) if rows else slice(None)
+        if not (rows or cols or mid):
+            return sl[:]
+        if mid and nd != 3:
+            raise ValueError(f"{name}: a dim-1 span needs a 3-D tensor, this one has {nd} dims")
+        idx = [slice(None)] * nd
+        if rows:
+            idx[0] = slice(*rows)
+        if mid:
+            idx[1] = slice(*mid)
         if cols:
-            return sl[r, slice(*cols)] if nd == 2 else sl[r, :, slice(*cols)]
-        return sl[r] if rows else sl[:]
+            idx[-1] = slice(*cols)
+        return sl[tuple(idx)]
 
     def get(self, name: str, dtype: torch.dtype, device: torch.device | str | None = None,
-            rows: Span = None, cols: Span = None) -> torch.Tensor:
-        """Tensor `name` (rows/cols half-open spans of a 2-D weight), dequantised and cast to dtype."""
+            rows: Span = None, cols: Span = None, mid: Span = None) -> torch.Tensor:
+        """Tensor `name`, dequantised and cast to dtype. rows/cols: half-open spans of dim 0 / the last
+        dim (a 2-D weight's rows and columns, a stacked 3-D expert tensor's experts and inputs); mid:
+        dim 1 of a 3-D tensor. Only the asked block is read from disk."""
         scale_name = name + "_scale_inv"
         if name.endswith(".weight") and self.has(scale_name):
+            if mid or len(self.shape(name)) != 2:
+                raise ConfigError(f"{name}: FP8 block scales are supported for 2-D weights only")
             t = self._read_fp8(name, scale_name, dtype, rows, cols)
         else:
-            t = self._read(name, rows, cols)
+            t = self._read(name, rows, cols, mid)
             if t.dtype in _FP8:
                 raise ConfigError(f"{name} is stored in {t.dtype} without {scale_name}; cannot dequantise")
             t = t.to(dtype)

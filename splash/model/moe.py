@@ -3,6 +3,7 @@
 Routers run in float32 whatever the model dtype (transformers keeps the gate in float32); the routing
 weights stay float32 until each expert's output is scaled, then the sum is cast to the model dtype,
 experts being added in ascending expert order (the reference's order, which matters for top-k >= 3).
+On T ranks the experts are expert- or tensor-parallel and each rank returns a partial sum (see MoE).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from splash.config import ConfigError, ModelConfig
 from splash.model.layers import MLP
 from splash.model.loader import CheckpointReader
+from splash.model.shard import even_range, moe_mode, span
 
 V3_TYPES = ("deepseek_v3", "kimi_k2")
 
@@ -100,33 +102,61 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (stacked [E, 2I, d] / [E, d, I]) plus the always-on shared experts."""
+    """Routed experts (stacked [E, 2I, d] / [E, d, I]) plus the always-on shared experts.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str | None = None
-                 ) -> None:
+    On T ranks (fixed, whatever the attention layout): the router is replicated, so every rank computes
+    the same routing from the same replicated rows; routed experts are expert-parallel (`mode` "ep":
+    this rank holds experts `experts`, a contiguous E/T block, whole) or tensor-parallel ("tp": every
+    expert, intermediate slice `cols`); shared experts are tensor-parallel. `forward` returns this
+    rank's partial sum (routed + shared), which the layer all-reduces once. At T = 1 it holds
+    everything and the sum is complete.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str | None = None,
+                 rank: int = 0, world: int = 1, mode: str = "auto") -> None:
         super().__init__()
         e, d, i = int(cfg.n_routed_experts), cfg.hidden_size, cfg.moe_intermediate_size
         self.e, self.inter = e, i
+        self.mode = moe_mode(mode, e, world)
+        self.experts = even_range(e, rank, world) if self.mode == "ep" else range(e)
+        self.cols = even_range(i, rank, world) if self.mode == "tp" else range(i)
+        ne, ni = len(self.experts), len(self.cols)
         self.gate = Router(cfg, device)
-        self.register_buffer("gate_up", torch.empty(e, 2 * i, d, dtype=dtype, device=device))
-        self.register_buffer("down", torch.empty(e, d, i, dtype=dtype, device=device))
+        self.register_buffer("gate_up", torch.empty(ne, 2 * ni, d, dtype=dtype, device=device))
+        self.register_buffer("down", torch.empty(ne, d, ni, dtype=dtype, device=device))
         n_shared = int(cfg.n_shared_experts or 0)
-        self.shared = MLP(d, i * n_shared, dtype, device) if n_shared else None
+        si = i * n_shared
+        self.shared = MLP(d, si, dtype, device, cols=even_range(si, rank, world)) if n_shared else None
+
+    @property
+    def partial(self) -> bool:
+        """True when this rank's output is a partial sum that must be all-reduced."""
+        return (len(self.experts) != self.e or len(self.cols) != self.inter
+                or (self.shared is not None and self.shared.partial))
 
     def load(self, reader: CheckpointReader, prefix: str, dev: torch.device) -> None:
+        """Read the router whole and only this rank's experts / intermediate slice of the rest."""
         self.gate.load(reader, f"{prefix}.gate", dev)
         dt = self.gate_up.dtype
+        i, ni = self.inter, len(self.cols)
+        ex, cs = span(self.experts, self.e), span(self.cols, i)
         if reader.has(f"{prefix}.experts.gate_up_proj"):  # transformers-5 fused layout
-            gate_up = reader.get(f"{prefix}.experts.gate_up_proj", dt, dev)
-            down = reader.get(f"{prefix}.experts.down_proj", dt, dev)
+            name = f"{prefix}.experts.gate_up_proj"
+            if cs is None:
+                gate_up = reader.get(name, dt, dev, rows=ex)
+            else:  # this slice of the gate half, then the same slice of the up half
+                c0, c1 = cs
+                gate_up = torch.cat([reader.get(name, dt, dev, rows=ex, mid=(c0, c1)),
+                                     reader.get(name, dt, dev, rows=ex, mid=(i + c0, i + c1))], dim=1)
+            down = reader.get(f"{prefix}.experts.down_proj", dt, dev, rows=ex, cols=cs)
         else:
             gate_up = torch.empty(self.gate_up.shape, dtype=dt, device=dev)
             down = torch.empty(self.down.shape, dtype=dt, device=dev)
-            for j in range(self.e):
+            for k, j in enumerate(self.experts):
                 p = f"{prefix}.experts.{j}"
-                gate_up[j, : self.inter] = reader.get(f"{p}.gate_proj.weight", dt, dev)
-                gate_up[j, self.inter:] = reader.get(f"{p}.up_proj.weight", dt, dev)
-                down[j] = reader.get(f"{p}.down_proj.weight", dt, dev)
+                gate_up[k, :ni] = reader.get(f"{p}.gate_proj.weight", dt, dev, rows=cs)
+                gate_up[k, ni:] = reader.get(f"{p}.up_proj.weight", dt, dev, rows=cs)
+                down[k] = reader.get(f"{p}.down_proj.weight", dt, dev, cols=cs)
         if gate_up.shape != self.gate_up.shape or down.shape != self.down.shape:
             raise ValueError(f"{prefix}.experts: weight shapes do not match config.json")
         self.gate_up, self.down = gate_up, down
@@ -134,12 +164,20 @@ class MoE(nn.Module):
             self.shared.load(reader, f"{prefix}.shared_experts", dev)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, d] -> [N, d]: routed + shared experts (this rank's partial sum when `partial`)."""
         w, idx = self.gate(x)
         k = idx.shape[1]
         flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # grouped by expert, ascending
+        ne = len(self.experts)
+        if ne == self.e:
+            order = torch.argsort(flat, stable=True)  # grouped by expert, ascending
+            counts = torch.bincount(flat, minlength=self.e).tolist()
+        else:  # expert-parallel: only the (token, choice) pairs routed to this rank's experts
+            local = flat - self.experts.start
+            key = torch.where((local >= 0) & (local < ne), local, ne)
+            counts = torch.bincount(key, minlength=ne + 1).tolist()[:ne]
+            order = torch.argsort(key, stable=True)[:sum(counts)]
         tok = order // k
-        counts = torch.bincount(flat, minlength=self.e).tolist()
         xs = x[tok]
         ys = torch.empty_like(xs)
         a = 0
