@@ -23,8 +23,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
                          description="Time LLM.generate on a fixed batch of random-token prompts.")
     add_engine_args(p)
     p.add_argument("--batch", type=_positive, default=16, help="prompts in the batch")
-    p.add_argument("--input-len", type=_positive, default=32, help="prompt tokens each")
-    p.add_argument("--output-len", type=_positive, default=64, help="generated tokens each")
+    p.add_argument("--input-len", type=_positive, default=128, help="prompt tokens each")
+    p.add_argument("--output-len", type=_positive, default=128, help="generated tokens each")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--repeat", type=_positive, default=3,
