@@ -111,3 +111,14 @@ def test_cli_entry_point_in_a_subprocess(tiny_dir):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert len(doc["outputs"][0]["token_ids"]) <= 4 and doc["engine"]["kv_pool_tokens"] > 0
+
+
+def test_bench_offline_runs_and_compares_with_transformers(ckpt, capsys):
+    """Smoke test of `splash bench offline --compare-hf` (float64: both sides generate the same tokens)."""
+    rc = main(["bench", "offline", "--model", ckpt, "--dtype", "float64", "--batch", "3", "--input-len", "5",
+               "--output-len", "4", "--repeat", "1", "--compare-hf", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert doc["batch"] == 3 and doc["splash"]["output_tokens_per_s"] > 0 and doc["hf"]["seconds"] > 0
+    assert doc["speedup"] > 0 and doc["greedy_agreement"] == 1.0
