@@ -52,7 +52,9 @@ def test_greedy_matches_reference_with_chunking_batching_and_preemption():
         assert final[f"r{i}"].outputs[0].token_ids == ref(p, 12)
         assert final[f"r{i}"].outputs[0].finish_reason == "length"
     assert eng.scheduler.num_preemptions > 0
-    assert eng.allocator.num_used == [0] and eng.stats()["num_running"] == 0
+    st = eng.stats()
+    assert st["prompt_tokens_total"] == sum(map(len, prompts)) and st["generation_tokens_total"] == 5 * 12
+    assert eng.allocator.num_used == [0] and st["num_running"] == 0
 
 
 def test_stop_string_truncates_text_and_keeps_token():

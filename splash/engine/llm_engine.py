@@ -154,8 +154,10 @@ class LLMEngine:
         logits = self.runner.execute(st.plan)
         self.scheduler.complete(st)
         self.steps += 1
-        self.prompt_tokens_total += sum(sl.num_new for seq, sl in zip(st.seqs, st.plan.seqs)
-                                        if sl.start < len(seq.prompt_token_ids))
+        # Prompt rows computed for the first time (recompute after preemption is not new work asked for).
+        self.prompt_tokens_total += sum(min(sl.start + sl.num_new, len(seq.prompt_token_ids)) - sl.start
+                                        for seq, sl in zip(st.seqs, st.plan.seqs)
+                                        if sl.start < len(seq.prompt_token_ids) and not seq.num_preemptions)
         to_sample = [seq for seq, sl in zip(st.seqs, st.plan.seqs) if sl.sample]
         if to_sample:
             rows = [SampleRow(seq.params, len(seq.output_token_ids), seq.generator) for seq in to_sample]
