@@ -154,10 +154,12 @@ class LLMEngine:
         logits = self.runner.execute(st.plan)
         self.scheduler.complete(st)
         self.steps += 1
-        # Prompt rows computed for the first time (recompute after preemption is not new work asked for).
-        self.prompt_tokens_total += sum(min(sl.start + sl.num_new, len(seq.prompt_token_ids)) - sl.start
-                                        for seq, sl in zip(st.seqs, st.plan.seqs)
-                                        if sl.start < len(seq.prompt_token_ids) and not seq.num_preemptions)
+        for seq, sl in zip(st.seqs, st.plan.seqs):
+            # Prompt rows computed for the first time (recompute after preemption is not asked-for work).
+            hi = min(sl.start + sl.num_new, len(seq.prompt_token_ids))
+            if hi > seq.prompt_high:
+                self.prompt_tokens_total += hi - seq.prompt_high
+                seq.prompt_high = hi
         to_sample = [seq for seq, sl in zip(st.seqs, st.plan.seqs) if sl.sample]
         if to_sample:
             rows = [SampleRow(seq.params, len(seq.output_token_ids), seq.generator) for seq in to_sample]

@@ -51,6 +51,7 @@ class Sequence:
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
     num_preemptions: int = 0
+    prompt_high: int = 0  # prompt tokens computed at least once (for the prompt-token counter)
 
     @property
     def prompt_token_ids(self) -> list[int]:
