@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
         else:
             inter = cfg.intermediate_size
             self.mlp = MLP(d, inter, dtype, device, cols=even_range(inter, rank, world))
-        self.mlp_partial = self.mlp.partial
+        self.mlp_partial = world > 1  # every rank joins the reduce, whatever its slice's size
 
     def load(self, reader: CheckpointReader, prefix: str, dev: torch.device) -> None:
         self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight", dev)
@@ -107,6 +107,7 @@ class DeepseekForCausalLM(nn.Module):
         self.vocab_size = v
         shard_head = shard_lm_head and world > 1
         shard_embed = world > 1 and (shard_head or not cfg.tie_word_embeddings)
+        self.embed_sharded, self.head_sharded = shard_embed, shard_head  # same on every rank
         self.embed_rows = even_range(v, rank, world) if shard_embed else range(v)
         self.head_rows = even_range(v, rank, world) if shard_head else range(v)
         self.register_buffer("embed", torch.empty(len(self.embed_rows), d, dtype=dtype, device=self.device))
@@ -190,7 +191,7 @@ class DeepseekForCausalLM(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """[N] -> [N, d]; vocab-parallel: held rows looked up, others zero, then summed over ranks
         (exact: every row has exactly one non-zero term)."""
-        if len(self.embed_rows) == self.vocab_size:
+        if not self.embed_sharded:
             return F.embedding(input_ids, self.embed)
         local = input_ids - self.embed_rows.start
         miss = (local < 0) | (local >= len(self.embed_rows))
@@ -203,7 +204,7 @@ class DeepseekForCausalLM(nn.Module):
         head (`shard_lm_head`), every rank calls this with the same rows and `comm`; all get [n, V]."""
         head = self.embed if self.lm_head is None else self.lm_head
         h = self.norm(hidden_rows)
-        if len(self.head_rows) == self.vocab_size:
+        if not self.head_sharded:
             return F.linear(h, head)
         if comm is None:
             raise RuntimeError("this model's LM head is vocab-parallel (shard_lm_head=True): every rank "

@@ -44,7 +44,8 @@ class MLP(nn.Module):
     `cols` is the slice of the intermediate size this rank holds (all of it by default). A slice makes
     it tensor-parallel: gate/up column-parallel (their rows `cols`), down row-parallel (its columns
     `cols`); `forward` then returns this rank's partial sum and the caller all-reduces it (once per
-    layer, together with any other partial such as the routed experts')."""
+    layer, together with any other partial such as the routed experts'). Whether to reduce is the
+    caller's (world > 1), never this shape's: a rank whose slice happens to be whole must still join."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str | None = None,
                  cols: range | None = None):
@@ -55,11 +56,6 @@ class MLP(nn.Module):
         self.register_buffer("gate_proj", torch.empty(n, hidden, dtype=dtype, device=device))
         self.register_buffer("up_proj", torch.empty(n, hidden, dtype=dtype, device=device))
         self.register_buffer("down_proj", torch.empty(hidden, n, dtype=dtype, device=device))
-
-    @property
-    def partial(self) -> bool:
-        """True when this rank holds only a slice: its output must be summed over ranks."""
-        return len(self.cols) != self.inter
 
     def load(self, reader: CheckpointReader, prefix: str, dev: torch.device) -> None:
         dt = self.gate_proj.dtype

@@ -128,12 +128,6 @@ class MoE(nn.Module):
         si = i * n_shared
         self.shared = MLP(d, si, dtype, device, cols=even_range(si, rank, world)) if n_shared else None
 
-    @property
-    def partial(self) -> bool:
-        """True when this rank's output is a partial sum that must be all-reduced."""
-        return (len(self.experts) != self.e or len(self.cols) != self.inter
-                or (self.shared is not None and self.shared.partial))
-
     def load(self, reader: CheckpointReader, prefix: str, dev: torch.device) -> None:
         """Read the router whole and only this rank's experts / intermediate slice of the rest."""
         self.gate.load(reader, f"{prefix}.gate", dev)
