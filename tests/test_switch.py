@@ -3,8 +3,8 @@
 A tiny float64 DeepSeek-V3 checkpoint (transformers-made) runs a fixed schedule of chunked prefills
 and decodes through a minimal leader/worker loop written here: rank 0 owns the page allocators,
 plans each step and (at the switching step) the switch, and broadcasts both; every rank runs the
-model. The switch happens during step 2, with one request mid-prefill, one finishing its prefill and
-one holding pages without rows in that step. Checked for every case: logits of every sampled row on
+model. The switch happens during step 2, with one request mid-prefill, one finishing its prefill, one
+arriving and one holding pages without rows in that step. Checked for every case: logits of every sampled row on
 every rank within 1e-9 of the unswitched single-rank run, identical greedy tokens (which match
 transformers' greedy decoding), page accounting balanced on every rank after every step (no leak,
 no double allocation, tables follow the running layout's placement rule), bytes counted per layer
@@ -55,16 +55,16 @@ class Req:
 def scenario(name: str, world: int) -> tuple[list[Req], list[list[tuple[int, int]]]]:
     """Requests (prompt ids, source owner) and per step the (request, rows) scheduled.
 
-    "mixed": 4 requests; at the switch step r1 holds pages but has no rows, r2 finishes its prefill
-    and r3 is mid-prefill. "few": 2 requests both owned by the last rank (other ranks own nothing)."""
+    "mixed": 5 requests; at the switch step r1 holds pages but has no rows, r2 finishes its prefill,
+    r3 is mid-prefill and r4 arrives (no history yet). "few": 2 requests both owned by the last rank (other ranks own nothing)."""
     g = torch.Generator().manual_seed(11)
     if name == "mixed":
-        prompts, owners = [11, 7, 14, 9], [0, 1, 1, 3]
+        prompts, owners = [11, 7, 14, 9, 5], [0, 1, 1, 3, 0]
         sched = [[(0, 6), (1, 7), (2, 5)],
                  [(0, 5), (1, 1), (2, 5), (3, 3)],
-                 [(0, 1), (2, 4), (3, 3)],
-                 [(0, 1), (1, 1), (2, 1), (3, 3)],
-                 [(0, 1), (1, 1), (2, 1), (3, 1)]]
+                 [(0, 1), (2, 4), (3, 3), (4, 5)],
+                 [(0, 1), (1, 1), (2, 1), (3, 3), (4, 1)],
+                 [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)]]
     elif name == "few":
         prompts, owners = [10, 6], [world - 1, world - 1]
         sched = [[(0, 4), (1, 6)], [(0, 4), (1, 1)], [(0, 2), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
