@@ -3,13 +3,14 @@
 A tiny float64 DeepSeek-V3 checkpoint (transformers-made) runs a fixed schedule of chunked prefills
 and decodes through a minimal leader/worker loop written here: rank 0 owns the page allocators,
 plans each step and (at the switching step) the switch, and broadcasts both; every rank runs the
-model. The switch happens during step 2, with one request mid-prefill, one finishing its prefill, one
-arriving and one holding pages without rows in that step. Checked for every case: logits of every sampled row on
-every rank within 1e-9 of the unswitched single-rank run, identical greedy tokens (which match
-transformers' greedy decoding), page accounting balanced on every rank after every step (no leak,
-no double allocation, tables follow the running layout's placement rule), bytes counted per layer
-equal to the analytical core's manifest, overlapped and blocking modes bit-identical, at most one
-layer in transit, and a switch refused for memory leaving the allocators untouched.
+model. The switch happens during step 2, with one request mid-prefill, one finishing its prefill,
+one arriving and one holding pages without rows in that step. Checked for every case: logits of
+every sampled row on every rank within 1e-9 of the unswitched single-rank run, identical greedy
+tokens (which match transformers' greedy decoding), page accounting balanced on every rank after
+every step (no leak, no double allocation, tables follow the running layout's placement rule),
+bytes counted per layer equal to the analytical core's manifest, overlapped and blocking modes
+bit-identical, at most one layer in transit, and a switch refused for memory leaving the
+allocators untouched.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def scenario(name: str, world: int) -> tuple[list[Req], list[list[tuple[int, int
     """Requests (prompt ids, source owner) and per step the (request, rows) scheduled.
 
     "mixed": 5 requests; at the switch step r1 holds pages but has no rows, r2 finishes its prefill,
-    r3 is mid-prefill and r4 arrives (no history yet). "few": 2 requests both owned by the last rank (other ranks own nothing)."""
+    r3 is mid-prefill and r4 arrives (no history yet). "few": 2 requests both owned by the last
+    rank (other ranks own nothing)."""
     g = torch.Generator().manual_seed(11)
     if name == "mixed":
         prompts, owners = [11, 7, 14, 9, 5], [0, 1, 1, 3, 0]
@@ -111,14 +113,16 @@ def forward(model, pool, comm, rank: int, world: int, plan: StepPlan, layout) ->
 
 
 def drive(model, pool, comm, switch_comm, rank: int, world: int, src: str, run_as: str, scen: str,
-          dst: str | None = None, mode: str = "overlapped", pages: int = NUM_PAGES) -> dict:
-    """Run the schedule; switch to `dst` during SWITCH_STEP. Rank 0 plans; every rank computes."""
+          dst: str | tuple[str, ...] | None = None, mode: str = "overlapped", pages: int = NUM_PAGES) -> dict:
+    """Run the schedule; switch to `dst` during SWITCH_STEP (a tuple: one switch per step from
+    SWITCH_STEP on). Rank 0 plans; every rank computes."""
+    dsts = (dst,) if isinstance(dst, str) else tuple(dst or ())
     reqs, sched = scenario(scen, world)
     leader = rank == 0
     alloc = KVAllocator(pages, P, world, layout=src) if leader else None
     planner = SwitchPlanner(model.cfg, alloc, DT) if leader else None
     layout = make_layout(run_as)
-    out: dict = {"logits": [], "errors": [], "switch": None, "refusal": None}
+    out: dict = {"logits": [], "errors": [], "switches": [], "refusal": None}
     for step, work in enumerate(sched):
         msg = None
         if leader:
@@ -132,13 +136,13 @@ def drive(model, pool, comm, switch_comm, rank: int, world: int, src: str, run_a
                 ids += q.ids[q.cached:q.cached + n]
             plan = StepPlan(step, alloc.layout, ids, slices)
             sw = refusal = None
-            if dst is not None and step == SWITCH_STEP:
+            if 0 <= step - SWITCH_STEP < len(dsts):
                 rows = dict(work)
                 live = [LiveRequest(q.rid, q.cached, q.owner, [row[:] for row in q.pages],
                                     tokens=q.cached + rows.get(q.rid, 0), projected=q.prompt + 4)
                         for q in reqs if q.pages and q.pages[0]]
                 before = snapshot(alloc)
-                res = planner.plan(dst, live, mode)
+                res = planner.plan(dsts[step - SWITCH_STEP], live, mode)
                 if isinstance(res, SwitchRefusal):
                     refusal = res
                     if snapshot(alloc) != before:
@@ -158,7 +162,7 @@ def drive(model, pool, comm, switch_comm, rank: int, world: int, src: str, run_a
             result = ex.finish()
             layout = new_layout
             measured = {k: b for k, b in comm.stats.current.items() if str(k[1]).startswith("switch.")}
-            out["switch"] = {"plan": sw, "result": result, "bytes": measured}
+            out["switches"].append({"plan": sw, "result": result, "bytes": measured})
             if leader:
                 planner.commit(sw, result.freed)
                 for q in reqs:
@@ -255,7 +259,8 @@ def reference(ckpt) -> dict[str, dict]:
 # ---- checks ------------------------------------------------------------------------------------------
 def check_case(case: tuple, per_rank: list[dict], ref: dict, world: int, cfg: ModelConfig) -> None:
     src, dst, mode, scen, _ = case
-    name = f"{src}->{dst} {mode} {scen} T={world}"
+    dsts = (dst,) if isinstance(dst, str) else dst
+    name = f"{src}->{'->'.join(dsts)} {mode} {scen} T={world}"
     lead = per_rank[0]
     assert not lead["errors"], f"{name}: {lead['errors']}"
     assert lead["tokens"] == ref["tokens"], f"{name}: greedy tokens differ"
@@ -263,24 +268,27 @@ def check_case(case: tuple, per_rank: list[dict], ref: dict, world: int, cfg: Mo
         for step, (got, want) in enumerate(zip(res["logits"], ref["logits"], strict=True)):
             err = (got - want).abs().max().item() if got.numel() else 0.0
             assert err < 1e-9, f"{name}: rank {r} step {step} logits differ by {err:.2e}"
-    sw: SwitchPlan = lead["switch"]["plan"]
-    assert lead["layout"] == dst and sw.src == src and sw.dst == dst
-    # The plan's bytes are the analytical core's, and every rank sent exactly them, layer by layer.
-    man = switch_manifest(cfg, src, dst, sw.batch, world, P, "fp64", "fp64")
-    for r, res in enumerate(per_rank):
-        meas = res["switch"]["bytes"]
-        for lay in sw.layers:
-            i = lay.layer
-            w = meas.get(("all_gather", f"switch.w.{i}"), 0)
-            kv = meas.get(("all_to_all", f"switch.kv.{i}"), 0)
-            assert w == lay.weight_send_bytes[r] == man.weights.send_bytes[r], f"{name}: rank {r} layer {i} W"
-            assert kv == lay.kv_send_bytes[r] == man.kv.send_bytes[r], f"{name}: rank {r} layer {i} KV"
-        assert set(meas) <= {(op, f"switch.{k}.{i}") for op, k in (("all_gather", "w"), ("all_to_all", "kv"))
-                             for i in range(cfg.num_hidden_layers)}, f"{name}: unexpected switch traffic"
-        result = res["switch"]["result"]
-        assert result.freed == sw.frees[r]
-        if mode == "overlapped":
-            assert result.max_in_flight == 1, f"{name}: {result.max_in_flight} layers in transit at once"
+    assert lead["layout"] == dsts[-1] and len(lead["switches"]) == len(dsts)
+    for k, at in enumerate(lead["switches"]):
+        sw: SwitchPlan = at["plan"]
+        assert (sw.src, sw.dst) == ((src,) + tuple(dsts))[k:k + 2]
+        # The plan's bytes are the analytical core's, and every rank sent exactly them, layer by layer.
+        man = switch_manifest(cfg, sw.src, sw.dst, sw.batch, world, P, "fp64", "fp64")
+        for r, res in enumerate(per_rank):
+            meas = res["switches"][k]["bytes"]
+            for lay in sw.layers:
+                i = lay.layer
+                w = meas.get(("all_gather", f"switch.w.{i}"), 0)
+                kv = meas.get(("all_to_all", f"switch.kv.{i}"), 0)
+                assert w == lay.weight_send_bytes[r] == man.weights.send_bytes[r], f"{name}: r{r} layer {i} W"
+                assert kv == lay.kv_send_bytes[r] == man.kv.send_bytes[r], f"{name}: rank {r} layer {i} KV"
+            assert set(meas) <= {(op, f"switch.{kind}.{i}") for op, kind in (("all_gather", "w"),
+                                 ("all_to_all", "kv")) for i in range(cfg.num_hidden_layers)}, \
+                f"{name}: unexpected switch traffic"
+            result = res["switches"][k]["result"]
+            assert result.freed == sw.frees[r]
+            if mode == "overlapped":
+                assert result.max_in_flight == 1, f"{name}: {result.max_in_flight} layers in transit at once"
 
 
 def check_modes_agree(results: dict) -> None:
@@ -317,12 +325,14 @@ def test_all_directions_on_two_ranks(ckpt, reference) -> None:
     cases = [(a, b, m, "mixed", NUM_PAGES) for a, b in DIRECTIONS for m in ("overlapped", "blocking")]
     cases += [(a, b, "overlapped", "few", NUM_PAGES) for a, b in
               [("tp", "dp"), ("cp", "dop"), ("dop", "cp"), ("dp", "tp")]]
+    # three switches in consecutive steps (dop -> cp -> tp -> dp)
+    cases += [("dop", ("cp", "tp", "dp"), m, "mixed", NUM_PAGES) for m in ("overlapped", "blocking")]
     refused = ("dp", "tp", "overlapped", "mixed", TIGHT)
     results = run_world(2, ckpt, reference, cases + [refused])
     # A switch refused for memory: nothing changed, the step and the rest ran in DP, same answer.
     lead = results[refused][0]
     assert isinstance(lead["refusal"], SwitchRefusal) and lead["refusal"].reason == "eq5", lead["refusal"]
-    assert lead["switch"] is None and lead["layout"] == "dp"
+    assert lead["switches"] == [] and lead["layout"] == "dp"
     assert not lead["errors"], lead["errors"]
     assert lead["tokens"] == reference["mixed"]["tokens"]
     for r, res in enumerate(results[refused]):
