@@ -404,6 +404,22 @@ def test_planner_tables_bytes_and_accounting(world: int) -> None:
             planner.commit(plan)
 
 
+def test_planner_rejects_inconsistent_input() -> None:
+    cfg = _tiny_cfg()
+    alloc, live = _grown(cfg, "dp", 2, LENS)
+    planner = SwitchPlanner(cfg, alloc)
+    with pytest.raises(ValueError, match="every request that holds pages"):
+        planner.plan("cp", live[1:])
+    with pytest.raises(ValueError, match="already running"):
+        planner.plan("dp", live)
+    with pytest.raises(ValueError, match="unknown destination"):
+        planner.plan("pp", live)
+    live[0].context = 99
+    with pytest.raises(ValueError, match="context"):
+        planner.plan("cp", live)
+    assert planner.pending == {} and alloc.layout == "dp"
+
+
 def test_planner_abort_restores_allocators() -> None:
     cfg = _tiny_cfg()
     for src, dst in DIRECTIONS:

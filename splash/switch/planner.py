@@ -202,6 +202,10 @@ class SwitchPlanner:
             for j in range(pages_for(req.context, P)):
                 if all(req.pages[r][j] < 0 for r in range(T)):
                     raise ValueError(f"request {req.req_id}: cached page {j} is held by no rank")
+        held = [sum(1 for req in live for p in req.pages[r] if p >= 0) for r in range(T)]
+        if held != self.alloc.num_used:
+            raise ValueError(f"the live requests hold {held} pages per rank, the allocators have "
+                             f"{self.alloc.num_used} in use; pass every request that holds pages")
 
     def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest],
                        free: list[int]) -> list[int] | SwitchRefusal:
