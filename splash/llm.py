@@ -19,12 +19,35 @@ class LLM:
     `model` is "tiny" (the built-in model) or a Hugging Face DeepSeek-V2/V3 checkpoint directory.
     Other keywords size the engine: dtype ("float32" | "bfloat16" | "float64"), max_num_seqs,
     max_num_batched_tokens, max_model_len, memory_per_rank (bytes or "2GiB"), page_size,
-    num_kv_pages (explicit pool size), device, tp/ranks, layout, seed.
+    num_kv_pages (explicit pool size), device, tp/ranks, layout, seed; on several nodes nnodes,
+    node_rank, dist_init_addr (see `splash.engine.runner.build_engine`).
+
+    With T > 1 ranks, rank 0 runs here and the others are started as processes (or joined from other
+    nodes / torchrun); `shutdown()` (or leaving a `with LLM(...)` block, or interpreter exit) stops
+    them. On a node or torchrun process that holds no rank 0, the constructor serves this node's
+    ranks until rank 0 shuts down and then exits the program (SystemExit(0)), as vLLM's workers do.
     """
 
     def __init__(self, model: str = "tiny", dtype: str | None = None, **engine_kw: Any) -> None:
+        from splash.engine.group import follow_if_worker
+
+        launch = {k: engine_kw.get(k) for k in ("nnodes", "node_rank", "dist_init_addr")
+                  if engine_kw.get(k) is not None}
+        tp = engine_kw.get("ranks", engine_kw.get("tp"))
+        if follow_if_worker(tp, device=engine_kw.get("device"), **launch):
+            raise SystemExit(0)
         self.llm_engine: LLMEngine = LLMEngine.from_args(model=model, dtype=dtype, **engine_kw)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine and its ranks (idempotent)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

@@ -42,7 +42,7 @@ def test_json_output_matches_python_api(ckpt, capsys):
 
 @pytest.mark.parametrize("argv,msg", [
     ([], "--prompt"),
-    (["--prompt-ids", "1,2", "--tp", "2"], "ranks"),
+    (["--prompt-ids", "1,2", "--tp", "3"], "cannot be split evenly over 3 ranks"),
     (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature"),
     (["--prompt-ids", "1,2", "--memory-per-rank", "lots"], "memory size"),
     (["--prompt-ids", "1,2", "--memory-per-rank", "1KiB"], "weights"),

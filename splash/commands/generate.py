@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from splash.dist.launch import add_launch_args
 from splash.engine.plan import LAYOUTS
 
 
@@ -44,8 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory budget per rank for weights + KV cache, e.g. 2GiB "
                         "(default: from the machine)")
     p.add_argument("--page-size", type=_positive, default=16, help="tokens per KV page")
-    p.add_argument("--tp", "--ranks", dest="tp", type=_positive, default=1, help="ranks T (default 1)")
+    add_launch_args(p)
     p.add_argument("--layout", default="tp", choices=LAYOUTS, help="attention layout (default tp)")
+    p.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+                   help="seconds before a collective waiting on a dead or hung rank fails the engine "
+                        "(default 300)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -53,7 +57,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
             "memory_per_rank": args.memory_per_rank, "page_size": args.page_size, "tp": args.tp,
-            "layout": args.layout}
+            "layout": args.layout, "nnodes": args.nnodes, "node_rank": args.node_rank,
+            "dist_init_addr": args.dist_init_addr, "collective_timeout_s": args.collective_timeout}
+
+
+def follow_as_worker(args: argparse.Namespace) -> bool:
+    """On a node without rank 0: serve this node's ranks until rank 0 shuts down (True), else False."""
+    from splash.engine.group import follow_if_worker
+
+    return follow_if_worker(args.tp, args.nnodes, args.node_rank, args.dist_init_addr, args.device,
+                            args.collective_timeout)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,8 +89,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from splash.dist.launch import WorkerError
     from splash.engine.sampling import SamplingParams
 
+    try:
+        if follow_as_worker(args):
+            return 0  # this node served its ranks; rank 0 (on node 0) prints the results
+    except ValueError as e:
+        print(f"splash generate: error: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:
+        print(f"splash generate: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     if not args.prompt and not args.prompt_ids:
         print("splash generate: error: give at least one --prompt TEXT or --prompt-ids 1,2,3",
               file=sys.stderr)
@@ -90,21 +113,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"splash generate: error: {e}", file=sys.stderr)
         return 2
     prompts: list[Any] = [*args.prompt, *({"prompt_token_ids": ids} for ids in args.prompt_ids)]
-    try:
-        from splash.llm import LLM
+    from splash.engine.group import GroupFailed
+    from splash.llm import LLM
 
+    llm = None
+    try:
         llm = LLM(**engine_kwargs(args))
         outs = llm.generate(prompts, params)
+        stats = llm.stats()
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         print(f"splash generate: error: {e}", file=sys.stderr)
         return 2
-    stats = llm.stats()
+    except (WorkerError, GroupFailed, TimeoutError) as e:
+        print(f"splash generate: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    finally:
+        if llm is not None:
+            llm.shutdown()
     if args.json:
         rows = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "index": c.index,
                  "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason}
                 for o in outs for c in o.outputs]
-        engine = {k: stats[k] for k in ("model", "dtype", "device", "layout", "ranks", "kv_pool_tokens",
-                                         "kv_pool_tokens_per_rank", "page_size", "max_model_len",
+        engine = {k: stats[k] for k in ("model", "dtype", "device", "layout", "ranks", "nnodes",
+                                         "kv_pool_tokens", "kv_distinct_tokens", "kv_pool_tokens_per_rank",
+                                         "max_request_tokens", "weight_bytes_per_rank", "page_size",
+                                         "max_model_len",
                                          "max_num_seqs", "max_num_batched_tokens", "prompt_tokens_total",
                                          "generation_tokens_total", "num_preemptions", "steps")
                   if k in stats}
@@ -118,5 +151,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"{tag}{c.text}" if c.text else f"{tag}ids {c.token_ids}")
             print(f"    ({len(c.token_ids)} tokens, finish: {c.finish_reason})")
     print(f"engine: {stats.get('model')} {stats.get('dtype')} on {stats.get('device')}, layout "
-          f"{stats.get('layout')} x {stats.get('ranks')}, KV pool {stats.get('kv_pool_tokens')} tokens")
+          f"{stats.get('layout')} x {stats.get('ranks')}, KV pool {stats.get('kv_pool_tokens_per_rank')} "
+          f"tokens per rank, {stats.get('kv_distinct_tokens')} distinct")
     return 0

@@ -56,6 +56,10 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.steps = 0
         self.on_step: list[Callable[[dict[str, Any]], None]] = []  # called after every step
+        # Debug/test hook: fn(plan, seqs, logits) with rank 0's logits of the plan's sampled rows, before
+        # sampling (float64 parity tests compare whole rows across layouts).
+        self.logits_hook: Callable[[StepPlan, list[Seq], torch.Tensor], None] | None = None
+        self._closed = False
 
     # ---- construction from a model name --------------------------------------------------------
     @classmethod
@@ -72,7 +76,39 @@ class LLMEngine:
 
     @property
     def kv_pool_tokens(self) -> int:
+        """Distinct tokens the group can hold under its layout (TP: one rank's pool; else the sum)."""
         return self.allocator.pool_tokens()
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Longest context one request can ever have: the model's context, and the largest pool that a
+        single owner (DP/DOP), the replicated pool (TP) or the position shards (CP) give one request."""
+        return self.scheduler.max_seq_tokens()
+
+    @property
+    def world(self) -> int:
+        return self.allocator.world
+
+    def comm_stats(self) -> dict[str, Any]:
+        """Bytes each collective sent, per rank, per step and layer tag (gathered from every rank now).
+
+        -> {"ranks": [{"rank", "steps": {step: {(op, tag): bytes}}, "total": {...}}, ...],
+            "rows": {step: rows N of that step}} for the recent steps each rank keeps."""
+        ranks = self.runner.comm_stats() if hasattr(self.runner, "comm_stats") else []
+        rows = dict(getattr(self.runner, "step_rows", {}) or {})
+        return {"ranks": ranks, "rows": rows}
+
+    def shutdown(self) -> None:
+        """Abort what runs and stop the ranks (T > 1); idempotent, also done at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.abort_all()
+        finally:
+            stop = getattr(self.runner, "shutdown", None)
+            if stop is not None:
+                stop()
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None,
@@ -151,7 +187,11 @@ class LLMEngine:
         for seq in st.seqs:
             if seq.group.metrics.first_scheduled_time is None:
                 seq.group.metrics.first_scheduled_time = now
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
         logits = self.runner.execute(st.plan)
+        if self.logits_hook is not None:
+            self.logits_hook(st.plan, st.seqs, logits)
         self.scheduler.complete(st)
         self.steps += 1
         for seq, sl in zip(st.seqs, st.plan.seqs):
@@ -240,7 +280,9 @@ class LLMEngine:
             "kv_pages_used_per_rank": used,
             "kv_usage": (max(u / t for u, t in zip(used, total)) if total and min(total) else 0.0),
             "kv_pool_tokens": self.kv_pool_tokens,
+            "kv_distinct_tokens": self.kv_pool_tokens,
             "kv_pool_tokens_per_rank": [t * a.page_size for t in total],
+            "max_request_tokens": self.max_request_tokens,
             "page_size": a.page_size,
             "layout": a.layout,
             "ranks": a.world,

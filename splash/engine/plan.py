@@ -6,8 +6,14 @@ Pure data (no torch) so it pickles cheaply over the control plane and tests can 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 LAYOUTS = ("tp", "dp", "cp", "dop")
+# Plan kinds. "forward" (and later "switch") run the SPMD step on every rank; the others are control
+# messages of the rank group (splash/engine/worker.py): "load" carries an EngineSpec in `payload` and
+# makes every rank (re)build its model shard and KV pool, "unload" drops them, "stats" gathers each
+# rank's CommStats to rank 0, "shutdown" ends the worker processes.
+PLAN_KINDS = ("forward", "switch", "load", "unload", "stats", "shutdown")
 
 
 @dataclass
@@ -37,7 +43,8 @@ class StepPlan:
     layout: str  # "tp" | "dp" | "cp" | "dop"
     input_ids: list[int]  # concatenated new tokens, in seqs order
     seqs: list[SeqSlice] = field(default_factory=list)
-    kind: str = "forward"  # "forward" | "shutdown" | (later) "switch"
+    kind: str = "forward"  # one of PLAN_KINDS
+    payload: Any = None  # what a non-forward kind needs (EngineSpec for "load", a SwitchPlan later)
 
     @property
     def num_rows(self) -> int:
@@ -78,6 +85,13 @@ class StepPlan:
                                      f"expected {need}")
 
 
+def control_plan(kind: str, step: int = -1, layout: str = "tp", payload: Any = None) -> StepPlan:
+    """A plan with no rows that carries a control message of the rank group."""
+    if kind not in PLAN_KINDS:
+        raise ValueError(f"unknown plan kind {kind!r}; expected one of {', '.join(PLAN_KINDS)}")
+    return StepPlan(step=step, layout=layout, input_ids=[], seqs=[], kind=kind, payload=payload)
+
+
 def shutdown_plan(step: int, layout: str = "tp") -> StepPlan:
     """The plan that tells worker ranks to leave their loop."""
-    return StepPlan(step=step, layout=layout, input_ids=[], seqs=[], kind="shutdown")
+    return control_plan("shutdown", step, layout)

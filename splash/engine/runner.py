@@ -7,45 +7,15 @@ rows and returns logits only for the rows rank 0 samples (the LM head over prefi
 from __future__ import annotations
 
 import os
-import re
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from splash.config import ConfigError, ModelConfig
-from splash.engine.llm_engine import LLMEngine
-from splash.engine.plan import LAYOUTS, StepPlan
-from splash.engine.scheduler import SchedulerConfig
-from splash.kv.allocator import KVAllocator
+from splash.engine.plan import StepPlan
+from splash.engine.sizing import parse_bytes
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
-          "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """'2GiB', '512MB', '1e9', 123 -> bytes; ConfigError on anything else."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise ConfigError(f"memory size must be positive, got {value}")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
-    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(f"cannot read memory size {value!r}; write e.g. 2GiB, 512MiB or 1500000000")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def _available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
+__all__ = ["GroupRunner", "ModelRunner", "build_engine", "parse_bytes"]
 
 
 class ModelRunner:
@@ -61,12 +31,19 @@ class ModelRunner:
         self.world = world
         self.device = torch.device(getattr(model, "device", "cpu"))
         self.stats: dict[str, Any] = {}
+        self.step_rows: OrderedDict[int, int] = OrderedDict()  # step -> rows N (recent steps only)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the plan on this rank; hidden states [N, d] of every row."""
         from splash.model.context import ForwardContext
 
+        cs = getattr(self.comm, "stats", None)
+        if cs is not None and cs.step != plan.step:
+            cs.begin_step(plan.step)
+        self.step_rows[plan.step] = plan.num_rows
+        while len(self.step_rows) > 64:
+            self.step_rows.popitem(last=False)
         ctx = ForwardContext.build(plan.seqs, kv=self.pool, layout=self.layout, comm=self.comm,
                                    rank=self.rank, world=self.world, device=self.device, stats=self.stats)
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
@@ -82,33 +59,62 @@ class ModelRunner:
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
+    def comm_stats(self) -> list[dict[str, Any]]:
+        """Collective byte counters of every rank (here: the one rank)."""
+        from splash.engine.worker import WorkerState, stats_reply
 
-def _kv_pages(cfg: ModelConfig, model: torch.nn.Module, kv_dtype: torch.dtype, page_size: int,
-              memory_per_rank: int | str | None, num_kv_pages: int | None, max_num_seqs: int,
-              max_model_len: int, device: torch.device) -> int:
-    """Pages of this rank's KV pool: an explicit count, or what the memory budget leaves after weights."""
-    from splash.kv.pool import KVPool
+        if self.comm is None:
+            return []
+        return [stats_reply(WorkerState(_OneRank(self.comm)))]
 
-    if num_kv_pages is not None:
-        if num_kv_pages < 1:
-            raise ConfigError(f"num_kv_pages must be >= 1, got {num_kv_pages}")
-        return int(num_kv_pages)
-    per_page = KVPool.bytes_per_page(cfg, page_size, kv_dtype)
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    if memory_per_rank is not None:
-        budget = parse_bytes(memory_per_rank)
-        kv = budget - weights
-        if kv < per_page:
-            raise ConfigError(f"--memory-per-rank {memory_per_rank} leaves no room for the KV cache: the "
-                              f"weights take {weights / 2**20:.1f} MiB and one page needs {per_page} bytes; "
-                              f"raise it")
-        return int(kv // per_page)
-    # Default: enough for a full batch at full context, capped by a share of what the device has.
-    want = max_num_seqs * -(-max_model_len // page_size) * per_page
-    cap = int(_available_bytes(device) * (0.85 if device.type == "cuda" else 0.2))
-    if device.type != "cuda":
-        cap = min(cap, 128 * 2**20)  # CPU demos and tests: plenty, and quick to allocate
-    return max(1, min(want, cap) // per_page)
+    def shutdown(self) -> None:
+        """Nothing to stop on one rank (the GroupRunner stops the others)."""
+
+
+class _OneRank:
+    """The bits of a RankGrid `stats_reply` reads, for a lone runner."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.rank = comm, getattr(comm, "rank", 0)
+
+
+class GroupRunner:
+    """Rank 0's runner on T ranks: each plan goes to every rank, then rank 0 runs its own share.
+
+    The step is SPMD: the workers run the same forward on their shard (splash/engine/worker.py); only
+    rank 0 computes logits, since the LM head is replicated. Any failure marks the group failed (see
+    RankGroup.guarded) and every later step raises at once.
+    """
+
+    def __init__(self, group: Any, local: ModelRunner, owns_group: bool = True) -> None:
+        self.group = group
+        self.local = local
+        self.owns_group = owns_group
+        self.device = local.device
+
+    @property
+    def step_rows(self) -> OrderedDict[int, int]:
+        return self.local.step_rows
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        cs = self.local.comm.stats
+        cs.begin_step(plan.step)  # the plan's own broadcast counts towards its step
+        return self.group.guarded(self._step, plan)
+
+    def _step(self, plan: StepPlan) -> torch.Tensor:
+        self.group.send(plan)
+        return self.local.execute(plan)
+
+    def comm_stats(self) -> list[dict[str, Any]]:
+        """Every rank's collective byte counters (one control message; call it when needed)."""
+        return self.group.gather_stats()
+
+    def shutdown(self) -> None:
+        """Stop the workers (or, on a shared group, just drop this engine's shards)."""
+        if self.owns_group:
+            self.group.close()
+        elif self.group.owner is None or self.group.owner is self:
+            self.group.unload()
 
 
 def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, max_num_seqs: int = 64,
@@ -116,36 +122,83 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                  memory_per_rank: int | str | None = None, page_size: int = 16,
                  num_kv_pages: int | None = None, device: str | torch.device | None = None,
                  layout: str = "tp", ranks: int | None = None, tp: int | None = None,
-                 seed: int | None = None) -> LLMEngine:
-    """Load `model` ('tiny' or a checkpoint directory) and build a single-rank LLMEngine."""
-    from splash.attention.batched import BatchedLocalLayout
-    from splash.kv.pool import KVPool
-    from splash.model import load_model, resolve_dtype, resolve_model_path
+                 seed: int | None = None, *, nnodes: int = 1, node_rank: int = 0,
+                 dist_init_addr: str | None = None, rank_group: Any = None,
+                 collective_timeout_s: float | None = None, threads: int | None = None,
+                 expert_parallel: str = "auto") -> Any:
+    """Load `model` ('tiny' or a checkpoint directory) on T ranks and build the LLMEngine (rank 0).
 
-    world = int(ranks if ranks is not None else (tp if tp is not None else 1))
+    T = 1 runs in this process. T > 1 starts the rank group (rank 0 here, this node's other ranks as
+    spawned processes, other nodes via `--nnodes/--node-rank/--dist-init-addr` or torchrun), or loads
+    onto `rank_group` (a RankGroup that outlives the engine, e.g. a benchmark reusing its ranks).
+    `collective_timeout_s` bounds every data-plane collective (a hung rank fails the engine then).
+    """
+    from splash.config import ConfigError, ModelConfig
+    from splash.dist.groups import DEFAULT_TIMEOUT_S, local_grid
+    from splash.dist.launch import resolve_launch
+    from splash.engine.group import RankGroup
+    from splash.engine.llm_engine import LLMEngine
+    from splash.engine.plan import LAYOUTS
+    from splash.engine.scheduler import SchedulerConfig
+    from splash.engine.spec import EngineSpec, load_rank, model_name
+    from splash.kv.allocator import KVAllocator
+    from splash.model import resolve_model_path
+
     if layout not in LAYOUTS:
         raise ConfigError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    if world != 1:
-        raise ConfigError(f"{world} ranks are not available yet in this engine; run with --tp 1")
     if page_size < 1:
         raise ConfigError(f"page_size must be >= 1, got {page_size}")
-    if seed is not None:
-        torch.manual_seed(seed)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    asked = ranks if ranks is not None else tp
+    if rank_group is not None:
+        launch = rank_group.launch
+        if asked is not None and int(asked) != launch.world:
+            raise ConfigError(f"tp={asked} but the rank group given has {launch.world} ranks")
+    else:
+        try:
+            launch = resolve_launch(None if asked is None else int(asked), nnodes, node_rank, dist_init_addr)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    world = launch.world
+    if not launch.has_leader:
+        raise ConfigError(f"node {launch.node_rank} runs worker ranks {list(launch.ranks)} only; start it "
+                          "with `splash generate|serve ... --node-rank R` (or engine.group.run_worker_node)")
     path = resolve_model_path(model)
     cfg = ModelConfig.from_hf(path)
-    tdtype = resolve_dtype(dtype, dev)
-    net = load_model(path, tdtype, device=dev)
+    if world > 1:
+        cfg.check_ranks(world)  # refuse before starting any process
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
+                                                                       else "cpu")
     max_model_len = int(max_model_len or cfg.max_position_embeddings)
     if max_model_len < 2:
         raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(512, max_num_seqs)
-    pages = _kv_pages(cfg, net, tdtype, page_size, memory_per_rank, num_kv_pages, max_num_seqs,
-                      max_model_len, dev)
-    pool = KVPool(cfg.num_hidden_layers, pages, page_size, cfg.latent_dim, tdtype, dev)
-    runner = ModelRunner(net, pool, BatchedLocalLayout())
-    alloc = KVAllocator(pages, page_size, world=1, layout=layout)
+    if memory_per_rank is not None:
+        parse_bytes(memory_per_rank)  # a typo fails here, before any rank starts
+    spec = EngineSpec(model="tiny" if model == "tiny" else os.path.abspath(path),
+                      dtype=None if dtype is None else str(dtype).removeprefix("torch."), layout=layout,
+                      world=world, page_size=page_size, memory_per_rank=memory_per_rank,
+                      num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                      device_type=dev.type, seed=seed, expert_parallel=expert_parallel)
+    if world == 1:
+        state = load_rank(spec, local_grid(dev))
+        runner: Any = state.runner
+        facts = [{"pages": state.pages, "weight_bytes": state.weight_bytes,
+                  "reserve_bytes": state.reserve_bytes}]
+    else:
+        group = rank_group or RankGroup.join(launch, device=dev.type, threads=threads,
+                                             timeout_s=collective_timeout_s or DEFAULT_TIMEOUT_S)
+        try:
+            facts = group.load(spec)
+        except BaseException:
+            if rank_group is None:
+                group.close()
+            raise
+        runner = GroupRunner(group, group.state.runner, owns_group=rank_group is None)
+        group.owner = runner
+    net = runner.model if world == 1 else runner.local.model
+    alloc = KVAllocator([f["pages"] for f in facts], page_size, world=world, layout=layout)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len)
     tok = _load_tokenizer(path)
@@ -153,9 +206,11 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     tok_eos = getattr(tok, "eos_token_id", None)
     if isinstance(tok_eos, int):
         eos.add(tok_eos)
-    name = "tiny" if model == "tiny" else os.path.basename(os.path.normpath(os.fspath(model)))
-    info = {"model": name, "dtype": str(tdtype).removeprefix("torch."), "device": str(dev),
-            "kv_dtype": str(tdtype).removeprefix("torch.")}
+    name = model_name(model)
+    dt = str(net.dtype).removeprefix("torch.")
+    info = {"model": name, "dtype": dt, "device": str(runner.device), "kv_dtype": dt,
+            "nnodes": launch.nnodes, "weight_bytes_per_rank": [f["weight_bytes"] for f in facts],
+            "kv_reserve_bytes": facts[0]["reserve_bytes"]}
     return LLMEngine(runner, alloc, sched, tokenizer=tok, eos_token_ids=sorted(eos),
                      vocab_size=cfg.vocab_size, model_name=name, info=info)
 

@@ -6,6 +6,10 @@ yet scheduled this step (its pages are freed and it goes back to the front of th
 recomputed from prompt + generated tokens). Then queued sequences are admitted while the budget, the
 `max_num_seqs` bound and the real per-rank free pages allow (a queued sequence is admitted only if
 the pool could hold every token it already has, so its own prefill never preempts anyone).
+
+Under DP/DOP each sequence is owned by one rank, chosen at admission: among the ranks whose free pages
+hold the sequence now, the one with the least *projected* KV - the pages its running sequences will
+need at prompt + max_tokens - so ranks stay balanced as requests grow, not just as they arrive.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 from splash.engine.plan import SeqSlice, StepPlan
 from splash.engine.request import SeqStatus, Sequence
-from splash.kv.allocator import KVAllocator
+from splash.kv.allocator import KVAllocator, pages_for
 
 
 @dataclass
@@ -54,6 +58,10 @@ class Scheduler:
         # Sequences the scheduler itself ended (context full with nobody left to preempt); the engine
         # drains this to report them.
         self.finished_by_scheduler: list[Sequence] = []
+        # Projected pages per owner rank of the running sequences (DP/DOP owner choice), and what each
+        # running sequence was charged, so leaving returns exactly that.
+        self.projected = [0] * alloc.world
+        self._charged: dict[int, tuple[int, int]] = {}
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     @property
@@ -73,6 +81,7 @@ class Scheduler:
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq` from the queues and return its pages (finish, abort or error)."""
+        self._uncharge(seq)
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -83,6 +92,7 @@ class Scheduler:
         self.alloc.release(seq.pages)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._uncharge(seq)
         self.running.remove(seq)
         self.alloc.release(seq.pages)
         seq.num_computed = 0
@@ -91,10 +101,47 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _pick_owner(self, seq: Sequence) -> int:
-        """Owning rank for DP/DOP: the one with the most free pages (ties: lowest rank)."""
+    def projected_pages(self, seq: Sequence) -> int:
+        """Pages `seq` will hold when done: prompt + max_tokens, capped by the context."""
+        p = seq.params
+        limit = self.cfg.max_model_len if p.max_tokens is None else len(seq.prompt_token_ids) + p.max_tokens
+        return pages_for(max(seq.num_tokens, min(limit, self.cfg.max_model_len)), self.alloc.page_size)
+
+    def _charge(self, seq: Sequence) -> None:
+        n = self.projected_pages(seq)
+        self._charged[seq.seq_id] = (seq.owner, n)
+        self.projected[seq.owner] += n
+
+    def _uncharge(self, seq: Sequence) -> None:
+        owner, n = self._charged.pop(seq.seq_id, (0, 0))
+        self.projected[owner] -= n
+
+    def _pick_owner(self, seq: Sequence) -> int | None:
+        """Owner for DP/DOP: among ranks that can hold `seq` now, the least projected load (ties: most
+        free pages, then lowest rank); None if no rank can. TP/CP ignore owners: always 0."""
+        empty = self.alloc.empty_table()
+        if self.layout not in ("dp", "dop"):
+            return 0 if self.alloc.can_grow(empty, seq.num_tokens, 0) else None
         free = self.alloc.num_free
-        return max(range(len(free)), key=lambda r: (free[r], -r))
+        fits = [r for r in range(self.alloc.world) if self.alloc.can_grow(empty, seq.num_tokens, r)]
+        if not fits:
+            return None
+        return min(fits, key=lambda r: (self.projected[r], -free[r], r))
+
+    def _victim(self, seq: Sequence, tokens: int, taken: set[int]) -> Sequence | None:
+        """Whom to preempt so `seq` can grow: the most recently admitted sequence not scheduled yet this
+        step that holds pages on a rank short of room (preempting others frees nothing useful); `seq`
+        itself if only it is left there; None if `seq` alone holds such a rank (it cannot grow)."""
+        need = self.alloc.demand(seq.pages, tokens, seq.owner)
+        free = self.alloc.num_free
+        short = [r for r in range(self.alloc.world) if need[r] > free[r]]
+        for s in reversed(self.running):
+            if s is seq or s.seq_id in taken:
+                continue
+            if any(p >= 0 for r in short for p in s.pages[r]):
+                return s
+        others = any(any(p >= 0 for r in short for p in s.pages[r]) for s in self.running if s is not seq)
+        return seq if others else None
 
     # ---- the step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
@@ -113,9 +160,10 @@ class Scheduler:
             if k <= 0:
                 continue  # nothing new to feed (its last sampled token is still pending)
             while not self.alloc.can_grow(seq.pages, seq.num_computed + k, seq.owner):
-                victim = next(s for s in reversed(self.running) if s.seq_id not in taken)
-                if victim is seq and len(self.running) == 1:
-                    # Alone and still out of room: this sequence has filled the whole pool.
+                victim = self._victim(seq, seq.num_computed + k, taken)
+                if victim is None:
+                    # The only holder of a rank that is out of room: it has filled that whole pool.
+                    self._uncharge(seq)
                     self.running.remove(seq)
                     self.alloc.release(seq.pages)
                     seq.finish("length")
@@ -142,11 +190,12 @@ class Scheduler:
                 self.finished_by_scheduler.append(seq)
                 continue
             owner = self._pick_owner(seq)
-            if not self.alloc.can_grow(self.alloc.empty_table(), seq.num_tokens, owner):
-                break  # the pool cannot hold it yet: keep it (and everyone behind it) queued
+            if owner is None:
+                break  # no rank can hold it yet: keep it (and everyone behind it) queued
             self.waiting.popleft()
             k = min(seq.num_tokens - seq.num_computed, budget)
             seq.owner = owner
+            self._charge(seq)
             seq.status = SeqStatus.RUNNING
             self.alloc.grow(seq.pages, seq.num_computed + k, owner)
             self.running.append(seq)

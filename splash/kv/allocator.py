@@ -109,13 +109,19 @@ class KVAllocator:
         need = self.demand(table, tokens, owner)
         return all(n == 0 or n + reserve <= a.num_free for n, a in zip(need, self.ranks))
 
-    def max_request_tokens(self, owner: int = 0) -> int:
-        """Largest context one request could ever hold if it had the whole pool to itself."""
+    def max_request_tokens(self, owner: int | None = None) -> int:
+        """Largest context one request could ever hold if it had the pool to itself: under DP/DOP the
+        best owner's pool (or `owner`'s), under TP the smallest rank, under CP the position shards."""
+        if owner is None:
+            owners = range(self.world) if self.layout in ("dp", "dop") else range(1)
+            return max(self._max_tokens(o) for o in owners)
+        return self._max_tokens(owner)
+
+    def _max_tokens(self, owner: int) -> int:
         limit = None
         for r, a in enumerate(self.ranks):
-            # Pages on rank r per global page, averaged over a long run, bound the positions.
-            per = [r in page_ranks(self.layout, j, owner, self.world) for j in range(self.world)]
-            share = sum(per)
+            # Pages on rank r per `world` consecutive global pages bound the positions a request reaches.
+            share = sum(r in page_ranks(self.layout, j, owner, self.world) for j in range(self.world))
             if share == 0:
                 continue
             cap = a.num_pages * self.world // share * self.page_size

@@ -1,0 +1,96 @@
+"""How many KV pages one rank gets: its memory budget minus what its weights occupy, minus a reserve.
+
+The weights counted are the ones this rank really holds for the layout it runs (measured from its
+tensors), so the layout-dependent part is exactly the analytical core's: W_A/T of head-sharded
+projections under TP/DOP, all of W_A under DP/CP (`splash.sizes.AttentionSizes.attention_weight_bytes`),
+plus the fixed non-attention share and the replicated parts, which every layout holds alike. Hence on
+one `--memory-per-rank`, DOP's pool exceeds DP's by W_A*(1-1/T)/k tokens per rank, to page rounding.
+The reserve (activation workspace of one step) depends only on the engine's limits, never on the
+layout, so it cancels out of that difference.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from splash.config import ConfigError, ModelConfig
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
+          "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """'2GiB', '512MB', '1e9', 123 -> bytes; ConfigError on anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ConfigError(f"memory size must be positive, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
+    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"cannot read memory size {value!r}; write e.g. 2GiB, 512MiB or 1500000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory on `device` (CUDA: the driver's view; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor this rank's model holds (its shard, for the layout it was built for)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+               if t is not None and not t.is_meta)
+
+
+def reserve_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int,
+                  max_num_seqs: int) -> int:
+    """Activation workspace of one step, kept out of the KV budget (layout-independent on purpose).
+
+    Per row: a few residual-width buffers, the absorbed queries and latent of all heads, the widest
+    MLP intermediate (routed experts of one token, or the dense MLP); plus float32 logits of one
+    sampled row per running sequence.
+    """
+    b = torch.empty(0, dtype=dtype).element_size()
+    heads = cfg.num_attention_heads
+    mlp = max(cfg.intermediate_size, (cfg.num_experts_per_tok or 0) * cfg.moe_intermediate_size)
+    per_row = 8 * cfg.hidden_size + 2 * heads * cfg.latent_dim + 2 * mlp
+    return int(max_num_batched_tokens * per_row * b + max_num_seqs * cfg.vocab_size * 4)
+
+
+def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: int, reserve: int,
+             memory_per_rank: int | str | None, num_kv_pages: int | None, max_num_seqs: int,
+             max_model_len: int, device: torch.device) -> int:
+    """Pages of one rank's KV pool: an explicit count, what the budget leaves, or a default."""
+    from splash.kv.pool import KVPool
+
+    if num_kv_pages is not None:
+        if num_kv_pages < 1:
+            raise ConfigError(f"num_kv_pages must be >= 1, got {num_kv_pages}")
+        return int(num_kv_pages)
+    per_page = KVPool.bytes_per_page(cfg, page_size, kv_dtype)
+    if memory_per_rank is not None:
+        budget = parse_bytes(memory_per_rank)
+        kv = budget - weights - reserve
+        if kv < per_page:
+            raise ConfigError(f"--memory-per-rank {memory_per_rank} leaves no room for the KV cache: this "
+                              f"rank's weights take {weights / 2**20:.2f} MiB, the step workspace "
+                              f"{reserve / 2**20:.2f} MiB, and one page needs {per_page} bytes; raise it")
+        return int(kv // per_page)
+    # Default: enough for a full batch at full context, capped by a share of what the device has.
+    want = max_num_seqs * -(-max_model_len // page_size) * per_page
+    cap = int(available_bytes(device) * (0.85 if device.type == "cuda" else 0.2))
+    if device.type != "cuda":
+        cap = min(cap, 128 * 2**20)  # CPU demos and tests: plenty, and quick to allocate
+    return max(1, min(want, cap) // per_page)

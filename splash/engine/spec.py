@@ -1,0 +1,92 @@
+"""What every rank needs to build its share of an engine, and the one function that builds it.
+
+Rank 0 resolves the user's options into an `EngineSpec` and sends it to every rank (a "load" plan),
+so worker ranks, including those on other machines, need no flags of their own and cannot disagree
+with rank 0. Every rank - rank 0 included - then runs the same `load_rank`, so a rank's shard, pool
+and layout are built by identical code everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from splash.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The resolved, picklable engine options a rank builds from."""
+
+    model: str                   # checkpoint directory or "tiny" (resolved on each machine)
+    dtype: str | None            # None: per device (float32 on CPU, bfloat16 on CUDA)
+    layout: str                  # "tp" | "dp" | "cp" | "dop" (T = 1 runs the local layout whatever it says)
+    world: int
+    page_size: int = 16
+    memory_per_rank: int | str | None = None
+    num_kv_pages: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    device_type: str = "cpu"     # "cpu" | "cuda": each rank takes its own device of that type
+    seed: int | None = None
+    expert_parallel: str = "auto"
+
+
+@dataclass
+class RankState:
+    """One rank's built engine share: the runner (model, pool, layout) and facts rank 0 gathers."""
+
+    runner: Any
+    pages: int
+    weight_bytes: int
+    reserve_bytes: int
+
+
+def rank_device(spec: EngineSpec, grid: Any) -> torch.device:
+    """The grid's device (CUDA: one per local rank), which must be of the type rank 0 asked for."""
+    if grid.device.type != spec.device_type:
+        raise ConfigError(f"rank {grid.rank} runs on {grid.device.type} but the engine asked for "
+                          f"{spec.device_type}; give every node the same --device")
+    return grid.device
+
+
+def load_rank(spec: EngineSpec, grid: Any) -> RankState:
+    """Load this rank's model shard for the layout, size and allocate its KV pool, build its runner."""
+    from splash.attention.registry import make_layout
+    from splash.engine.runner import ModelRunner
+    from splash.engine.sizing import kv_pages, reserve_bytes, weight_bytes
+    from splash.kv.pool import KVPool
+    from splash.model import load_model, resolve_dtype, resolve_model_path
+
+    if spec.seed is not None:
+        torch.manual_seed(spec.seed)
+    dev = rank_device(spec, grid)
+    path = resolve_model_path(spec.model)
+    cfg = ModelConfig.from_hf(path)
+    if spec.world > 1:
+        cfg.check_ranks(spec.world)
+    if spec.world == 1:
+        from splash.attention.batched import BatchedLocalLayout
+
+        layout = BatchedLocalLayout()  # one rank: all decode rows attended in one batched kernel
+    else:
+        layout = make_layout(spec.layout)
+    tdtype = resolve_dtype(spec.dtype, dev)
+    net = load_model(path, tdtype, rank=grid.rank, world=spec.world, attn_sharded=layout.shards_projections,
+                     device=dev, expert_parallel=spec.expert_parallel)
+    max_model_len = int(spec.max_model_len or cfg.max_position_embeddings)
+    weights = weight_bytes(net)
+    reserve = reserve_bytes(cfg, tdtype, spec.max_num_batched_tokens, spec.max_num_seqs)
+    pages = kv_pages(cfg, tdtype, spec.page_size, weights, reserve, spec.memory_per_rank, spec.num_kv_pages,
+                     spec.max_num_seqs, max_model_len, dev)
+    pool = KVPool(cfg.num_hidden_layers, pages, spec.page_size, cfg.latent_dim, tdtype, dev)
+    runner = ModelRunner(net, pool, layout, grid.comm, grid.rank, spec.world)
+    return RankState(runner=runner, pages=pages, weight_bytes=weights, reserve_bytes=reserve)
+
+
+def model_name(model: str) -> str:
+    return "tiny" if model == "tiny" else os.path.basename(os.path.normpath(os.fspath(model)))

@@ -1,0 +1,124 @@
+"""The plan loop every rank follows: worker ranks run it as their whole life, rank 0 mirrors it.
+
+A worker waits on the control plane for the next `StepPlan` from rank 0 and dispatches on its kind:
+"load" builds this rank's model shard and KV pool from the `EngineSpec` payload (answering with its
+page count through a gather, or with the error that stopped it), "forward" runs the SPMD step, "stats"
+sends its CommStats to rank 0, "unload" drops the shard, "shutdown" ends the loop. New kinds (the
+layout switch) plug in with `register_handler`, on every rank, before the group starts.
+
+A handler that raises ends the worker with its traceback (start_workers reports it to rank 0's
+process); rank 0's own collectives then fail or time out, so the engine fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from splash.engine.plan import StepPlan
+
+log = logging.getLogger("splash.worker")
+
+
+@dataclass
+class WorkerState:
+    """What one rank holds between plans."""
+
+    grid: Any
+    rank_state: Any = None  # splash.engine.spec.RankState once loaded
+    steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # room for plug-ins (e.g. a switch executor)
+
+    @property
+    def runner(self) -> Any:
+        if self.rank_state is None:
+            raise RuntimeError(f"rank {self.grid.rank}: a step arrived before any model was loaded")
+        return self.rank_state.runner
+
+
+Handler = Callable[[WorkerState, StepPlan], None]
+HANDLERS: dict[str, Handler] = {}
+
+
+def register_handler(kind: str, fn: Handler) -> None:
+    """Teach workers a plan kind (registered at import time of the module that defines it)."""
+    HANDLERS[kind] = fn
+
+
+# ---- the pieces rank 0 shares with workers ----------------------------------------------------------
+def load_reply(state: WorkerState, plan: StepPlan) -> dict[str, Any]:
+    """Build this rank's share from the spec; the facts (or error) rank 0 gathers from every rank."""
+    from splash.engine.spec import load_rank
+
+    unload(state)
+    try:
+        state.rank_state = load_rank(plan.payload, state.grid)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it with this rank's number
+        return {"error": f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)}
+    state.grid.comm.stats.reset()
+    rs = state.rank_state
+    return {"pages": rs.pages, "weight_bytes": rs.weight_bytes, "reserve_bytes": rs.reserve_bytes,
+            "device": str(rs.runner.device)}
+
+
+def unload(state: WorkerState) -> None:
+    """Drop the model shard and KV pool (before loading another, or on request)."""
+    if state.rank_state is None:
+        return
+    state.rank_state = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def stats_reply(state: WorkerState) -> dict[str, Any]:
+    """This rank's collective byte counters: per step (kept history + current) and in total."""
+    s = state.grid.comm.stats
+    steps = {k: dict(v) for k, v in s.history.items()}
+    if s.step >= 0:
+        steps[s.step] = dict(s.current)
+    return {"rank": state.grid.rank, "steps": steps, "total": dict(s.total)}
+
+
+# ---- handlers -----------------------------------------------------------------------------------------
+def _on_load(state: WorkerState, plan: StepPlan) -> None:
+    state.grid.comm.all_gather_object(load_reply(state, plan))
+
+
+def _on_forward(state: WorkerState, plan: StepPlan) -> None:
+    state.runner.forward(plan)
+    state.steps += 1
+
+
+def _on_stats(state: WorkerState, plan: StepPlan) -> None:
+    state.grid.comm.all_gather_object(stats_reply(state))
+
+
+def _on_unload(state: WorkerState, plan: StepPlan) -> None:
+    unload(state)
+
+
+register_handler("load", _on_load)
+register_handler("forward", _on_forward)
+register_handler("stats", _on_stats)
+register_handler("unload", _on_unload)
+
+
+def worker_main(grid: Any) -> int:
+    """Entry point of a worker rank (the `target` of start_workers): follow plans until shutdown.
+    Returns the number of forward steps run."""
+    state = WorkerState(grid)
+    while True:
+        plan = grid.comm.broadcast_object(None, src=0)
+        if plan.kind == "shutdown":
+            unload(state)
+            return state.steps
+        handler = HANDLERS.get(plan.kind)
+        if handler is None:
+            raise RuntimeError(f"rank {grid.rank}: no handler for plan kind {plan.kind!r} (a newer rank 0?)")
+        handler(state, plan)
