@@ -18,33 +18,41 @@ from splash.model.mla import MLA
 
 
 class _DecodeBatch:
-    """Rows, padded pool slots [B, M] and visibility [B, M] of a step's one-row slices."""
+    """Rows, padded page table [B, W] and additive mask [B, 1, W*P] of a step's one-row slices.
+
+    Keys are gathered by whole pages (W per slice, from the context's padded table), so the per-layer
+    gather copies B*W contiguous blocks rather than B*W*P single rows."""
 
     def __init__(self, ctx: ForwardContext) -> None:
-        dec = [s for s in ctx.seqs if s.num_new == 1]
+        dec = [k for k, s in enumerate(ctx.seqs) if s.num_new == 1]
         self.all_rows = len(dec) == len(ctx.seqs)
         self.others = [s for s in ctx.seqs if s.num_new != 1]
         self.size = len(dec)
         if not dec:
             return
         dev = ctx.positions.device
-        P = dec[0].page_size
-        # From the plan's Python page tables: one tensor build instead of one copy per slice.
-        lists = [s.all_pages[ctx.rank] for s in dec]
-        width = max(map(len, lists))
-        tables = torch.tensor([t + [-1] * (width - len(t)) for t in lists], dtype=torch.long, device=dev)
-        ends = torch.tensor([s.end for s in dec], dtype=torch.long, device=dev)
-        offs = torch.arange(P, device=dev)
-        slots = (tables[:, :, None] * P + offs).view(len(dec), width * P)
-        pos = torch.arange(width * P, device=dev)
-        valid = (pos[None, :] < ends[:, None]) & (tables >= 0).repeat_interleave(P, dim=1)
+        seqs = ctx.seqs
+        P = seqs[dec[0]].page_size
+        end = max(seqs[k].end for k in dec)
+        width = -(-end // P)
+        table = ctx.page_table
+        if table is None:  # a context built by hand: tables from the plan's lists
+            lists = [seqs[k].all_pages[ctx.rank] for k in dec]
+            table = torch.tensor([t[:width] + [-1] * (width - len(t)) for t in lists], dtype=torch.long,
+                                 device=dev)
+        else:
+            table = table[:, :width] if self.all_rows else table[torch.tensor(dec, device=dev), :width]
+        ends = torch.tensor([seqs[k].end for k in dec], dtype=torch.long, device=dev)
+        valid = torch.arange(width * P, device=dev) < ends[:, None]  # [B, M]: padding past the end
+        if not ctx.all_held:  # and pages this rank does not hold
+            valid &= (table >= 0).repeat_interleave(P, dim=1)
         self.width = width * P
-        self.slots = torch.where(valid, slots, torch.zeros_like(slots)).view(-1)  # flat, for index_select
+        self.pages = table.clamp(min=0).reshape(-1)  # flat, for index_select of whole pages
         dtype = ctx.kv.dtype if ctx.kv is not None else torch.float32
         # Additive mask: 0 where visible, -inf on padding and on pages this rank does not hold.
-        self.bias = torch.zeros(len(dec), 1, self.width, dtype=dtype, device=dev).masked_fill(
-            ~valid[:, None, :], float("-inf"))
-        self.rows = torch.tensor([s.row_start for s in dec], dtype=torch.long, device=dev)
+        zero = torch.zeros((), dtype=dtype, device=dev)
+        self.bias = torch.where(valid[:, None, :], zero, zero - float("inf"))
+        self.rows = None if self.all_rows else torch.tensor([seqs[k].row_start for k in dec], device=dev)
 
 
 class BatchedLocalLayout(LocalLayout):
@@ -68,8 +76,9 @@ class BatchedLocalLayout(LocalLayout):
         if not b.size:
             return self._per_slice(layer_idx, mla, q_lat, q_pe, ctx, ctx.seqs)
         d_c = q_lat.shape[-1]
-        flat = ctx.kv.flat_layer(layer_idx)
-        keys = flat.index_select(0, b.slots).view(b.size, b.width, flat.shape[1])  # [B, M, D]
+        layer = ctx.kv.layer(layer_idx)  # [num_pages, P, D]
+        D = layer.shape[-1]
+        keys = layer.view(layer.shape[0], -1).index_select(0, b.pages).view(b.size, b.width, D)  # [B, M, D]
         q = torch.cat([q_lat, q_pe], dim=-1)
         if not b.all_rows:
             q = q[b.rows]

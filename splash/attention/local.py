@@ -19,6 +19,13 @@ class LocalLayout(Layout):
     shards_projections = False
     kv_ownership = "all"
 
+    @staticmethod
+    def write_kv(layer_idx: int, latent_new: torch.Tensor, ctx: ForwardContext) -> None:
+        """As Layout.write_kv, without the row gather when every row is stored (one rank, all pages)."""
+        if ctx.kv is not None and ctx.write_slots is not None:
+            rows = latent_new if ctx.all_held else latent_new[ctx.write_rows]
+            ctx.kv.write(layer_idx, ctx.write_slots, rows)
+
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
         self.write_kv(layer_idx, latent_new, ctx)

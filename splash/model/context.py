@@ -3,6 +3,10 @@
 Built once per step from the plan's slices. Everything layer-independent is precomputed here and
 shared by every layer: row ranges, this rank's page table per slice, the pool slots new tokens are
 written to on this rank, and (lazily) the slots and positions of the keys this rank holds.
+
+The build is a fixed handful of tensor ops whatever the batch size: the plan's page tables become
+one padded [B, W] tensor (`page_table`) and positions / write slots are computed over all rows at
+once; a slice's own `pages` is a view of its row, made only if a layout asks for it.
 """
 
 from __future__ import annotations
@@ -19,20 +23,34 @@ if TYPE_CHECKING:
     from splash.kv.pool import KVPool
 
 
-@dataclass
 class SliceCtx:
-    """One request's rows in this step, with tensors on the model's device."""
+    """One request's rows in this step, with tensors on the model's device.
 
-    req_id: int
-    start: int
-    num_new: int
-    owner: int
-    sample: bool
-    row_start: int
-    pages: torch.Tensor  # this rank's table: local page id of each global page, -1 where not held
-    all_pages: list[list[int]]  # every rank's table (as planned), for layouts that need them
-    page_size: int
-    _keys: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    `pages` is this rank's table (local page id of each global page, -1 where not held), a LongTensor;
+    `all_pages` every rank's table as planned (Python lists), for layouts that need them."""
+
+    __slots__ = ("req_id", "start", "num_new", "owner", "sample", "row_start", "all_pages", "page_size",
+                 "_pages", "_table", "_keys")
+
+    def __init__(self, req_id: int, start: int, num_new: int, owner: int, sample: bool, row_start: int,
+                 pages: torch.Tensor | None = None, all_pages: list[list[int]] | None = None,
+                 page_size: int = 16, *, table: tuple[torch.Tensor, int, int] | None = None) -> None:
+        if pages is None and table is None:
+            raise ValueError("SliceCtx needs `pages` (or a row of a padded page table)")
+        self.req_id, self.start, self.num_new, self.owner = req_id, start, num_new, owner
+        self.sample, self.row_start, self.page_size = sample, row_start, page_size
+        self.all_pages = all_pages if all_pages is not None else []
+        self._pages = pages
+        self._table = table  # (padded [B, W] table, row, length): `pages` is made from it on demand
+        self._keys: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def pages(self) -> torch.Tensor:
+        if self._pages is None:
+            assert self._table is not None
+            t, k, n = self._table
+            self._pages = t[k, :n]
+        return self._pages
 
     @property
     def end(self) -> int:
@@ -50,6 +68,10 @@ class SliceCtx:
             self._keys = key_slots(self.pages, self.end, self.page_size)
         return self._keys
 
+    def __repr__(self) -> str:
+        return (f"SliceCtx(req_id={self.req_id}, start={self.start}, num_new={self.num_new}, "
+                f"owner={self.owner}, sample={self.sample}, row_start={self.row_start})")
+
 
 @dataclass
 class ForwardContext:
@@ -63,6 +85,10 @@ class ForwardContext:
     stats: dict[str, Any] = field(default_factory=dict)
     write_rows: torch.Tensor | None = None  # rows whose latent this rank stores ...
     write_slots: torch.Tensor | None = None  # ... and where (flat index into pool.layer(i).view(-1, D))
+    page_table: torch.Tensor | None = None  # [B, W] this rank's tables of all slices, -1 padded
+    max_end: int = 0  # longest context after this step (positions are all < max_end)
+    page_size: int = 16
+    all_held: bool = False  # this rank holds every page of every slice (write_rows is then all rows)
 
     @property
     def num_rows(self) -> int:
@@ -83,27 +109,67 @@ class ForwardContext:
         else:
             dev = kv.device if kv is not None else torch.device("cpu")
         P = page_size
+        lists = [s.pages[rank] for s in seqs]
+        width = max(map(len, lists), default=0)
+        padded = [t + [-1] * (width - len(t)) for t in lists]
+        host = torch.tensor(padded, dtype=torch.long).view(len(lists), width)
+        table = host.to(dev)
         out: list[SliceCtx] = []
-        positions: list[torch.Tensor] = []
-        w_rows: list[torch.Tensor] = []
-        w_slots: list[torch.Tensor] = []
         row = 0
-        for s in seqs:
-            table = torch.tensor(s.pages[rank], dtype=torch.long)
-            out.append(SliceCtx(req_id=s.req_id, start=s.start, num_new=s.num_new, owner=s.owner,
-                                sample=s.sample, row_start=row, all_pages=s.pages, page_size=P,
-                                pages=table.to(dev)))
-            pos = torch.arange(s.start, s.start + s.num_new)
-            local = table[pos // P]
-            held = local >= 0
-            positions.append(pos)
-            w_rows.append(torch.arange(row, row + s.num_new)[held])
-            w_slots.append((local * P + pos % P)[held])
+        for k, s in enumerate(seqs):
+            out.append(SliceCtx(s.req_id, s.start, s.num_new, s.owner, s.sample, row, None, s.pages, P,
+                                table=(table, k, len(lists[k]))))
             row += s.num_new
+        holes = any(t and min(t) < 0 for t in lists)  # pages some slice has but this rank does not hold
+        if row <= _PY_ROWS:
+            pos, w_rows, w_slots = _rows_py(seqs, lists, P, holes)
+        else:
+            pos, w_rows, w_slots = _rows_torch(seqs, host, row, P)
+        return cls(positions=pos.to(dev), seqs=out, kv=kv, layout=layout, comm=comm, rank=rank,
+                   world=world, stats=stats if stats is not None else {}, write_rows=w_rows.to(dev),
+                   write_slots=w_slots.to(dev), page_table=table,
+                   max_end=max((s.start + s.num_new for s in seqs), default=0), page_size=P,
+                   all_held=not holes)
 
-        def cat(v: list[torch.Tensor]) -> torch.Tensor:
-            return (torch.cat(v) if v else torch.zeros(0, dtype=torch.long)).to(dev)
 
-        return cls(positions=cat(positions), seqs=out, kv=kv, layout=layout, comm=comm, rank=rank,
-                   world=world, stats=stats if stats is not None else {}, write_rows=cat(w_rows),
-                   write_slots=cat(w_slots))
+_PY_ROWS = 128  # up to this many rows, plain Python lists beat a dozen tiny tensor ops
+
+
+def _rows_py(seqs: Sequence[SeqSlice], lists: list[list[int]], P: int, holes: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, write rows, write slots) of a small step, from the plan's lists."""
+    pos: list[int] = []
+    for s in seqs:
+        pos.extend(range(s.start, s.start + s.num_new))
+    slots: list[int] = []
+    for s, t in zip(seqs, lists):
+        slots.extend(t[p // P] * P + p % P for p in range(s.start, s.start + s.num_new))
+    if not holes:
+        return (torch.tensor(pos, dtype=torch.long), torch.arange(len(pos)),
+                torch.tensor(slots, dtype=torch.long))
+    rows, kept, r = [], [], 0
+    for s, t in zip(seqs, lists):
+        for p in range(s.start, s.start + s.num_new):
+            if t[p // P] >= 0:
+                rows.append(r)
+                kept.append(t[p // P] * P + p % P)
+            r += 1
+    return (torch.tensor(pos, dtype=torch.long), torch.tensor(rows, dtype=torch.long),
+            torch.tensor(kept, dtype=torch.long))
+
+
+def _rows_torch(seqs: Sequence[SeqSlice], host: torch.Tensor, row: int, P: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same over all rows at once with tensor ops (long prefills), on the host."""
+    starts = torch.tensor([s.start for s in seqs], dtype=torch.long)
+    nums = torch.tensor([s.num_new for s in seqs], dtype=torch.long)
+    seg = torch.repeat_interleave(torch.arange(len(seqs)), nums, output_size=row)
+    first = torch.cumsum(nums, 0) - nums  # first row of each slice
+    pos = torch.arange(row) + (starts - first).index_select(0, seg)
+    local = host[seg, pos // P]
+    slots = local * P + pos % P
+    held = local >= 0
+    if bool(held.all()):
+        return pos, torch.arange(row), slots
+    w_rows = held.nonzero().view(-1)
+    return pos, w_rows, slots.index_select(0, w_rows)

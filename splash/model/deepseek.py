@@ -184,6 +184,9 @@ class DeepseekForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [N] -> residual stream [N, d] after the last layer (pre final norm)."""
         x = self.embed_tokens(input_ids, ctx)
+        # the step's rotary rows, looked up once and memoised for every layer (no device sync: the
+        # plan gives the bound)
+        self.rotary.tables(ctx.positions, bound=ctx.max_end or None)
         for layer in self.layers:
             x = layer(x, ctx)
         return x

@@ -20,6 +20,8 @@ from splash.model.loader import CheckpointReader
 from splash.model.shard import even_range, moe_mode, span
 
 V3_TYPES = ("deepseek_v3", "kimi_k2")
+_GROUPED = hasattr(torch, "_grouped_mm")
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _padded_rows(n: int, width: int, vec: int = 64, least: int = 8) -> int:
@@ -30,7 +32,7 @@ def _padded_rows(n: int, width: int, vec: int = 64, least: int = 8) -> int:
 
 
 def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
-    return x if rows == x.shape[0] else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
+    return x if rows == x.shape[0] else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
 class Router(nn.Module):
@@ -75,30 +77,38 @@ class Router(nn.Module):
             logits = F.linear(_pad(xf, max(n, 8)), self.weight)[:n]
             scores = logits.softmax(dim=-1, dtype=torch.float32)  # row-wise kernel: shape-independent
         per = self.e // self.groups
+        limited = self.topk_group < self.groups  # else every group is allowed: no mask to build
         if self.v3:
             choice = scores + self.bias
-            gscores = choice.view(-1, self.groups, per).topk(2, dim=-1)[0].sum(dim=-1)
-            choice = choice.masked_fill(~self._group_mask(gscores, per), float("-inf"))
+            if limited:
+                gscores = choice.view(-1, self.groups, per).topk(2, dim=-1)[0].sum(dim=-1)
+                choice = self._mask_groups(choice, gscores, per, float("-inf"))
             idx = torch.topk(choice, k=self.k, dim=-1, sorted=False)[1]
             w = scores.gather(1, idx)
             if self.norm:
-                # left-to-right, as torch's sum does for k = 3 or 8 at any batch size (not for all k)
-                total = w[:, :1]
-                for j in range(1, self.k):
-                    total = total + w[:, j:j + 1]
-                w = w / (total + 1e-20)
+                # left-to-right, as torch's sum does for k = 3 or 8 at any batch size (not for all k);
+                # for k <= 2 there is only one order, and sum is one op
+                if self.k <= 2:
+                    total = w.sum(dim=-1, keepdim=True)
+                else:
+                    total = w[:, :1]
+                    for j in range(1, self.k):
+                        total = total + w[:, j:j + 1]
+                w = w.div_(total.add_(1e-20))
         else:
-            if self.method == "group_limited_greedy":
+            if self.method == "group_limited_greedy" and limited:
                 gscores = scores.view(-1, self.groups, per).max(dim=-1).values
-                scores = scores.masked_fill(~self._group_mask(gscores, per), 0.0)
+                scores = self._mask_groups(scores, gscores, per, 0.0)
             w, idx = torch.topk(scores, k=self.k, dim=-1, sorted=False)
-        return w * self.scale, idx
+        return w.mul_(self.scale), idx
 
-    def _group_mask(self, gscores: torch.Tensor, per: int) -> torch.Tensor:
+    def _mask_groups(self, scores: torch.Tensor, gscores: torch.Tensor, per: int, fill: float
+                     ) -> torch.Tensor:
+        """`scores` with every expert outside each row's top `topk_group` groups set to `fill`."""
         gidx = torch.topk(gscores, k=self.topk_group, dim=-1, sorted=False)[1]
-        gmask = torch.zeros_like(gscores)
-        gmask.scatter_(1, gidx, 1)
-        return gmask.unsqueeze(-1).expand(-1, self.groups, per).reshape(-1, self.e).bool()
+        drop = torch.ones(gscores.shape, dtype=torch.bool, device=gscores.device).scatter_(1, gidx, False)
+        n = scores.shape[0]
+        return scores.view(n, self.groups, per).masked_fill(drop[:, :, None], fill).view(n, self.e)
 
 
 class MoE(nn.Module):
@@ -158,31 +168,47 @@ class MoE(nn.Module):
             self.shared.load(reader, f"{prefix}.shared_experts", dev)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, d] -> [N, d]: routed + shared experts (this rank's partial sum when `partial`)."""
+        """x [N, d] -> [N, d]: routed + shared experts (this rank's partial sum on T ranks)."""
         w, idx = self.gate(x)
         k = idx.shape[1]
         flat = idx.reshape(-1)
         ne = len(self.experts)
         if ne == self.e:
             order = torch.argsort(flat, stable=True)  # grouped by expert, ascending
-            counts = torch.bincount(flat, minlength=self.e).tolist()
+            counts = torch.bincount(flat, minlength=self.e)
         else:  # expert-parallel: only the (token, choice) pairs routed to this rank's experts
             local = flat - self.experts.start
             key = torch.where((local >= 0) & (local < ne), local, ne)
-            counts = torch.bincount(key, minlength=ne + 1).tolist()[:ne]
-            order = torch.argsort(key, stable=True)[:sum(counts)]
+            counts = torch.bincount(key, minlength=ne + 1)[:ne]
+            order = torch.argsort(key, stable=True)[:int(counts.sum())]
         tok = order // k
-        xs = x[tok]
+        xs = x.index_select(0, tok)
+        ys = self._grouped(xs, counts) if self._use_grouped(x) else self._looped(xs, counts)
+        ys = (ys * w.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, tok, ys)
+        if self.shared is not None:
+            out.add_(self.shared(x))
+        return out
+
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        # torch._grouped_mm runs each group's matmul as its own GEMM: bit-identical to the per-expert
+        # loop (tests/test_moe.py), in two calls instead of ~6 ops per expert. It has no float64.
+        return _GROUPED and x.device.type == "cpu" and x.dtype in _GROUPED_DTYPES
+
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert [M, d] -> expert outputs [M, d] (unweighted), two grouped GEMMs."""
+        offs = counts.cumsum(0).to(torch.int32)
+        g, u = torch._grouped_mm(xs, self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(g) * u, self.down.transpose(1, 2), offs=offs)
+
+    def _looped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The same, one expert at a time (float64, accelerators); experts without rows are skipped."""
         ys = torch.empty_like(xs)
         a = 0
-        for j, c in enumerate(counts):
+        for j, c in enumerate(counts.tolist()):
             if not c:
                 continue
             g, u = F.linear(xs[a:a + c], self.gate_up[j]).chunk(2, dim=-1)
             ys[a:a + c] = F.linear(F.silu(g) * u, self.down[j])
             a += c
-        ys = (ys * w.reshape(-1)[order, None]).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, tok, ys)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+        return ys

@@ -75,8 +75,33 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+class _StepTables:
+    """A step's rows of the rotary tables, cast per dtype on first use and shared by every layer."""
+
+    __slots__ = ("rows", "by_dtype")
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+        self.by_dtype: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype) -> torch.Tensor:
+        t = self.by_dtype.get(dtype)
+        if t is None:
+            t = self.by_dtype[dtype] = self.rows.to(dtype)
+        return t
+
+
 class Rotary:
-    """cos/sin of the rotary slice for given positions, and their application to q_pe / k_pe."""
+    """cos/sin of the rotary slice for given positions, and their application to q_pe / k_pe.
+
+    The float32 tables are computed once per model for positions [0, capacity) and grown on demand
+    (doubling), so a step only indexes them; the last step's rows are memoised, so the 2L calls of
+    one step (k_pe and q_pe of every layer) cost one lookup. They are built in blocks of
+    `_BLOCK` positions so that every element goes through the same vectorised cos/sin path as a
+    transformers forward of any shape (a scalar tail or a thread split could round differently).
+    """
+
+    _BLOCK = 256
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
         dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
@@ -89,47 +114,94 @@ class Rotary:
             inv_freq, self.attention_factor = _yarn_inv_freq(rope, dim, base, cfg.max_position_embeddings)
         else:
             raise ConfigError(f"rope type {kind!r} is not supported (DeepSeek models use 'yarn' or none)")
+        self.dim = dim
         self.inv_freq = inv_freq.to(device)
         self.style = "complex" if cfg.model_type == "deepseek_v2" else (
             "interleave" if cfg.rope_interleave else "half")
+        # out = x[..., gather[:d]] * C + x[..., gather[d:]] * S with table row (C, S): C = cos, S = sin
+        # with its first half negated; both styles are this form, bit for bit (negation is exact).
+        h = dim // 2
+        if self.style == "interleave":  # outputs [x_even*c - x_odd*s, x_odd*c + x_even*s]
+            even, odd = torch.arange(0, dim, 2), torch.arange(1, dim, 2)
+            self._gather = torch.cat([even, odd, odd, even])
+        else:  # half: x*cos + cat(-x2, x1)*sin
+            idx = torch.arange(dim)
+            self._gather = torch.cat([idx, idx[h:], idx[:h]])
+        self._gather = self._gather.to(device)
+        self._table: torch.Tensor | None = None  # [capacity, 2 * dim] float32, or complex [capacity, dim/2]
+        self._memo: list[tuple[torch.Tensor, Any]] = []
 
     def to(self, device: torch.device | str) -> Rotary:
         self.inv_freq = self.inv_freq.to(device)
+        self._gather = self._gather.to(device)
+        self._table, self._memo = None, []
         return self
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._table is None else int(self._table.shape[0])
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
         """[N, d_r/2] float32 angles, exactly `position.float() * inv_freq`."""
         return positions[:, None].float() * self.inv_freq.to(device=positions.device, dtype=torch.float)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        """What `apply` needs for these positions; compute once per step and share across layers."""
+    def _rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Table rows of these positions, computed from scratch (what the cached table holds)."""
         freqs = self.angles(positions)
         if self.style == "complex":
             return torch.polar(torch.ones_like(freqs), freqs) * self.attention_factor
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        h = self.dim // 2
+        return torch.cat([cos, -sin[:, :h], sin[:, h:]], dim=-1)
+
+    def reserve(self, n: int) -> None:
+        """Make the table cover positions [0, n)."""
+        cap = self.capacity
+        if n <= cap:
+            return
+        new = max(n, 2 * cap, self._BLOCK)
+        new = -(-new // self._BLOCK) * self._BLOCK
+        dev = self.inv_freq.device
+        blocks = [self._rows(torch.arange(a, a + self._BLOCK, device=dev))
+                  for a in range(cap, new, self._BLOCK)]
+        self._table = torch.cat(([self._table] if self._table is not None else []) + blocks)
+
+    def tables(self, positions: torch.Tensor, bound: int | None = None) -> Any:
+        """What `apply` needs for these positions. The last two calls' results are memoised by tensor
+        identity (a step's positions, and a layout's subset of them), so the layers of one step share
+        a lookup. `bound` (> every position, from the plan) spares a device sync on GPU."""
+        for key, val in self._memo:
+            if key is positions:
+                return val
+        if bound is None and positions.device.type == "cpu":
+            bound = int(positions.max()) + 1 if positions.numel() else 0
+        if bound is None:  # accelerator, no bound given: compute the rows rather than sync for one
+            rows = self._rows(positions)
+        else:
+            self.reserve(bound)
+            table = self._table
+            rows = table.index_select(0, positions) if table is not None else self._rows(positions)
+        out = rows if self.style == "complex" else _StepTables(rows)
+        self._memo = [(positions, out), *self._memo[:1]]
+        return out
 
     def apply(self, x: torch.Tensor, tables: Any) -> torch.Tensor:
         """Rotate x [N, h, d_r] (or [N, d_r]) by the tables of its rows' positions."""
-        squeeze = x.dim() == 2
-        if squeeze:
-            x = x[:, None, :]
         if self.style == "complex":
+            squeeze = x.dim() == 2
+            if squeeze:
+                x = x[:, None, :]
             # (a + ib)(c + id) in float32 written out: what torch's vectorised complex product computes
             # (its scalar tail rounds differently), so the result does not depend on the batch shape.
             xf = x.float().reshape(*x.shape[:-1], -1, 2)
             a, b = xf[..., 0], xf[..., 1]
             c, d = tables.real[:, None, :], tables.imag[:, None, :]
             out = torch.stack([a * c - b * d, a * d + b * c], dim=-1).flatten(2).type_as(x)
-        else:
-            cos, sin = (t.to(x.dtype)[:, None, :] for t in tables)
-            if self.style == "interleave":
-                half = cos.shape[-1] // 2
-                c, s = cos[..., :half], sin[..., :half]
-                x1, x2 = x[..., 0::2], x[..., 1::2]
-                out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-            else:
-                h = x.shape[-1] // 2
-                rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-                out = x * cos + rot * sin
-        return out[:, 0, :] if squeeze else out
+            return out[:, 0, :] if squeeze else out
+        cs = tables.get(x.dtype)
+        if x.dim() == 3:
+            cs = cs[:, None, :]
+        d = self.dim
+        y = x.index_select(-1, self._gather).mul_(cs)
+        return y[..., :d] + y[..., d:]
