@@ -50,6 +50,10 @@ class Theta:
     act_bytes: float = 2.0  # bytes per activation element exchanged
     name: str = ""
     source: str = "profile"
+    t_seq: float = 0.0  # seconds per request a rank attends, per layer (per-slice launch/gather cost;
+    #                     0 in the paper's profiles, measured by `splash calibrate` on this runtime)
+    collectives: dict[str, float] | None = None  # collectives per attention layer, per layout
+    #                     (None: COLLECTIVES; calibration counts the runtime's own, e.g. CP's 3)
 
     def __post_init__(self) -> None:
         if int(self.ranks) < 1:
@@ -68,9 +72,20 @@ class Theta:
             if not 0 <= v <= 1:
                 raise ConfigError(f"theta: eta[{k}] must be in [0, 1], got {v}")
         self.eta = {lay.label: eta.get(lay.label, DEFAULT_ETA[lay.label]) for lay in LAYOUTS}
+        if float(self.t_seq) < 0:
+            raise ConfigError(f"theta: t_seq must be >= 0, got {self.t_seq}")
+        if self.collectives is not None:
+            coll = {Layout.parse(k).label: float(v) for k, v in dict(self.collectives).items()}
+            if any(v < 0 for v in coll.values()):
+                raise ConfigError(f"theta: collectives must be >= 0, got {coll}")
+            self.collectives = {lay.label: coll.get(lay.label, float(COLLECTIVES[lay])) for lay in LAYOUTS}
 
     def eta_of(self, layout: Layout) -> float:
         return self.eta[layout.label]
+
+    def collectives_of(self, layout: Layout) -> float:
+        """Collectives one attention layer of `layout` issues (each pays the latency delta once)."""
+        return COLLECTIVES[layout] if self.collectives is None else self.collectives[layout.label]
 
     # -- JSON --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -192,12 +207,26 @@ def _att_flops_per_key_head(sizes: AttentionSizes) -> float:
     return 2.0 * (c.latent_dim + c.kv_lora_rank)
 
 
-def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
-              page_size: int | None = None) -> StepCost:
-    """Eq 10 summed over the model's MLA layers for `batch` in `layout` on theta.ranks ranks."""
-    T, H, L = theta.ranks, sizes.heads, sizes.layers
+@dataclass(frozen=True)
+class LayerLoads:
+    """Per-rank loads of one MLA layer of `layout` on a batch (Eq 10's F, W, K_read, R), no rates."""
+
+    f_proj: np.ndarray  # FLOPs of the projections per rank
+    w_read: np.ndarray  # projection weight bytes read per rank (0 on a rank without rows)
+    f_att: np.ndarray  # attention FLOPs per rank
+    kv_read: np.ndarray  # latent KV bytes read per rank
+    slices: np.ndarray  # requests with rows this step that each rank attends
+    comm_bytes: float  # R in bytes one rank receives (busiest rank)
+    collectives: float  # collectives per layer (0 on one rank)
+
+
+def layer_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: int, act_bytes: float,
+                collectives: float, page_size: int | None = None) -> LayerLoads:
+    """The rate-free quantities of Eq 10, from the ownership model of the live batch."""
+    T, H = ranks, sizes.heads
     q, o = batch.rows.astype(float), batch.owners
     s = np.where(q > 0, batch.contexts, 0).astype(float)  # requests without rows read no KV this step
+    active = (q > 0).astype(float)
     heads = H / T if layout.sharded else H  # projection heads per rank
     att_heads = H / T if layout is Layout.TP else H  # DOP's owner attends its rows over all heads
     keys = np.maximum(s - (q - 1) / 2, 0)  # mean keys a causal row sees (last q of s positions)
@@ -205,28 +234,106 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
         rows_r = np.bincount(o, weights=q, minlength=T)
         work_r = np.bincount(o, weights=q * keys, minlength=T)  # sum q_i * keys_i per owner
         read_r = np.bincount(o, weights=s, minlength=T)
+        slices_r = np.bincount(o, weights=active, minlength=T)
     elif layout.ownership is Ownership.POSITION:
         share = position_tokens_matrix(s.astype(np.int64), T, page_size) / np.maximum(s, 1)[None, :]
         rows_r = np.full(T, q.sum())
         work_r = share @ (q * keys)
         read_r = share @ s
+        slices_r = np.full(T, active.sum())  # every rank visits every slice (its keys may be few)
     else:
         rows_r = np.full(T, q.sum())
         work_r = np.full(T, (q * keys).sum())
         read_r = np.full(T, s.sum())
+        slices_r = np.full(T, active.sum())
     w_rank = sizes.w_layer / T if layout.sharded else sizes.w_layer
-    f_proj = rows_r * heads * _proj_flops_per_row_head(sizes)
-    t_proj_r = np.maximum(f_proj / theta.flops_proj, np.where(rows_r > 0, w_rank, 0) / theta.bw_weights)
-    f_att = work_r * att_heads * _att_flops_per_key_head(sizes)
-    t_att_r = np.maximum(f_att / theta.flops_att, read_r * sizes.kv_token_layer / theta.bw_kv)
+    return LayerLoads(
+        f_proj=rows_r * heads * _proj_flops_per_row_head(sizes),
+        w_read=np.where(rows_r > 0, w_rank, 0.0),
+        f_att=work_r * att_heads * _att_flops_per_key_head(sizes),
+        kv_read=read_r * sizes.kv_token_layer,
+        slices=slices_r,
+        comm_bytes=_comm_bytes(layout, sizes, batch, T, act_bytes, rows_r),
+        collectives=float(collectives) if T > 1 else 0.0,
+    )
+
+
+def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
+              page_size: int | None = None) -> StepCost:
+    """Eq 10 summed over the model's MLA layers for `batch` in `layout` on theta.ranks ranks."""
+    T, L = theta.ranks, sizes.layers
+    ld = layer_loads(layout, sizes, batch, T, theta.act_bytes, theta.collectives_of(layout), page_size)
+    t_proj_r = np.maximum(ld.f_proj / theta.flops_proj, ld.w_read / theta.bw_weights)
+    t_att_r = np.maximum(ld.f_att / theta.flops_att, ld.kv_read / theta.bw_kv) + theta.t_seq * ld.slices
     busiest = int(np.argmax(t_proj_r + t_att_r)) if T else 0
     t_proj, t_att = float(t_proj_r[busiest]), float(t_att_r[busiest])
-    comm_bytes = _comm_bytes(layout, sizes, batch, T, theta.act_bytes, rows_r)
-    comm = comm_bytes / theta.link_bw
-    delta = theta.latency * COLLECTIVES[layout] if T > 1 else 0.0
+    comm = ld.comm_bytes / theta.link_bw
+    delta = theta.latency * ld.collectives
     exposed = max(0.0, comm - theta.eta_of(layout) * t_att)
     total = outside_attention(theta, batch.n_rows) + L * (t_proj + t_att + delta + exposed)
     return StepCost(layout, total, t_proj, t_att, comm, delta, exposed, L)
+
+
+# ---- Eq 10 as a linear function of theta, for calibration --------------------------------------------
+# step_cost(...).total == step_features(...) @ theta_params(theta), with the max() branches, the busiest
+# rank and the [.]+ of exposed communication fixed by `theta`: least squares on measured step times
+# then fits these parameters (all >= 0) for the branches the data sit in.
+FIT_PARAMS = ("t0", "t_row", "t_experts", "inv_flops_proj", "inv_bw_weights", "inv_flops_att",
+              "inv_bw_kv", "inv_link_bw", "latency", "t_seq")
+
+
+def theta_params(theta: Theta) -> np.ndarray:
+    """Theta's linear parameters in FIT_PARAMS order (rates inverted: seconds per FLOP or byte)."""
+    return np.array([theta.t0, theta.t_row, theta.t_experts, 1 / theta.flops_proj, 1 / theta.bw_weights,
+                     1 / theta.flops_att, 1 / theta.bw_kv, 1 / theta.link_bw, theta.latency, theta.t_seq])
+
+
+def with_params(theta: Theta, params: np.ndarray, max_rate: float = 1e30) -> Theta:
+    """A copy of `theta` carrying `params` (FIT_PARAMS order); a zero inverse rate becomes `max_rate`."""
+    p = np.maximum(np.asarray(params, dtype=float), 0.0)
+    if p.shape != (len(FIT_PARAMS),):
+        raise ConfigError(f"expected {len(FIT_PARAMS)} parameters, got shape {p.shape}")
+
+    def rate(v: float) -> float:
+        return min(max_rate, 1 / v) if v > 0 else max_rate
+
+    d = theta.to_dict()
+    d.update(t0=p[0], t_row=p[1], t_experts=p[2], flops_proj=rate(p[3]), bw_weights=rate(p[4]),
+             flops_att=rate(p[5]), bw_kv=rate(p[6]), link_bw=rate(p[7]), latency=p[8], t_seq=p[9])
+    return Theta.from_dict({k: (float(v) if isinstance(v, np.floating) else v) for k, v in d.items()})
+
+
+def step_features(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
+                  page_size: int | None = None) -> np.ndarray:
+    """x with step_cost(layout, ...).total == x @ theta_params(theta), branches chosen by `theta`."""
+    T, L = theta.ranks, sizes.layers
+    ld = layer_loads(layout, sizes, batch, T, theta.act_bytes, theta.collectives_of(layout), page_size)
+    t_proj_r = np.maximum(ld.f_proj / theta.flops_proj, ld.w_read / theta.bw_weights)
+    t_att_r = np.maximum(ld.f_att / theta.flops_att, ld.kv_read / theta.bw_kv) + theta.t_seq * ld.slices
+    b = int(np.argmax(t_proj_r + t_att_r)) if T else 0
+    x = np.zeros(len(FIT_PARAMS))
+    rows = batch.n_rows
+    x[0] = 1.0
+    x[1] = rows
+    x[2] = 1.0 - (1.0 - theta.expert_frac) ** rows if rows > 0 else 0.0
+    att = np.zeros(len(FIT_PARAMS))  # t_att of the busiest rank, per layer
+    if ld.f_proj[b] / theta.flops_proj >= ld.w_read[b] / theta.bw_weights:
+        x[3] += L * ld.f_proj[b]
+    else:
+        x[4] += L * ld.w_read[b]
+    if ld.f_att[b] / theta.flops_att >= ld.kv_read[b] / theta.bw_kv:
+        att[5] = ld.f_att[b]
+    else:
+        att[6] = ld.kv_read[b]
+    att[9] = ld.slices[b]
+    x += L * att
+    x[8] += L * ld.collectives
+    eta = theta.eta_of(layout)
+    t_att = float(t_att_r[b])
+    if ld.comm_bytes / theta.link_bw - eta * t_att > 0:
+        x[7] += L * ld.comm_bytes
+        x -= L * eta * att
+    return x
 
 
 def outside_attention(theta: Theta, rows: int) -> float:

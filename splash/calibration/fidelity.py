@@ -1,0 +1,113 @@
+"""How well a theta picks layouts: predicted vs measured step time per layout on held-out points.
+
+Per point: the predicted and measured time of every layout, the predicted best (argmin of Eq 10) and
+the measured best (argmin of the medians), and the regret of following the prediction:
+measured(predicted best) / measured(best) - 1. A point whose layouts are within measurement noise of
+each other can be "missed" at almost no cost, so both the hit rate and the regret are reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from splash.calibration.grid import GridPoint
+from splash.calibration.measure import Timing
+from splash.costmodel import Theta, step_cost
+from splash.layouts import Layout
+from splash.sizes import AttentionSizes
+
+REGRET_OK = 0.10  # the acceptance bound: the chosen layout within 10% of the measured best
+
+
+@dataclass(frozen=True)
+class PointFidelity:
+    point: GridPoint
+    measured: dict[str, float]  # layout -> median seconds
+    spread: dict[str, float]  # layout -> IQR / median
+    predicted: dict[str, float]  # layout -> Eq 10 seconds
+    pred_best: str
+    meas_best: str
+
+    @property
+    def hit(self) -> bool:
+        return self.pred_best == self.meas_best
+
+    @property
+    def regret(self) -> float:
+        return self.measured[self.pred_best] / self.measured[self.meas_best] - 1
+
+    @property
+    def runner_up_gap(self) -> float:
+        """How much slower the measured second-best layout is than the best (0 with one layout)."""
+        t = sorted(self.measured.values())
+        return t[1] / t[0] - 1 if len(t) > 1 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.point.to_dict(), "measured_s": self.measured, "spread": self.spread,
+                "predicted_s": self.predicted, "pred_best": self.pred_best, "meas_best": self.meas_best,
+                "hit": self.hit, "regret": self.regret, "runner_up_gap": self.runner_up_gap}
+
+
+@dataclass(frozen=True)
+class Summary:
+    points: int
+    hit_rate: float  # predicted best == measured best
+    within_10: float  # regret <= 10%
+    mean_regret: float
+    max_regret: float
+    rel_rmse: float  # of predicted vs measured step times, all layouts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"points": self.points, "hit_rate": self.hit_rate, "within_10pct": self.within_10,
+                "mean_regret": self.mean_regret, "max_regret": self.max_regret, "rel_rmse": self.rel_rmse}
+
+
+def evaluate(theta: Theta, sizes: AttentionSizes, timings: Mapping[tuple[str, GridPoint], Timing],
+             points: Sequence[GridPoint], layouts: Sequence[str],
+             page_size: int | None) -> list[PointFidelity]:
+    out = []
+    for p in sorted(points):
+        batch = p.batch(theta.ranks)
+        meas = {lay: timings[(lay, p)].median for lay in layouts}
+        spread = {lay: timings[(lay, p)].spread for lay in layouts}
+        pred = {lay: step_cost(Layout.parse(lay), sizes, batch, theta, page_size).total for lay in layouts}
+        out.append(PointFidelity(p, meas, spread, pred, min(pred, key=pred.__getitem__),
+                                 min(meas, key=meas.__getitem__)))
+    return out
+
+
+def summarize(rows: Sequence[PointFidelity]) -> Summary:
+    if not rows:
+        return Summary(0, float("nan"), float("nan"), float("nan"), float("nan"), float("nan"))
+    n = len(rows)
+    regrets = [r.regret for r in rows]
+    errs = [(r.predicted[lay] - t) / t for r in rows for lay, t in r.measured.items()]
+    return Summary(n, sum(r.hit for r in rows) / n, sum(g <= REGRET_OK + 1e-12 for g in regrets) / n,
+                   sum(regrets) / n, max(regrets), (sum(e * e for e in errs) / len(errs)) ** 0.5)
+
+
+def format_table(rows: Sequence[PointFidelity], layouts: Sequence[str]) -> str:
+    """The fidelity table: per point, predicted/measured ms per layout, both bests, regret."""
+    head = f"{'B':>4} {'s':>5} {'q':>4} | " + " | ".join(f"{lay:>17}" for lay in layouts)
+    head += " | pred  meas  regret  gap2"
+    sub = f"{'':>16}| " + " | ".join(f"{'pred/meas ms':>17}" for _ in layouts) + " |"
+    lines = [head, sub, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for lay in layouts:
+            mark = "*" if lay == r.meas_best else " "
+            cells.append(f"{r.predicted[lay] * 1e3:7.1f}/{r.measured[lay] * 1e3:7.1f}{mark} ")
+        flag = "" if r.hit else ("  (miss)" if r.regret > REGRET_OK else "  (miss, within 10%)")
+        left = f"{r.point.B:>4} {r.point.s:>5} {r.point.q:>4} | " + " | ".join(f"{c:>17}" for c in cells)
+        lines.append(left + f" | {r.pred_best:>4}  {r.meas_best:>4}  {r.regret:6.1%}  "
+                     f"{r.runner_up_gap:5.1%}{flag}")
+    return "\n".join(lines)
+
+
+def format_summary(s: Summary, label: str = "") -> str:
+    tag = f"{label}: " if label else ""
+    return (f"{tag}{s.points} held-out points: predicted best == measured best in {s.hit_rate:.0%} "
+            f"(target >= 80%); chosen layout within 10% of the best in {s.within_10:.0%}; regret mean "
+            f"{s.mean_regret:.1%}, max {s.max_regret:.1%}; step-time error (rel. RMSE) {s.rel_rmse:.1%}")

@@ -1,0 +1,92 @@
+"""`splash calibrate`: time each layout on this deployment, fit theta (Eq 10), check it on held-out points."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate", help="measure this deployment and fit theta for the layout policy",
+        description="Time real forward steps of every layout (tp, dp, cp, dop) over a grid of (B running "
+                    "requests, s context, q query rows), fit theta of Eq 10 by least squares on two thirds "
+                    "of the points, and print how well it picks layouts on the held-out third. Engines "
+                    "load the result with --theta FILE.")
+    p.add_argument("--tp", type=_positive, default=2, help="ranks T (default 2)")
+    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (default)")
+    p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
+    p.add_argument("--out", default="theta.json", metavar="FILE",
+                   help="where to save theta (default theta.json)")
+    p.add_argument("--quick", action="store_true",
+                   help="small grid, fewer repetitions (about a minute at T=2)")
+    p.add_argument("--points", default=None, metavar="B:s:q,...",
+                   help="custom grid instead of the built-in one, e.g. 1:64:1,32:512:1,1:1024:256")
+    p.add_argument("--layouts", default="tp,dp,cp,dop", help="layouts to compare (default all four)")
+    p.add_argument("--reps", type=_positive, default=None, help="timed steps per point and round "
+                                                                 "(default 5, quick 3)")
+    p.add_argument("--rounds", type=_positive, default=2,
+                   help="passes over all layouts, interleaved in time against background load (default 2)")
+    p.add_argument("--holdout-every", type=int, default=3, metavar="K",
+                   help="hold out every K-th grid point for the fidelity check (default 3)")
+    p.add_argument("--page-size", type=_positive, default=16, help="KV page size (default 16)")
+    p.add_argument("--profile", default=None, help="hardware profile of the prior (default: cpu, or h200 on "
+                                                   "CUDA)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout instead of the table (progress stays on stderr)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from splash.calibration.fidelity import format_summary, format_table
+    from splash.calibration.grid import default_grid, parse_points, quick_grid
+    from splash.calibration.run import LAYOUT_NAMES, calibrate
+    from splash.config import ConfigError
+    from splash.dist.launch import WorkerError
+
+    layouts = [x.strip().lower() for x in args.layouts.split(",") if x.strip()]
+    bad = [x for x in layouts if x not in LAYOUT_NAMES]
+    if bad or len(set(layouts)) < 2:
+        raise ConfigError(f"--layouts wants two or more of {', '.join(LAYOUT_NAMES)}, got {args.layouts!r}")
+    points = parse_points(args.points) if args.points else (quick_grid() if args.quick else default_grid())
+    if args.holdout_every < 2:
+        raise ConfigError(f"--holdout-every must be >= 2, got {args.holdout_every}")
+    reps = args.reps or (3 if args.quick else 5)
+    try:
+        cal = calibrate(args.tp, points, layouts=layouts, model=args.model, dtype=args.dtype,
+                        page_size=args.page_size, reps=reps, rounds=args.rounds, device=args.device,
+                        profile=args.profile, holdout_every=args.holdout_every, seed=args.seed,
+                        progress=True)
+    except WorkerError as e:
+        print(f"splash calibrate: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    cal.theta.save(args.out)
+    if args.json:
+        obj: dict[str, Any] = {"out": args.out, **cal.to_dict()}
+        print(json.dumps(obj))
+        return 0
+    print(f"measured {len(points)} points x {len(layouts)} layouts on T={args.tp} in {cal.seconds:.0f} s; "
+          f"fitted on {len(cal.train)}, held out {len(cal.held)} "
+          f"(train step-time error {cal.fit.rel_rmse:.1%}, start: {cal.fit.start})")
+    if cal.rows:
+        print(format_table(cal.rows, layouts))
+        print(format_summary(cal.summary, "calibrated"))
+        print(format_summary(cal.prior_summary, f"uncalibrated {cal.prior.source} prior, same points"))
+    else:
+        print("no held-out points (grid too small): fidelity not checked")
+    print(f"theta saved to {args.out} (engines: --theta {args.out})")
+    return 0

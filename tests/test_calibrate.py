@@ -1,0 +1,228 @@
+"""Calibration: Eq 10 as a linear model, the NNLS fit, fidelity bookkeeping, the default theta, the CLI."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from splash.calibration.fidelity import evaluate, format_table, summarize
+from splash.calibration.fit import Observation, fit_theta, nnls
+from splash.calibration.grid import GridPoint, default_grid, parse_points, quick_grid, split_holdout
+from splash.calibration.measure import Timing
+from splash.calibration.prior import RUNTIME_COLLECTIVES, load_or_default_theta, runtime_prior
+from splash.config import PRESETS, ConfigError
+from splash.costmodel import FIT_PARAMS, Batch, Theta, step_cost, step_features, theta_params, with_params
+from splash.layouts import LAYOUTS, Layout
+from splash.sizes import AttentionSizes
+
+SIZES = AttentionSizes(PRESETS["tiny"], "fp32", "fp32")
+PAGE = 16
+
+
+def _true_theta(ranks=2):
+    """A CPU-like theta whose regimes differ across the grid (latency-, slice- and compute-bound)."""
+    p = [8e-3, 1e-4, 5e-3, 1 / 2e9, 1 / 5e8, 1 / 1e9, 1 / 3e9, 1 / 2e8, 1.5e-3, 2e-4]
+    return with_params(runtime_prior(ranks, SIZES), np.array(p))
+
+
+def _batches(rng, ranks):
+    yield Batch.balanced(1, 64, 1, ranks)
+    yield Batch.balanced(16, 2048, 1, ranks)
+    yield Batch.balanced(2, 1024, 256, ranks)
+    for _ in range(6):  # unbalanced contexts, mixed decode and prefill rows, skewed owners
+        n = int(rng.integers(1, 12))
+        s = rng.integers(1, 3000, size=n)
+        q = np.minimum(s, rng.choice([0, 1, 1, 7, 300], size=n))
+        yield Batch.make(s, q, rng.integers(0, ranks, size=n), ranks)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_step_features_reproduce_step_cost(ranks):
+    """features @ params == Eq 10 exactly, whichever max() branches, busiest rank and [.]+ apply."""
+    rng = np.random.default_rng(1)
+    base = runtime_prior(ranks, SIZES)
+    for k in range(12):
+        p = theta_params(_true_theta(ranks)) * np.exp(rng.normal(0, 2.5, len(FIT_PARAMS)))
+        th = with_params(base, p)
+        if k % 2:  # the paper's overlap and collective counts, too
+            d = th.to_dict()
+            d.update(eta={"CP": 0.5, "DOP": 0.7}, collectives=None)
+            th = Theta.from_dict(d)
+        for batch in _batches(rng, ranks):
+            for lay in LAYOUTS:
+                want = step_cost(lay, SIZES, batch, th, PAGE).total
+                got = step_features(lay, SIZES, batch, th, PAGE) @ theta_params(th)
+                assert got == pytest.approx(want, rel=1e-9, abs=1e-15), (k, lay)
+
+
+def test_theta_new_fields_round_trip(tmp_path):
+    th = _true_theta()
+    assert th.t_seq == pytest.approx(2e-4) and th.collectives == RUNTIME_COLLECTIVES
+    assert th.collectives_of(Layout.CP) == 3 and th.eta_of(Layout.CP) == 0
+    th.save(tmp_path / "t.json")
+    assert Theta.load(tmp_path / "t.json") == th
+    d = th.to_dict()
+    for k in ("t_seq", "collectives"):  # files written before these fields existed still load
+        d.pop(k)
+    old = Theta.from_dict(d)
+    assert old.t_seq == 0 and old.collectives is None and old.collectives_of(Layout.CP) == 1
+    with pytest.raises(ConfigError, match="t_seq"):
+        Theta.from_dict({**d, "t_seq": -1})
+    with pytest.raises(ConfigError, match="collectives"):
+        Theta.from_dict({**d, "collectives": {"tp": -1}})
+    # t_seq prices the requests a rank attends: DP's owners split them, TP's ranks each see all
+    b = Batch.balanced(64, 64, 1, 2)
+    dt = {lay: step_cost(lay, SIZES, b, th, PAGE).total - step_cost(lay, SIZES, b, old_like(th), PAGE).total
+          for lay in (Layout.TP, Layout.DP)}
+    L = SIZES.layers
+    assert dt[Layout.TP] == pytest.approx(L * 64 * th.t_seq, rel=0.2)
+    assert dt[Layout.DP] == pytest.approx(L * 32 * th.t_seq, rel=0.2)
+
+
+def old_like(th):
+    d = th.to_dict()
+    d["t_seq"] = 0.0
+    return Theta.from_dict(d)
+
+
+def test_nnls_meets_kkt_conditions():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        A = rng.normal(size=(30, 6)) * rng.uniform(0.1, 10, 6)
+        b = rng.normal(size=30)
+        x = nnls(A, b)
+        g = A.T @ (b - A @ x)  # minus the gradient of 0.5 ||Ax - b||^2
+        assert (x >= 0).all()
+        assert np.all(g[x <= 0] <= 1e-8)  # no descent direction into the constraint
+        assert np.allclose(g[x > 0], 0, atol=1e-8)  # stationary on the free set
+    x_true = np.array([1.0, 0.0, 2.5])
+    A = rng.uniform(0, 1, size=(10, 3))
+    assert nnls(A, A @ x_true) == pytest.approx(x_true, abs=1e-9)
+
+
+def test_fit_recovers_known_theta_from_noisy_synthetic_timings():
+    """Timings made by Eq 10 itself (+3% noise): the fit recovers the parameters that matter and picks
+    the true best layout on held-out points."""
+    true = _true_theta()
+    rng = np.random.default_rng(7)
+    train, held = split_holdout(default_grid())
+
+    def obs(points):
+        return [Observation(lay, p.batch(2), step_cost(lay, SIZES, p.batch(2), true, PAGE).total
+                            * (1 + 0.03 * rng.standard_normal())) for p in points for lay in LAYOUTS]
+
+    fit = fit_theta(obs(train), SIZES, runtime_prior(2, SIZES), PAGE)
+    assert fit.rel_rmse < 0.05
+    got, want = theta_params(fit.theta), theta_params(true)
+    for name in ("t0", "latency", "t_seq", "inv_flops_att", "inv_flops_proj"):
+        i = FIT_PARAMS.index(name)
+        assert got[i] == pytest.approx(want[i], rel=0.25), name
+    hits = 0
+    for p in held:
+        b = p.batch(2)
+        t_true = {lay: step_cost(lay, SIZES, b, true, PAGE).total for lay in LAYOUTS}
+        t_fit = {lay: step_cost(lay, SIZES, b, fit.theta, PAGE).total for lay in LAYOUTS}
+        for lay in LAYOUTS:
+            assert t_fit[lay] == pytest.approx(t_true[lay], rel=0.08)
+        best = min(t_true, key=t_true.get)
+        pick = min(t_fit, key=t_fit.get)
+        hits += pick == best
+        assert t_true[pick] / t_true[best] - 1 < 0.05  # a miss only between near-equal layouts
+    assert hits >= 0.8 * len(held)
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError, match="no observations"):
+        fit_theta([], SIZES, runtime_prior(2, SIZES))
+    o = [Observation(Layout.TP, Batch.balanced(1, 8, 1, 2), 0.01)]
+    with pytest.raises(ValueError, match="unknown parameter"):
+        fit_theta(o, SIZES, runtime_prior(2, SIZES), fixed=["bogus"])
+
+
+def test_fidelity_hits_regret_and_table():
+    th = _true_theta()
+    pts = [GridPoint(1, 64, 1), GridPoint(64, 512, 1)]
+    tim = {}
+    for p in pts:
+        pred = {lay.label.lower(): step_cost(lay, SIZES, p.batch(2), th, PAGE).total for lay in LAYOUTS}
+        best = min(pred, key=pred.get)
+        for lay, t in pred.items():
+            # point 0 measured as predicted; point 1: the predicted best measured 20% slower than another
+            scale = 1.0
+            if p is pts[1]:
+                scale = 1.5 if lay == best else 1.0
+            tim[(lay, p)] = Timing(lay, p, [t * scale] * 3)
+    rows = evaluate(th, SIZES, tim, pts, ["tp", "dp", "cp", "dop"], PAGE)
+    assert rows[0].hit and rows[0].regret == 0
+    r1 = rows[1]
+    assert not r1.hit
+    second = sorted(r1.predicted.values())[1]
+    assert r1.regret == pytest.approx(1.5 * min(r1.predicted.values()) / second - 1)
+    s = summarize(rows)
+    assert s.points == 2 and s.hit_rate == 0.5 and s.max_regret == pytest.approx(r1.regret)
+    assert s.within_10 == (0.5 if r1.regret > 0.1 else 1.0)
+    text = format_table(rows, ["tp", "dp", "cp", "dop"])
+    assert "miss" in text and "B=" not in text and text.count("\n") == 4
+
+
+def test_grid_parsing_and_holdout():
+    assert parse_points("1:64:1, 8:512:32") == [GridPoint(1, 64, 1), GridPoint(8, 512, 32)]
+    for bad in ("1:64", "a:b:c", "", "2:4:8"):
+        with pytest.raises(ConfigError):
+            parse_points(bad)
+    for grid in (default_grid(), quick_grid()):
+        train, held = split_holdout(grid)
+        assert set(train).isdisjoint(held) and sorted(train + held) == sorted(grid)
+        assert len(held) >= len(grid) // 3 and all(p.q <= p.s for p in grid)
+    assert split_holdout([GridPoint(1, 8, 1)]) == ([GridPoint(1, 8, 1)], [])
+
+
+def test_load_or_default_theta(tmp_path, caplog):
+    cfg = PRESETS["tiny"]
+    with caplog.at_level("WARNING", logger="splash.calibration"):
+        th, src = load_or_default_theta(None, 2, cfg, "fp32", "cpu")
+    assert th.ranks == 2 and "uncalibrated" in src and "cpu" in src and "splash calibrate" in caplog.text
+    assert th.collectives == RUNTIME_COLLECTIVES and th.act_bytes == 4
+    cal = _true_theta()
+    cal.save(tmp_path / "theta.json")
+    th, src = load_or_default_theta(str(tmp_path / "theta.json"), 2, cfg)
+    assert th == cal and "calibrated" in src
+    with pytest.raises(ConfigError, match="--tp 4"):
+        load_or_default_theta(str(tmp_path / "theta.json"), 4, cfg)
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "splash", "calibrate", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_refuses_bad_input_in_one_line(tmp_path):
+    for args, msg in ((["--layouts", "tp,xx"], "--layouts"), (["--points", "1:64"], "B:s:q"),
+                      (["--tp", "1", "--points", "1:8:1,2:8:1"], "--tp 2")):
+        r = _cli(*args, "--out", str(tmp_path / "t.json"))
+        assert r.returncode == 2, r.stderr
+        assert msg in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_tiny_real_calibration_end_to_end(tmp_path):
+    """2 layouts x 3 points on 2 real ranks: timings, fit, held-out table, a loadable theta file."""
+    out = tmp_path / "theta.json"
+    r = _cli("--tp", "2", "--points", "1:32:1,4:64:1,2:64:16", "--layouts", "tp,dp", "--reps", "2",
+             "--rounds", "1", "--out", str(out), "--json", timeout=200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    obj = json.loads(r.stdout)
+    th = Theta.load(out)
+    assert th.ranks == 2 and th.to_dict() == obj["theta"] and "splash calibrate" in th.source
+    assert obj["layouts"] == ["tp", "dp"] and len(obj["train"]) == 2
+    (row,) = obj["heldout"]
+    assert (row["B"], row["s"], row["q"]) == (2, 64, 16)
+    assert set(row["measured_s"]) == set(row["predicted_s"]) == {"tp", "dp"}
+    assert row["pred_best"] in ("tp", "dp") and row["regret"] >= 0
+    assert len(obj["timings"]) == 6 and all(len(t["times_s"]) == 2 and t["median_s"] > 0
+                                            for t in obj["timings"])
+    assert obj["summary"]["points"] == 1
