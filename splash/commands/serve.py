@@ -14,10 +14,12 @@ import socket
 import sys
 from typing import Any
 
+from splash.dist.launch import add_launch_args
 from splash.engine.plan import LAYOUTS
 
 ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "memory_per_rank",
-                  "num_kv_pages", "tp", "layout")
+                  "num_kv_pages", "tp", "layout", "device", "nnodes", "node_rank", "dist_init_addr",
+                  "collective_timeout_s")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,8 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-per-rank", default=None, help="memory budget per rank, e.g. 2GiB")
     p.add_argument("--num-kv-pages", type=int, default=None,
                    help="KV pool size in pages, overriding --memory-per-rank (tests, demos)")
-    p.add_argument("--tp", type=int, default=None, help="ranks (attention layouts over T ranks)")
+    add_launch_args(p)  # --tp/--ranks, --nnodes, --node-rank, --dist-init-addr
     p.add_argument("--layout", default=None, choices=LAYOUTS, help="attention layout")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
+    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=None,
+                   metavar="S", help="seconds before a dead or hung rank fails the engine (default 300)")
     p.add_argument("--graceful-timeout", type=float, default=5.0,
                    help="seconds open requests get to finish after SIGINT/SIGTERM")
     p.add_argument("--log-level", default="warning",
@@ -65,6 +70,10 @@ def build_engine(args: argparse.Namespace) -> Any:
     from splash.engine.async_engine import AsyncEngine
 
     kw = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k, None) is not None}
+    if kw.get("nnodes") == 1:
+        kw.pop("nnodes")
+    if kw.get("node_rank") == 0:
+        kw.pop("node_rank")
     factory = getattr(AsyncEngine, "from_args", None) or AsyncEngine
     return factory(model=args.model, **kw)
 
@@ -78,6 +87,18 @@ def run(args: argparse.Namespace) -> int:
     if args.port < 0 or args.port > 65535:
         print(f"splash serve: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
+    try:  # a node without rank 0 serves its ranks only; node 0 runs the HTTP server
+        from splash.engine.group import follow_if_worker
+
+        if follow_if_worker(getattr(args, "tp", None), args.nnodes, args.node_rank, args.dist_init_addr,
+                            args.device, args.collective_timeout_s):
+            return 0
+    except ValueError as e:
+        print(f"splash serve: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # WorkerError: a rank of this node failed
+        print(f"splash serve: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     try:
@@ -86,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         print(f"splash serve: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a rank failed to start (WorkerError, DistError)
+        sock.close()
+        print(f"splash serve: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     name = args.served_model_name or args.model
     url_host = f"[{host}]" if ":" in host else host
 

@@ -66,6 +66,11 @@ class AsyncEngine:
         return self.engine.kv_pool_tokens
 
     @property
+    def max_request_tokens(self) -> int:
+        """Longest context one request can ever hold (the server refuses longer prompts with a 400)."""
+        return self.engine.max_request_tokens
+
+    @property
     def vocab_size(self) -> int | None:
         return self.engine.vocab_size
 
@@ -87,16 +92,27 @@ class AsyncEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop; requests still running end with EngineDeadError and free their pages."""
+        """Stop the loop; requests still running end with EngineDeadError and free their pages; then
+        the engine's ranks are stopped (T > 1)."""
         if self._stopped:
             return
         self._stopped = True
         if self._thread is not None:
             self._cmds.put(("shutdown", None))
             self._thread.join(timeout)
+            alive = self._thread.is_alive()
             self._thread = None
+            if alive:  # a step is stuck (a hung rank): the collective timeout will end it; don't wait
+                log.error("engine thread did not stop within %.0f s", timeout)
+                return
         else:
             self._fail_all(EngineDeadError("the engine was shut down"))
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - shutting down; report, do not raise
+                log.exception("engine shutdown failed")
 
     @property
     def is_running(self) -> bool:

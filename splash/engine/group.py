@@ -8,8 +8,9 @@ process is one rank. Everything is started once and reused: an engine is *loaded
 
 Failure is loud and bounded: before every message rank 0 checks that its spawned workers are alive
 (a dead one raises WorkerError with the worker's traceback); a peer that dies mid-step breaks the
-gloo/NCCL connection, and one that hangs makes rank 0's next data-plane collective time out after
-`timeout_s`. Either way the group is marked failed and every later use raises at once.
+gloo/NCCL connection, and one that hangs makes rank 0's next plan broadcast (rank 0's control group
+has the same `timeout_s`) or data-plane collective time out. Either way the group is marked failed
+and every later use raises at once.
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ class RankGroup:
             workers = start_workers(launch.world, worker_main, ranks=local, init_method=launch.init_method,
                                     backend=backend, timeout_s=timeout_s, threads=threads)
         try:
-            grid = init_distributed(0, launch.world, launch.init_method, backend=backend, timeout_s=timeout_s)
+            # Rank 0's control group gets the data-plane timeout: a plan a hung rank never takes fails
+            # the send after `timeout_s`. Workers keep the long default: they may wait idle for days.
+            grid = init_distributed(0, launch.world, launch.init_method, backend=backend, timeout_s=timeout_s,
+                                    control_timeout_s=timeout_s)
         except BaseException:
             if workers is not None:
                 _raise_worker_error(workers)
@@ -121,8 +125,12 @@ class RankGroup:
         if self.error is None:
             self.error = err
             log.error("rank group failed: %s", err)
-        if self.workers is not None:
-            self.workers.terminate()
+        if self.workers is not None:  # no graceful exit to wait for: a hung rank ignores SIGTERM
+            for p in self.workers.procs.values():
+                if p.is_alive():
+                    p.kill()
+            for p in self.workers.procs.values():
+                p.join(timeout=5)
 
     def explain(self, err: BaseException) -> BaseException:
         """The most useful error for a failed step: a worker's own traceback when one reported it."""
@@ -252,12 +260,13 @@ def run_worker_node(launch: LaunchSpec, device: str | None = None, timeout_s: fl
                     threads: int | None = None) -> int:
     """Run this node's ranks (none of them rank 0) until rank 0 shuts the group down.
 
-    Under torchrun the process *is* its rank and runs the loop itself; otherwise the node's ranks are
-    spawned and watched. Returns 0 on a clean shutdown; raises WorkerError if a rank failed."""
+    Under torchrun (or with one rank on this node) the process *is* its rank and runs the loop itself;
+    otherwise the node's ranks are spawned and watched. Returns 0 on a clean shutdown; raises
+    WorkerError if a rank failed."""
     backend = pick_backend(device)
     if threads is None and backend == "gloo":
         threads = default_threads(len(launch.ranks))
-    if launch.torchrun:
+    if len(launch.ranks) == 1:  # torchrun, or a node with one rank: this process is the rank
         import torch
 
         if threads and backend == "gloo":

@@ -15,7 +15,23 @@ import torch
 from splash.engine.plan import StepPlan
 from splash.engine.sizing import parse_bytes
 
-__all__ = ["GroupRunner", "ModelRunner", "build_engine", "parse_bytes"]
+__all__ = ["GroupRunner", "ModelRunner", "build_engine", "parse_bytes", "STEP_KINDS"]
+
+# Plan kinds other than "forward" that run a step (on every rank), as "module:function" so that every
+# process - spawned workers included - resolves them on first use: fn(runner, plan) -> hidden [N, d].
+# The live layout switch plugs in here, e.g. STEP_KINDS["switch"] = "splash.switch.step:run_switch_step".
+STEP_KINDS: dict[str, str] = {}
+
+
+def step_kind_fn(kind: str) -> Any:
+    """The function that runs a plan of `kind` on a rank (ValueError for an unknown kind)."""
+    import importlib
+
+    target = STEP_KINDS.get(kind)
+    if target is None:
+        raise ValueError(f"no step function for plan kind {kind!r}")
+    mod, _, fn = target.partition(":")
+    return getattr(importlib.import_module(mod), fn)
 
 
 class ModelRunner:
@@ -44,6 +60,8 @@ class ModelRunner:
         self.step_rows[plan.step] = plan.num_rows
         while len(self.step_rows) > 64:
             self.step_rows.popitem(last=False)
+        if plan.kind != "forward":
+            return step_kind_fn(plan.kind)(self, plan)
         ctx = ForwardContext.build(plan.seqs, kv=self.pool, layout=self.layout, comm=self.comm,
                                    rank=self.rank, world=self.world, device=self.device, stats=self.stats)
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)

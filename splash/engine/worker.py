@@ -109,6 +109,12 @@ register_handler("stats", _on_stats)
 register_handler("unload", _on_unload)
 
 
+def _step_kinds() -> dict[str, str]:
+    from splash.engine.runner import STEP_KINDS
+
+    return STEP_KINDS
+
+
 def worker_main(grid: Any) -> int:
     """Entry point of a worker rank (the `target` of start_workers): follow plans until shutdown.
     Returns the number of forward steps run."""
@@ -119,6 +125,8 @@ def worker_main(grid: Any) -> int:
             unload(state)
             return state.steps
         handler = HANDLERS.get(plan.kind)
+        if handler is None and plan.kind in _step_kinds():
+            handler = _on_forward  # a step of another kind (e.g. "switch"): the runner dispatches it
         if handler is None:
             raise RuntimeError(f"rank {grid.rank}: no handler for plan kind {plan.kind!r} (a newer rank 0?)")
         handler(state, plan)
