@@ -33,21 +33,25 @@ def gather_keys(pool_layer: torch.Tensor, pages: torch.Tensor, ctx_len: int, pag
 
 
 def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
-           q_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+           q_pos: torch.Tensor, scale: float, *, lse: bool = True
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q_lat [n, h, d_c], q_pe [n, h, d_r] against keys [m, d_c + d_r] -> (out [n, h, d_c], lse [n, h]).
 
-    A row with no visible key gets out 0 and lse -inf."""
+    A row with no visible key gets out 0 and lse -inf. `lse=False` skips the log-sum-exp (None is
+    returned in its place): only a merge of partial results (CP) needs it, and it costs a reduction
+    over the scores as large as the softmax's."""
     n, h, d_c = q_lat.shape
     acc = _acc(q_lat.dtype)
     if keys.shape[0] == 0:
-        return q_lat.new_zeros(n, h, d_c), torch.full((n, h), float("-inf"), device=q_lat.device, dtype=acc)
+        none = torch.full((n, h), float("-inf"), device=q_lat.device, dtype=acc) if lse else None
+        return q_lat.new_zeros(n, h, d_c), none
     s = torch.matmul(torch.cat([q_lat, q_pe], dim=-1), keys.t()).to(acc)  # [n, h, m]
     s.mul_(scale)
     s.masked_fill_((key_pos[None, :] > q_pos[:, None])[:, None, :], float("-inf"))  # causal by position
-    lse = torch.logsumexp(s, dim=-1)
+    total = torch.logsumexp(s, dim=-1) if lse else None
     p = torch.softmax(s, dim=-1)  # NaN on rows that see no key: zeroed below (no host sync needed)
     out = torch.nan_to_num(torch.matmul(p.to(keys.dtype), keys[:, :d_c]), nan=0.0)
-    return out, lse
+    return out, total
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:

@@ -34,5 +34,5 @@ class LocalLayout(Layout):
         for s in ctx.seqs:
             keys, pos = self.keys(layer_idx, s, ctx)
             r = s.rows
-            out[r] = attend(q_lat[r], q_pe[r], keys, pos, ctx.positions[r], mla.softmax_scale)[0]
+            out[r] = attend(q_lat[r], q_pe[r], keys, pos, ctx.positions[r], mla.softmax_scale, lse=False)[0]
         return mla.out_heads(out)

@@ -66,9 +66,11 @@ class DecoderLayer(nn.Module):
         self.mlp.load(reader, f"{prefix}.mlp", dev)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q_in, latent_new = self.self_attn.prepare(self.input_layernorm(x), ctx.positions)
-        x = x + ctx.layout.attention(self.idx, self.self_attn, q_in, latent_new, ctx)
-        h = self.mlp(self.post_attention_layernorm(x))
+        m = self._modules  # direct, as in MLA: no hooks here, and the nn.Module machinery is not free
+        attn = m["self_attn"]
+        q_in, latent_new = attn.prepare(m["input_layernorm"].forward(x), ctx.positions)
+        x = x + ctx.layout.attention(self.idx, attn, q_in, latent_new, ctx)
+        h = m["mlp"].forward(m["post_attention_layernorm"].forward(x))
         if self.mlp_partial:
             h = ctx.comm.all_reduce(h, tag=self.mlp_tag)
         return x + h
@@ -188,7 +190,7 @@ class DeepseekForCausalLM(nn.Module):
         # plan gives the bound)
         self.rotary.tables(ctx.positions, bound=ctx.max_end or None)
         for layer in self.layers:
-            x = layer(x, ctx)
+            x = layer.forward(x, ctx)
         return x
 
     def embed_tokens(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -35,13 +35,14 @@ class RMSNorm(nn.Module):
         self.weight = reader.get(name, self.weight.dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._buffers["weight"]  # (skips nn.Module.__getattr__: this runs 4 times a layer)
         if x.device.type != "cpu":  # accelerators fuse rms_norm with other rounding: the reference form
             h = x.to(torch.float32)
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight * h.to(x.dtype)
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+            return w * h.to(x.dtype)
+        if x.dtype == torch.float32 and w.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, w, self.eps)
+        return w * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -81,4 +82,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d] -> [N, d] (this rank's partial sum when `partial`)."""
-        return F.linear(F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj)
+        b = self._buffers
+        return F.linear(F.silu(F.linear(x, b["gate_proj"])) * F.linear(x, b["up_proj"]), b["down_proj"])

@@ -116,27 +116,29 @@ class MLA(nn.Module):
         self.o_w = get(f"{prefix}.o_proj.weight", dt, dev, cols=(a * self.d_v, b * self.d_v))
 
     # ---- compute --------------------------------------------------------------------------------
+    # Weights are read from `_buffers` / `_modules` and norms called through `.forward`: nn.Module's
+    # attribute lookup and call machinery cost about as much as a small op, and a decode step is
+    # mostly small ops. No hooks are ever registered on these modules.
     def prepare(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replicated part: x [N, d] -> (q_in [N, q_in], latent_new [N, d_c + d_rope])."""
-        q_in = self.q_a_norm(F.linear(x, self.q_a, self.q_a_bias)) if self.q_lora else x
-        kv = F.linear(x, self.kv_a, self.kv_a_bias)
-        c, k_pe = kv.split([self.d_c, self.d_rope], dim=-1)
-        k_pe = self.rotary.apply(k_pe, self.rotary.tables(positions))
-        return q_in, torch.cat([self.kv_a_norm(c), k_pe], dim=-1)
+        b, m, d_c, rot = self._buffers, self._modules, self.d_c, self.rotary
+        q_in = m["q_a_norm"].forward(F.linear(x, b["q_a"], b["q_a_bias"])) if self.q_lora else x
+        kv = F.linear(x, b["kv_a"], b["kv_a_bias"])
+        k_pe = rot.apply(kv[:, d_c:], rot.tables(positions))
+        return q_in, torch.cat([m["kv_a_norm"].forward(kv[:, :d_c]), k_pe], dim=-1)
 
     def q_heads(self, q_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Held heads' absorbed queries: (q_lat [N, h, d_c], roped q_pe [N, h, d_rope])."""
-        n = q_in.shape[0]
-        q = F.linear(q_in, self.q_b).view(n, self.num_heads, self.d_nope + self.d_rope)
-        q_nope, q_pe = q.split([self.d_nope, self.d_rope], dim=-1)
-        q_pe = self.rotary.apply(q_pe, self.rotary.tables(positions))
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        b, dn, rot = self._buffers, self.d_nope, self.rotary
+        q = F.linear(q_in, b["q_b"]).view(q_in.shape[0], len(self.heads), dn + self.d_rope)
+        q_pe = rot.apply(q[..., dn:], rot.tables(positions))
+        q_lat = torch.bmm(q[..., :dn].transpose(0, 1), b["w_uk"]).transpose(0, 1)
         return q_lat, q_pe
 
     def out_heads(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [N, h, d_c] -> [N, d]: W_UV then o_proj over held heads (a partial sum if sharded;
         the o_proj bias, if any, is added by the rank holding head 0)."""
+        b = self._buffers
         n = o_lat.shape[0]
-        v = torch.bmm(o_lat.transpose(0, 1), self.w_uv).transpose(0, 1).reshape(n, self.num_heads * self.d_v)
-        bias = self.o_bias if self.heads.start == 0 else None
-        return F.linear(v, self.o_w, bias)
+        v = torch.bmm(o_lat.transpose(0, 1), b["w_uv"]).transpose(0, 1).reshape(n, len(self.heads) * self.d_v)
+        return F.linear(v, b["o_w"], b["o_bias"] if self.heads.start == 0 else None)

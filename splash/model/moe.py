@@ -66,20 +66,21 @@ class Router(nn.Module):
         """x [N, d] -> (weights [N, k] float32, expert ids [N, k])."""
         n = x.shape[0]
         xf = x.type(torch.float32)
+        weight = self._buffers["weight"]
         if self.v3:
             # Float32 results here depend on the batch shape: a GEMM of a few rows sums in another order
             # than a long one, and sigmoid's scalar tail rounds differently from its vector body. Routing
             # weights stay float32, so pad the rows: each row then gets what a long batch gives it, and a
             # decode step reproduces the full-sequence forward (and transformers) to float64 precision
             # in float64 tests instead of ~1e-7.
-            scores = F.linear(_pad(xf, _padded_rows(n, self.e)), self.weight).sigmoid()[:n]
+            scores = F.linear(_pad(xf, _padded_rows(n, self.e)), weight).sigmoid()[:n]
         else:
-            logits = F.linear(_pad(xf, max(n, 8)), self.weight)[:n]
+            logits = F.linear(_pad(xf, max(n, 8)), weight)[:n]
             scores = logits.softmax(dim=-1, dtype=torch.float32)  # row-wise kernel: shape-independent
         per = self.e // self.groups
         limited = self.topk_group < self.groups  # else every group is allowed: no mask to build
         if self.v3:
-            choice = scores + self.bias
+            choice = scores + self._buffers["bias"]
             if limited:
                 gscores = choice.view(-1, self.groups, per).topk(2, dim=-1)[0].sum(dim=-1)
                 choice = self._mask_groups(choice, gscores, per, float("-inf"))
@@ -169,7 +170,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d] -> [N, d]: routed + shared experts (this rank's partial sum on T ranks)."""
-        w, idx = self.gate(x)
+        w, idx = self._modules["gate"].forward(x)
         k = idx.shape[1]
         flat = idx.reshape(-1)
         ne = len(self.experts)
@@ -186,8 +187,9 @@ class MoE(nn.Module):
         ys = self._grouped(xs, counts) if self._use_grouped(x) else self._looped(xs, counts)
         ys = (ys * w.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, tok, ys)
-        if self.shared is not None:
-            out.add_(self.shared(x))
+        shared = self._modules.get("shared")
+        if shared is not None:
+            out.add_(shared.forward(x))
         return out
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
@@ -197,9 +199,10 @@ class MoE(nn.Module):
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert [M, d] -> expert outputs [M, d] (unweighted), two grouped GEMMs."""
+        b = self._buffers
         offs = counts.cumsum(0).to(torch.int32)
-        g, u = torch._grouped_mm(xs, self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(g) * u, self.down.transpose(1, 2), offs=offs)
+        g, u = torch._grouped_mm(xs, b["gate_up"].transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(g) * u, b["down"].transpose(1, 2), offs=offs)
 
     def _looped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The same, one expert at a time (float64, accelerators); experts without rows are skipped."""

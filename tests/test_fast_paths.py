@@ -1,0 +1,152 @@
+"""The CPU fast paths of the model compute the same numbers as the plain forms they replace.
+
+- routed experts through torch._grouped_mm equal the per-expert loop bit for bit (float32, bf16; also
+  expert-parallel on a rank holding half the experts);
+- the precomputed rotary tables and the gather-multiply-add rotation equal transformers' rotary
+  functions bit for bit (both styles, three dtypes, any positions);
+- RMSNorm equals transformers' five-op float32 form bit for bit;
+- ForwardContext.build's small-step (Python lists) and large-step (tensor ops) paths agree, holes in
+  this rank's page table included;
+- the batched single-rank layout (decode rows and equal prefill chunks attended in groups) equals the
+  per-slice kernel to 1e-12 in float64, on mixed steps with pages the rank does not hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_layouts_dist import LAYER, P, build_plan, full_mla, inputs
+
+import splash.model.context as context_mod
+from splash.attention.batched import BatchedLocalLayout
+from splash.attention.local import LocalLayout
+from splash.config import PRESETS
+from splash.engine.plan import SeqSlice
+from splash.model.context import ForwardContext
+from splash.model.layers import RMSNorm
+from splash.model.moe import MoE
+from splash.model.rope import Rotary
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.timeout(120)
+TINY = PRESETS["tiny"]
+
+
+def _moe(dtype: torch.dtype, rank: int = 0, world: int = 1) -> MoE:
+    g = torch.Generator().manual_seed(5)
+    m = MoE(TINY, dtype, rank=rank, world=world, mode="ep" if world > 1 else "auto")
+    for name, b in m.named_buffers():
+        if b is not None and b.is_floating_point():
+            b.copy_(torch.randn(b.shape, generator=g) * (0.02 if "bias" in name else 0.2))
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [1, 2])
+def test_grouped_experts_equal_the_expert_loop(dtype: torch.dtype, world: int, monkeypatch) -> None:
+    moe = _moe(dtype, rank=world - 1, world=world)
+    assert moe._use_grouped(torch.zeros(1, dtype=dtype))
+    for n in (1, 3, 16, 200):
+        x = torch.randn(n, TINY.hidden_size, generator=torch.Generator().manual_seed(n)).to(dtype)
+        fast = moe(x)
+        monkeypatch.setattr(MoE, "_use_grouped", lambda self, x: False)
+        slow = moe(x)
+        monkeypatch.undo()
+        assert torch.equal(fast, slow), f"n={n}: max diff {(fast - slow).abs().max().item()}"
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rotary_tables_match_transformers_bit_for_bit(interleave: bool) -> None:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        apply_rotary_pos_emb,
+        apply_rotary_pos_emb_interleave,
+    )
+
+    cfg = dataclasses.replace(TINY, rope_interleave=interleave, qk_rope_head_dim=64,
+                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.9,
+                                            "mscale_all_dim": 0.7, "original_max_position_embeddings": 64})
+    rot = Rotary(cfg)
+    hf = apply_rotary_pos_emb_interleave if interleave else apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        for n in (1, 7, 300):
+            pos = torch.randint(0, 3000, (n,), generator=g)  # grows the table past its first block
+            q = torch.randn(n, 4, 64, generator=g).to(dtype)
+            k = torch.randn(n, 64, generator=g).to(dtype)
+            t = rot.tables(pos)
+            assert rot.tables(pos) is t  # memoised for the step's other layers
+            freqs = pos[None, :, None].float() * rot.inv_freq
+            emb = torch.cat((freqs, freqs), -1)
+            cos = (emb.cos() * rot.attention_factor).to(dtype)
+            sin = (emb.sin() * rot.attention_factor).to(dtype)
+            qh, kh = hf(q.transpose(0, 1)[None], k[None, None], cos, sin)
+            assert torch.equal(rot.apply(q, t), qh[0].transpose(0, 1))
+            assert torch.equal(rot.apply(k, t), kh[0, 0])
+
+
+def test_rmsnorm_matches_the_reference_form_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for d in (33, 64, 96, 256, 1536):
+            norm = RMSNorm(d, 1e-6, dtype)
+            norm.weight = torch.randn(d, generator=g).to(dtype)
+            for n in (1, 5, 17, 300):
+                x = (torch.randn(n, d, generator=g) * 3).to(dtype)
+                h = x.to(torch.float32)
+                h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+                assert torch.equal(norm(x), norm.weight * h.to(dtype)), (dtype, d, n)
+
+
+def _plan(holes: bool) -> list[SeqSlice]:
+    """Two-rank tables; with holes, rank 0 lacks every third page."""
+    seqs, nxt = [], 0
+    for i, (start, n) in enumerate([(0, 40), (17, 1), (5, 70), (33, 1), (0, 3), (63, 2)]):
+        pages = []
+        for j in range(-(-(start + n) // 4)):
+            pages.append(-1 if holes and j % 3 == 2 else nxt)
+            nxt += 1
+        seqs.append(SeqSlice(i, start, n, 0, [pages, list(range(len(pages)))], True))
+    return seqs
+
+
+@pytest.mark.parametrize("holes", [False, True])
+def test_context_build_paths_agree(holes: bool, monkeypatch) -> None:
+    seqs = _plan(holes)
+    small = ForwardContext.build(seqs, kv=None, layout=LocalLayout(), page_size=4)
+    monkeypatch.setattr(context_mod, "_PY_ROWS", 0)  # force the tensor path
+    large = ForwardContext.build(seqs, kv=None, layout=LocalLayout(), page_size=4)
+    want_pos, want_rows, want_slots, row = [], [], [], 0
+    for s in seqs:
+        for p in range(s.start, s.end):
+            page = s.pages[0][p // 4]
+            want_pos.append(p)
+            if page >= 0:
+                want_rows.append(row)
+                want_slots.append(page * 4 + p % 4)
+            row += 1
+    for ctx in (small, large):
+        assert ctx.positions.tolist() == want_pos
+        assert ctx.write_rows.tolist() == want_rows and ctx.write_slots.tolist() == want_slots
+        assert ctx.all_held is not holes and ctx.max_end == max(s.end for s in seqs)
+        row = 0
+        for s, sc in zip(seqs, ctx.seqs):
+            assert sc.pages.tolist() == s.pages[0] and sc.row_start == row and sc.end == s.end
+            row += s.num_new
+
+
+@pytest.mark.parametrize("kind,rank", [("all", 0), ("owner", 1), ("position", 0)])
+def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int) -> None:
+    # decode rows, two pairs of equal prefill chunks (batched), a lone chunk (per-slice kernel)
+    case = [(0, 6, 0), (9, 1, 1), (5, 4, 1), (13, 1, 1), (2, 1, 1), (0, 6, 1), (3, 4, 1), (1, 3, 1)]
+    q_in, latent_new, hist = inputs(case, seed=3)
+    mla = full_mla()
+    outs, pools = [], []
+    for layout in (BatchedLocalLayout(), LocalLayout()):
+        seqs, pool = build_plan(case, hist, kind, 2, rank, seed=9)
+        ctx = ForwardContext.build(seqs, kv=pool, layout=layout, rank=rank, world=2, page_size=P)
+        outs.append(layout.attention(LAYER, mla, q_in, latent_new, ctx))
+        pools.append(pool.data)
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-12
+    assert torch.equal(pools[0], pools[1])
