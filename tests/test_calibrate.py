@@ -198,12 +198,15 @@ def _cli(*args, timeout=120):
                           text=True, timeout=timeout)
 
 
-def test_cli_refuses_bad_input_in_one_line(tmp_path):
+def test_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from splash.cli import main
+
     for args, msg in ((["--layouts", "tp,xx"], "--layouts"), (["--points", "1:64"], "B:s:q"),
-                      (["--tp", "1", "--points", "1:8:1,2:8:1"], "--tp 2")):
-        r = _cli(*args, "--out", str(tmp_path / "t.json"))
-        assert r.returncode == 2, r.stderr
-        assert msg in r.stderr and "Traceback" not in r.stderr
+                      (["--tp", "1", "--points", "1:8:1,2:8:1"], "--tp 2"),
+                      (["--points", "1:8:1", "--holdout-every", "1"], "--holdout-every")):
+        assert main(["calibrate", *args, "--out", str(tmp_path / "t.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("splash: error:") and msg in err and err.count("\n") == 1
     assert not (tmp_path / "t.json").exists()
 
 

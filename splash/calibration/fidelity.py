@@ -8,6 +8,7 @@ each other can be "missed" at almost no cost, so both the hit rate and the regre
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +61,10 @@ class Summary:
     rel_rmse: float  # of predicted vs measured step times, all layouts
 
     def to_dict(self) -> dict[str, Any]:
-        return {"points": self.points, "hit_rate": self.hit_rate, "within_10pct": self.within_10,
-                "mean_regret": self.mean_regret, "max_regret": self.max_regret, "rel_rmse": self.rel_rmse}
+        """JSON-safe: no held-out points gives nulls, not NaN."""
+        d = {"hit_rate": self.hit_rate, "within_10pct": self.within_10, "mean_regret": self.mean_regret,
+             "max_regret": self.max_regret, "rel_rmse": self.rel_rmse}
+        return {"points": self.points, **{k: (None if math.isnan(v) else v) for k, v in d.items()}}
 
 
 def evaluate(theta: Theta, sizes: AttentionSizes, timings: Mapping[tuple[str, GridPoint], Timing],

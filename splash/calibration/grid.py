@@ -54,8 +54,9 @@ def default_grid() -> list[GridPoint]:
     """~40 points: decode over B x s, chunked prefill over a few (B, q), one long single prefill."""
     pts = _product((1, 2, 4, 8, 16, 32, 64), (64, 512, 2048), (1,), 64, 64 * 1024)
     pts += _product((1, 4, 16), (128, 1024), (32,), 512, 32 * 1024)
-    pts += _product((1, 2), (256, 2048), (256,), 512, 8 * 1024)
-    pts += [GridPoint(64, 256, 1), GridPoint(8, 1024, 1), GridPoint(2, 1024, 64), GridPoint(8, 256, 16)]
+    pts += _product((1, 2), (256, 2048), (256,), 512, 2 * 1024)
+    pts += [GridPoint(64, 256, 1), GridPoint(8, 1024, 1), GridPoint(2, 1024, 64), GridPoint(8, 256, 16),
+            GridPoint(2, 1024, 128)]
     return sorted(set(pts))
 
 

@@ -8,16 +8,19 @@ engine's runner, so one timing is exactly one forward step over the T ranks (pla
 layer's attention and collectives, logits of the sampled rows) with nothing else in it. The KV pool
 starts zeroed and the token ids are random (seeded), so the MoE routes the rows as real text would.
 
-Noise control: a warm-up step first, the median of `reps` timings per point, and with `rounds` > 1
-each layout is measured once per round (rounds interleave the layouts in time, so a burst of load from
-another process does not land on one layout only); the median is over all rounds' timings.
+Noise control (the machine may be shared): a warm-up step first, then `reps` timings per point. The
+grid is cut into blocks of a few points; the layouts take turns on each block (one engine load per
+turn, the first layout rotating from block to block), and `rounds` passes repeat the whole schedule,
+so every layout is measured in many short windows spread over the run and a burst of load from
+another process does not land on one layout only. The statistic is the median over all rounds'
+timings; the interquartile spread is kept as the point's noise.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,11 +78,35 @@ def build_plan(point: GridPoint, layout: str, alloc: Any, rng: np.random.Generat
     return StepPlan(step=step, layout=layout, input_ids=ids, seqs=seqs), tables
 
 
+def blocks(points: Sequence[GridPoint], size: int) -> list[list[GridPoint]]:
+    """Consecutive runs of `size` sorted points: the unit the layouts take turns on."""
+    pts = sorted(points)
+    return [pts[i:i + size] for i in range(0, len(pts), max(1, size))]
+
+
+def _time_point(eng: Any, point: GridPoint, layout: str, rng: np.random.Generator, warmup: int, reps: int,
+                step: int) -> list[float]:
+    """`reps` timings of one forward step of `point` (after `warmup` untimed ones); pages released."""
+    plan, tables = build_plan(point, layout, eng.allocator, rng, eng.vocab_size or 2, step)
+    times = []
+    try:
+        for k in range(warmup + reps):
+            plan.step = step + k
+            t0 = time.perf_counter()
+            eng.runner.execute(plan)
+            if k >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        for t in tables:
+            eng.allocator.release(t)
+    return times
+
+
 def measure(points: Sequence[GridPoint], layouts: Sequence[str], ranks: int, *, model: str = "tiny",
-            dtype: str = "float32", page_size: int = 16, reps: int = 5, warmup: int = 1, rounds: int = 1,
-            device: str | None = None, seed: int = 0, progress: bool = True,
-            on_engine: Callable[[str, Any], None] | None = None) -> dict[tuple[str, GridPoint], Timing]:
-    """Median-able timings of one forward step per (layout, point) on `ranks` ranks."""
+            dtype: str = "float32", page_size: int = 16, reps: int = 3, warmup: int = 1, rounds: int = 3,
+            block: int = 6, device: str | None = None, seed: int = 0,
+            progress: bool = True) -> dict[tuple[str, GridPoint], Timing]:
+    """Timings of one forward step per (layout, point) on `ranks` ranks (see the module docstring)."""
     import torch
 
     from splash.engine.group import RankGroup
@@ -87,11 +114,13 @@ def measure(points: Sequence[GridPoint], layouts: Sequence[str], ranks: int, *, 
 
     if ranks < 2:
         raise ConfigError("calibration compares layouts, which needs --tp 2 or more ranks")
-    if reps < 1 or warmup < 0 or rounds < 1:
-        raise ConfigError("need reps >= 1, warmup >= 0, rounds >= 1")
+    if reps < 1 or warmup < 0 or rounds < 1 or block < 1:
+        raise ConfigError("need reps >= 1, warmup >= 0, rounds >= 1, block >= 1")
     points = sorted(points)
-    max_len = max(p.s for p in points) + 1
-    pages = pages_needed(points, page_size)
+    engine_kw = dict(dtype=dtype, tp=ranks, num_kv_pages=pages_needed(points, page_size), page_size=page_size,
+                     max_num_seqs=max(p.B for p in points),
+                     max_num_batched_tokens=max(512, max(p.rows for p in points)),
+                     max_model_len=max(p.s for p in points) + 1, device=device, seed=seed)
     torch.set_num_threads(1)
     out: dict[tuple[str, GridPoint], Timing] = {(lay, p): Timing(lay, p) for lay in layouts for p in points}
     bar = None
@@ -103,38 +132,24 @@ def measure(points: Sequence[GridPoint], layouts: Sequence[str], ranks: int, *, 
         bar = tqdm(total=rounds * len(layouts) * len(points), desc="calibrate", unit="pt", file=sys.stderr)
     group = RankGroup.start(ranks, device=device, threads=1)
     rng = np.random.default_rng(seed)
-    step = 0
+    step, turn = 0, 0
     try:
         for _ in range(rounds):
-            for lay in layouts:
-                if bar is not None:
-                    bar.set_description(f"calibrate {lay}")
-                eng = build_engine(model, dtype=dtype, tp=ranks, layout=lay, rank_group=group,
-                                   num_kv_pages=pages, page_size=page_size,
-                                   max_num_seqs=max(p.B for p in points),
-                                   max_num_batched_tokens=max(512, max(p.rows for p in points)),
-                                   max_model_len=max(max_len, 2), device=device, seed=seed)
-                try:
-                    if on_engine is not None:
-                        on_engine(lay, eng)
-                    for p in points:
-                        plan, tables = build_plan(p, lay, eng.allocator, rng, eng.vocab_size or 2, step)
-                        try:
-                            for k in range(warmup + reps):
-                                plan.step = step
-                                step += 1
-                                t0 = time.perf_counter()
-                                eng.runner.execute(plan)
-                                dt = time.perf_counter() - t0
-                                if k >= warmup:
-                                    out[(lay, p)].times.append(dt)
-                        finally:
-                            for t in tables:
-                                eng.allocator.release(t)
-                        if bar is not None:
-                            bar.update(1)
-                finally:
-                    eng.shutdown()
+            for pts in blocks(points, block):
+                k = turn % len(layouts)
+                turn += 1
+                for lay in [*layouts[k:], *layouts[:k]]:  # each block starts at the next layout
+                    if bar is not None:
+                        bar.set_description(f"calibrate {lay}")
+                    eng = build_engine(model, layout=lay, rank_group=group, **engine_kw)
+                    try:
+                        for p in pts:
+                            out[(lay, p)].times += _time_point(eng, p, lay, rng, warmup, reps, step)
+                            step += warmup + reps
+                            if bar is not None:
+                                bar.update(1)
+                    finally:
+                        eng.shutdown()
     finally:
         if bar is not None:
             bar.close()
