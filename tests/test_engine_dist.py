@@ -250,31 +250,70 @@ def test_head_count_not_divisible_is_refused(ckpts):
 
 
 def test_hung_or_killed_worker_fails_the_engine(group, ckpts):
-    """Last on each group (it breaks it): T=2 stops a worker (hang -> collective timeout), T=4 kills one
-    (dead peer). The step raises within a bounded time, and every later step at once."""
+    """Last on each group (it breaks it). T=2: a worker is stopped (hang -> rank 0's next send times
+    out); T=4: one is killed while the server's AsyncEngine streams requests (dead peer), and every
+    in-flight stream ends with EngineError. Both within a bounded time; later use fails at once."""
+    import asyncio
+
+    from splash.engine.async_engine import AsyncEngine, EngineError
+
     path = ckpts["v3"][0]
     eng = build_engine(model=path, layout="dop", rank_group=group, num_kv_pages=64, **ENGINE)
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(str(i), prompt_token_ids=p, params=greedy())
-    eng.step()
     pid = group.workers.procs[1].pid
-    hang = group.world == 2
-    os.kill(pid, signal.SIGSTOP if hang else signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        with pytest.raises((GroupFailed, WorkerError)):
-            while eng.has_unfinished():
+    if group.world == 2:
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(str(i), prompt_token_ids=p, params=greedy())
+        eng.step()
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises((GroupFailed, WorkerError)):
+                while eng.has_unfinished():
+                    eng.step()
+            took = time.monotonic() - t0
+            t1 = time.monotonic()
+            with pytest.raises(GroupFailed, match="failed earlier"):
+                eng.add_request("again", prompt_token_ids=[1, 2, 3], params=greedy())
                 eng.step()
-        took = time.monotonic() - t0
-        assert took < TIMEOUT_S + 15, f"the engine took {took:.0f} s to notice"
-        t1 = time.monotonic()
-        with pytest.raises(GroupFailed, match="failed earlier"):
-            eng.add_request("again", prompt_token_ids=[1, 2, 3], params=greedy())
-            eng.step()
-        assert time.monotonic() - t1 < 2
-    finally:
-        if hang:
+            assert time.monotonic() - t1 < 2
+        finally:
             with contextlib.suppress(ProcessLookupError):  # normally killed by the engine already
                 os.kill(pid, signal.SIGCONT)
-        eng.shutdown()
+            eng.shutdown()
+    else:
+        aeng = AsyncEngine(eng)
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+        async def client(i: int, p: list[int], started: asyncio.Event) -> BaseException | None:
+            try:
+                async for _ in aeng.generate(p, long, f"c{i}"):
+                    started.set()
+            except EngineError as e:
+                return e
+            return None
+
+        async def main() -> tuple[list, float]:
+            started = asyncio.Event()
+            tasks = [asyncio.create_task(client(i, p, started)) for i, p in enumerate(PROMPTS)]
+            await asyncio.wait_for(started.wait(), 60)
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            res = await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S + 15)
+            return res, time.monotonic() - t0
+
+        async def again() -> None:
+            async for _ in aeng.generate([1, 2, 3], greedy(), "after"):
+                pass
+
+        try:
+            errors, took = asyncio.run(main())
+            assert all(isinstance(e, EngineError) for e in errors), errors
+            assert "rank" in str(errors[0])
+            t1 = time.monotonic()
+            with pytest.raises(EngineError, match="failed earlier"):
+                asyncio.run(again())
+            assert time.monotonic() - t1 < 2
+        finally:
+            aeng.shutdown()
+    assert took < TIMEOUT_S + 15, f"the engine took {took:.0f} s to notice"
     assert not group.workers.alive()
