@@ -59,6 +59,9 @@ class LLMEngine:
         # Debug/test hook: fn(plan, seqs, logits) with rank 0's logits of the plan's sampled rows, before
         # sampling (float64 parity tests compare whole rows across layouts).
         self.logits_hook: Callable[[StepPlan, list[Seq], torch.Tensor], None] | None = None
+        # Live layout switching on T > 1 ranks (splash/engine/switching.py): decides and plans a switch
+        # into the scheduled step, commits it after the step ran.
+        self.switcher: Any = None
         self._closed = False
 
     # ---- construction from a model name --------------------------------------------------------
@@ -189,7 +192,16 @@ class LLMEngine:
                 seq.group.metrics.first_scheduled_time = now
         if self._closed:
             raise RuntimeError("the engine was shut down")
-        logits = self.runner.execute(st.plan)
+        if self.switcher is not None:
+            self.switcher.before_execute(st)
+        try:
+            logits = self.runner.execute(st.plan)
+        except BaseException:
+            if self.switcher is not None:
+                self.switcher.abort_pending()
+            raise
+        if self.switcher is not None:
+            self.switcher.after_execute(st)
         if self.logits_hook is not None:
             self.logits_hook(st.plan, st.seqs, logits)
         self.scheduler.complete(st)
@@ -293,4 +305,5 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_preemptions": self.scheduler.num_preemptions,
             "steps": self.steps,
+            **(self.switcher.stats() if self.switcher is not None else {}),
         }

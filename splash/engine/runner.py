@@ -20,7 +20,7 @@ __all__ = ["GroupRunner", "ModelRunner", "build_engine", "parse_bytes", "STEP_KI
 # Plan kinds other than "forward" that run a step (on every rank), as "module:function" so that every
 # process - spawned workers included - resolves them on first use: fn(runner, plan) -> hidden [N, d].
 # The live layout switch plugs in here, e.g. STEP_KINDS["switch"] = "splash.switch.step:run_switch_step".
-STEP_KINDS: dict[str, str] = {}
+STEP_KINDS: dict[str, str] = {"switch": "splash.engine.switching:run_switch_step"}
 
 
 def step_kind_fn(kind: str) -> Any:
@@ -139,17 +139,22 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  memory_per_rank: int | str | None = None, page_size: int = 16,
                  num_kv_pages: int | None = None, device: str | torch.device | None = None,
-                 layout: str = "tp", ranks: int | None = None, tp: int | None = None,
+                 layout: str | None = None, ranks: int | None = None, tp: int | None = None,
                  seed: int | None = None, *, nnodes: int = 1, node_rank: int = 0,
                  dist_init_addr: str | None = None, rank_group: Any = None,
                  collective_timeout_s: float | None = None, threads: int | None = None,
-                 expert_parallel: str = "auto") -> Any:
+                 expert_parallel: str = "auto", switch_schedule: Any = None,
+                 switch_mode: str = "overlapped", theta: str | None = None, switch_margin: float = 0.05,
+                 min_dwell_steps: int = 8) -> Any:
     """Load `model` ('tiny' or a checkpoint directory) on T ranks and build the LLMEngine (rank 0).
 
     T = 1 runs in this process. T > 1 starts the rank group (rank 0 here, this node's other ranks as
     spawned processes, other nodes via `--nnodes/--node-rank/--dist-init-addr` or torchrun), or loads
     onto `rank_group` (a RankGroup that outlives the engine, e.g. a benchmark reusing its ranks).
     `collective_timeout_s` bounds every data-plane collective (a hung rank fails the engine then).
+    `layout`: "tp" | "dp" | "cp" | "dop", or "auto" (the default when T > 1: the layout policy switches
+    live, see splash/engine/switching.py); `switch_schedule` "STEP:LAYOUT,..." forces switches;
+    `switch_mode` "overlapped" | "blocking"; `theta` a calibrated theta JSON for "auto".
     """
     from splash.config import ConfigError, ModelConfig
     from splash.dist.groups import DEFAULT_TIMEOUT_S, local_grid
@@ -162,7 +167,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     from splash.kv.allocator import KVAllocator
     from splash.model import resolve_model_path
 
-    if layout not in LAYOUTS:
+    if layout is not None and layout not in (*LAYOUTS, "auto"):
         raise ConfigError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if page_size < 1:
         raise ConfigError(f"page_size must be >= 1, got {page_size}")
@@ -193,12 +198,16 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
         max_num_batched_tokens = max(512, max_num_seqs)
     if memory_per_rank is not None:
         parse_bytes(memory_per_rank)  # a typo fails here, before any rank starts
+    from splash.engine.switching import attach_switching, resolve_layout
+
+    layout, auto, schedule = resolve_layout(layout, world, switch_schedule)
     spec = EngineSpec(model="tiny" if model == "tiny" else os.path.abspath(path),
                       dtype=None if dtype is None else str(dtype).removeprefix("torch."), layout=layout,
                       world=world, page_size=page_size, memory_per_rank=memory_per_rank,
                       num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                      device_type=dev.type, seed=seed, expert_parallel=expert_parallel)
+                      device_type=dev.type, seed=seed, expert_parallel=expert_parallel,
+                      kv_as_sharded=(auto or bool(schedule)) and memory_per_rank is not None and world > 1)
     if world == 1:
         state = load_rank(spec, local_grid(dev))
         runner: Any = state.runner
@@ -229,8 +238,17 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     info = {"model": name, "dtype": dt, "device": str(runner.device), "kv_dtype": dt,
             "nnodes": launch.nnodes, "weight_bytes_per_rank": [f["weight_bytes"] for f in facts],
             "kv_reserve_bytes": facts[0]["reserve_bytes"]}
-    return LLMEngine(runner, alloc, sched, tokenizer=tok, eos_token_ids=sorted(eos),
-                     vocab_size=cfg.vocab_size, model_name=name, info=info)
+    engine = LLMEngine(runner, alloc, sched, tokenizer=tok, eos_token_ids=sorted(eos),
+                       vocab_size=cfg.vocab_size, model_name=name, info=info)
+    if world > 1:
+        try:
+            attach_switching(engine, cfg, net, auto=auto, schedule=schedule, mode=switch_mode, theta=theta,
+                             margin=switch_margin, min_dwell=min_dwell_steps,
+                             budget=memory_per_rank is not None, device=dev.type)
+        except BaseException:
+            engine.shutdown()
+            raise
+    return engine
 
 
 def _load_tokenizer(path: str) -> Any:

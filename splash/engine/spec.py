@@ -34,6 +34,9 @@ class EngineSpec:
     device_type: str = "cpu"     # "cpu" | "cuda": each rank takes its own device of that type
     seed: int | None = None
     expert_parallel: str = "auto"
+    # Live switching under a memory budget: size the KV pool as if the attention projections were
+    # head-sharded (the largest pool), whatever the start layout (see splash/engine/switching.py).
+    kv_as_sharded: bool = False
 
 
 @dataclass
@@ -81,10 +84,16 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
     max_model_len = int(spec.max_model_len or cfg.max_position_embeddings)
     weights = weight_bytes(net)
     reserve = reserve_bytes(cfg, tdtype, spec.max_num_batched_tokens, spec.max_num_seqs)
-    pages = kv_pages(cfg, tdtype, spec.page_size, weights, reserve, spec.memory_per_rank, spec.num_kv_pages,
-                     spec.max_num_seqs, max_model_len, dev)
+    pool_weights = weights
+    if spec.kv_as_sharded and spec.world > 1 and not layout.shards_projections:
+        from splash.engine.switching import replica_bytes
+
+        pool_weights -= replica_bytes(net, spec.world)
+    pages = kv_pages(cfg, tdtype, spec.page_size, pool_weights, reserve, spec.memory_per_rank,
+                     spec.num_kv_pages, spec.max_num_seqs, max_model_len, dev)
     pool = KVPool(cfg.num_hidden_layers, pages, spec.page_size, cfg.latent_dim, tdtype, dev)
     runner = ModelRunner(net, pool, layout, grid.comm, grid.rank, spec.world)
+    runner.switch_comm = getattr(grid, "switch", None)  # layout-switch transfers (splash/engine/switching.py)
     return RankState(runner=runner, pages=pages, weight_bytes=weights, reserve_bytes=reserve)
 
 

@@ -1,0 +1,492 @@
+"""Live layout switching inside the engine: rank 0 decides and plans, every rank executes.
+
+Rank 0 (`SwitchController`, owned by the LLMEngine): after the scheduler has planned a step in the
+running layout, the controller decides whether this step switches - a forced schedule
+(`--switch-schedule "STEP:LAYOUT,..."`), an explicit `request(dst)` (benchmarks), or the analytical
+core's Policy (`--layout auto`) evaluated on the live batch - and if so asks the `SwitchPlanner` for
+a plan over the real page allocators. A refusal is logged with its numbers and the step runs as
+planned, in the current layout. A plan rewrites the step into the destination layout
+(`SwitchPlan.restep`) and travels with it as `StepPlan(kind="switch", payload=plan)`; every rank runs
+`run_switch_step` (the executor moves each layer's state while that step computes, see
+docs/runtime.md "Switching"). After the step rank 0 commits: source pages retired, the allocators'
+layout becomes the destination, each live sequence takes its new page table and owner.
+
+Memory: with a `--memory-per-rank` budget and switching enabled, every rank's KV pool is sized as if
+its attention projections were head-sharded (the largest pool the budget allows), and while the
+engine runs a replicated-projection layout (DP, CP) the pages those replicas occupy are withheld
+from the allocators (`weight_pages`). So each layout gets exactly the KV capacity the budget gives
+it - DOP admits more than DP, TP holds 1/T of DOP's distinct tokens - and a switch into DP/CP must
+find room for the replicas (the planner's Eq 5/6 check counts them as a reserve).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from splash.config import ConfigError
+from splash.engine.plan import LAYOUTS, StepPlan
+
+log = logging.getLogger("splash.switch")
+
+MODES = ("overlapped", "blocking")
+REPLICATED = ("dp", "cp")  # layouts whose attention projections are replicated on every rank
+EXPOSED_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+# ---- forced schedules -------------------------------------------------------------------------------
+def parse_schedule(text: str | Sequence[tuple[int, str]] | None) -> list[tuple[int, str]]:
+    """'8:dp,20:cp' -> [(8, 'dp'), (20, 'cp')] (sorted by step); ConfigError with the fix otherwise."""
+    if text is None or text == "":
+        return []
+    if not isinstance(text, str):
+        items = [(int(s), str(lay).lower()) for s, lay in text]
+    else:
+        items = []
+        for part in text.replace(" ", "").split(","):
+            if not part:
+                continue
+            step, sep, lay = part.partition(":")
+            try:
+                n = int(step)
+            except ValueError:
+                n = -1
+            if not sep or n < 0:
+                raise ConfigError(f"--switch-schedule: cannot read {part!r}; write STEP:LAYOUT pairs, e.g. "
+                                  "'8:dp,20:cp' (STEP a non-negative engine step)")
+            items.append((n, lay.lower()))
+    for n, lay in items:
+        if lay not in LAYOUTS:
+            raise ConfigError(f"--switch-schedule: unknown layout {lay!r} at step {n}; choose one of "
+                              f"{', '.join(LAYOUTS)}")
+    steps = [n for n, _ in items]
+    if len(set(steps)) != len(steps):
+        raise ConfigError("--switch-schedule: a step appears twice; one switch per step")
+    return sorted(items)
+
+
+# ---- every rank: the switching step -------------------------------------------------------------------
+def _timed_layout(executor: Any, dst: Any) -> Any:
+    """A SwitchLayout that also adds up the time this rank spends in the executor's per-layer hook."""
+    from splash.switch import SwitchLayout
+
+    class TimedSwitchLayout(SwitchLayout):
+        hook_s = 0.0
+
+        def attention(self, layer_idx: int, mla: Any, q_in: torch.Tensor, latent_new: torch.Tensor,
+                      ctx: Any) -> torch.Tensor:
+            t0 = time.perf_counter()
+            self.executor.before_layer(layer_idx)
+            self.hook_s += time.perf_counter() - t0
+            return self.dst.attention(layer_idx, mla, q_in, latent_new, ctx)
+
+    return TimedSwitchLayout(executor, dst)
+
+
+@dataclass
+class SwitchTiming:
+    """One rank's view of a switching step (rank 0's goes into the engine's switch log)."""
+
+    exposed_s: float  # time inside the executor: start() + per-layer waits/installs + finish()
+    total_s: float  # start() .. finish()
+    wait_s: list[float]
+    max_in_flight: int
+    freed: list[int]
+
+
+def run_switch_step(runner: Any, plan: StepPlan) -> torch.Tensor:
+    """Run a "switch" plan on this rank: the step computes in the destination layout while each
+    layer's state arrives; afterwards the runner's layout (and the model's form) is the destination."""
+    from splash.attention.registry import make_layout
+    from splash.model.context import ForwardContext
+    from splash.switch import SwitchExecutor
+
+    sw = plan.payload
+    comm = getattr(runner, "switch_comm", None) or runner.comm
+    ex = SwitchExecutor(sw, runner.model, runner.pool, comm)
+    dst = make_layout(sw.dst)
+    layout = _timed_layout(ex, dst)
+    t0 = time.perf_counter()
+    ex.start()
+    start_s = time.perf_counter() - t0
+    if plan.seqs:
+        ctx = ForwardContext.build(plan.seqs, kv=runner.pool, layout=layout, comm=runner.comm,
+                                   rank=runner.rank, world=runner.world, device=runner.device,
+                                   stats=runner.stats)
+        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=runner.device)
+        hidden = runner.model(ids, ctx.positions, ctx)
+    else:
+        hidden = torch.zeros(0, runner.model.cfg.hidden_size, dtype=runner.pool.dtype, device=runner.device)
+    t1 = time.perf_counter()
+    result = ex.finish()
+    finish_s = time.perf_counter() - t1
+    runner.layout = dst
+    runner.last_switch = SwitchTiming(start_s + layout.hook_s + finish_s, result.total_s, list(result.wait_s),
+                                      result.max_in_flight, list(result.freed))
+    return hidden
+
+
+# ---- rank 0: decisions, plans, commits ---------------------------------------------------------------
+@dataclass
+class SwitchEvent:
+    """A switch that ran, or one that was refused (then `refused` holds the reason and message)."""
+
+    step: int
+    src: str
+    dst: str
+    cause: str  # "schedule" | "auto" | "request"
+    mode: str
+    refused: str | None = None
+    message: str = ""
+    bytes_per_layer: float = 0.0  # weights + KV sent by all ranks, one layer
+    layers: int = 0
+    exposed_s: float = 0.0  # rank 0's time inside the executor
+    total_s: float = 0.0
+    plan_s: float = 0.0  # rank 0's planning time
+    time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class LayoutDecision:
+    """One evaluation of the Policy on the live batch (kept for the timeline and logs)."""
+
+    step: int
+    current: str
+    chosen: str
+    switch: bool
+    reason: str
+    times_s: dict[str, float]  # predicted step time per layout
+    feasible: list[str]
+    batch: int
+    rows: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def withhold(alloc: Any, pages: Sequence[int]) -> list[list[int]]:
+    """Take `pages[r]` pages out of rank r's pool (replica weights live there now); returns their ids.
+
+    They stay marked used but leave `num_pages`, so capacity, `num_used` and the planner's
+    "every used page belongs to a live request" check all see a smaller pool."""
+    out = []
+    for a, n in zip(alloc.ranks, pages):
+        ids = a.alloc(n) if n else []
+        a.num_pages -= len(ids)
+        out.append(ids)
+    return out
+
+
+def give_back(alloc: Any, held: list[list[int]]) -> None:
+    """Undo `withhold`."""
+    for a, ids in zip(alloc.ranks, held):
+        a.num_pages += len(ids)
+        a.free(ids)
+
+
+class SwitchController:
+    """Rank 0's side of live switching for one engine (see the module docstring)."""
+
+    def __init__(self, engine: Any, cfg: Any, dtype: Any, *, schedule: Sequence[tuple[int, str]] = (),
+                 auto: bool = False, theta: Any = None, theta_source: str = "", margin: float = 0.05,
+                 min_dwell: int = 8, mode: str = "overlapped", weight_pages: Sequence[int] | None = None,
+                 budget: bool = False, history: int = 100_000) -> None:
+        from splash.switch import SwitchPlanner
+
+        if mode not in MODES:
+            raise ConfigError(f"--switch-mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.engine = engine
+        self.alloc = engine.allocator
+        self.sched = engine.scheduler
+        self.cfg = cfg
+        self.world = self.alloc.world
+        self.mode = mode
+        self.schedule = deque(parse_schedule(schedule) if isinstance(schedule, str) else
+                              parse_schedule(list(schedule)))
+        self.planner = SwitchPlanner(cfg, self.alloc, dtype)
+        self.weight_pages = list(weight_pages) if weight_pages is not None else [0] * self.world
+        self.withheld: list[list[int]] = [[] for _ in range(self.world)]
+        if self.alloc.layout in REPLICATED and any(self.weight_pages):
+            self.withheld = withhold(self.alloc, self.weight_pages)
+        self.auto = auto
+        self.policy_cfg = None
+        self.theta, self.theta_source = theta, theta_source
+        self.sizes = None
+        if auto:
+            self._init_policy(dtype, margin, min_dwell, budget)
+        self.pending: Any = None  # the SwitchPlan travelling with the current step
+        self._pending_event: SwitchEvent | None = None
+        self._requested: tuple[str, str | None] | None = None
+        self.steps_since_switch = 0
+        self.events: deque[SwitchEvent] = deque(maxlen=history)
+        self.decisions: deque[LayoutDecision] = deque(maxlen=history)
+        self.switches: dict[tuple[str, str], int] = {}
+        self.refusals = 0
+        self.exposed: list[float] = []  # every switch's exposed seconds (histogram source)
+
+    # ---- the policy (auto) ---------------------------------------------------------------------------
+    def _init_policy(self, dtype: Any, margin: float, min_dwell: int, budget: bool) -> None:
+        from splash.config import dtype_bytes
+        from splash.costmodel import Theta
+        from splash.policy import PolicyConfig
+        from splash.sizes import AttentionSizes
+        from splash.switch.planner import dtype_name
+
+        dt = dtype_name(dtype)
+        self.sizes = sizes = AttentionSizes(self.cfg, dt, dt)
+        T, P = self.world, self.alloc.page_size
+        pool = max(a.num_pages + len(w) for a, w in zip(self.alloc.ranks, self.withheld))
+        page_bytes = P * sizes.k
+        # The policy's memory model in this engine's terms: per rank, the analytical fixed weights, the
+        # attention projections, the KV pool, and the step workspace (which the engine reserves apart).
+        # With a budget the pool was sized for sharded projections (replicas eat into it); without one
+        # the replicas live beside the pool and every layout keeps the whole pool.
+        reserve = float(self.engine.info.get("kv_reserve_bytes", 0) or 0)
+        h = (sizes.fixed_bytes_per_rank(T) + sizes.attention_weight_bytes(not budget, T) + pool * page_bytes
+             + reserve)
+        d = self.theta.to_dict()
+        d.update(memory_bytes=h, reserve_bytes=0.0, act_bytes=dtype_bytes(dt))
+        self.theta = Theta.from_dict(d)
+        self.policy_cfg = PolicyConfig(margin=margin, min_dwell=min_dwell, page_size=P)
+
+    def _batch(self, plan: StepPlan, live: list[Any]) -> Any:
+        """The Policy's x: every sequence holding pages, s_i including this step's rows, q_i, owners."""
+        from splash.costmodel import Batch
+
+        rows = {s.req_id: s.num_new for s in plan.seqs}
+        contexts = [seq.num_computed + rows.get(seq.seq_id, 0) for seq in live]
+        q = [rows.get(seq.seq_id, 0) for seq in live]
+        if self.alloc.layout in ("dp", "dop"):
+            owners = [seq.owner for seq in live]
+        else:  # owners the planner would choose: longest first onto the least-loaded rank
+            owners = [0] * len(live)
+            load = [0] * self.world
+            for i in sorted(range(len(live)), key=lambda i: -contexts[i]):
+                r = min(range(self.world), key=lambda r: (load[r], r))
+                owners[i] = r
+                load[r] += contexts[i]
+        return Batch.make(contexts, q, owners, ranks=self.world)
+
+    def _decide(self, plan: StepPlan, live: list[Any]) -> str | None:
+        from splash.policy import decide
+
+        cur = self.alloc.layout
+        if not live:
+            return None
+        batch = self._batch(plan, live)
+        d = decide(self.sizes, self.theta, batch, cur, self.steps_since_switch, self.policy_cfg)
+        chosen = d.layout.label.lower()
+        rec = LayoutDecision(plan.step, cur, chosen, d.switch, d.reason,
+                             {lay.label.lower(): t for lay, t in d.times.items()},
+                             sorted(lay.label.lower() for lay in d.feasible), batch.size, batch.n_rows)
+        self.decisions.append(rec)
+        if log.isEnabledFor(logging.DEBUG) or d.switch:
+            times = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in rec.times_s.items())
+            (log.info if d.switch else log.debug)("step %d: layout %s -> %s (%s); predicted %s; B=%d rows=%d",
+                                                  plan.step, cur, chosen, d.reason, times, batch.size,
+                                                  batch.n_rows)
+        return chosen if d.switch and chosen != cur else None
+
+    # ---- requests from outside (benchmarks, tests) ------------------------------------------------
+    def request(self, dst: str, mode: str | None = None) -> None:
+        """Switch to `dst` at the next step that runs (overrides the schedule and the policy once)."""
+        dst = str(dst).lower()
+        if dst not in LAYOUTS:
+            raise ConfigError(f"unknown layout {dst!r}; choose one of {', '.join(LAYOUTS)}")
+        if mode is not None and mode not in MODES:
+            raise ConfigError(f"unknown switch mode {mode!r}; choose one of {', '.join(MODES)}")
+        self._requested = (dst, mode)
+
+    # ---- the engine's hooks ---------------------------------------------------------------------------
+    def before_execute(self, st: Any) -> None:
+        """Decide and plan this step's switch (if any); rewrites `st.plan` into the destination."""
+        plan = st.plan
+        cur = self.alloc.layout
+        dst, cause, mode = None, "", self.mode
+        while self.schedule and self.schedule[0][0] <= plan.step:
+            _, lay = self.schedule.popleft()
+            dst, cause = lay, "schedule"
+        if self._requested is not None:
+            (dst, m), cause = self._requested, "request"
+            mode = m or mode
+            self._requested = None
+        live = [s for s in self.sched.running if s.pages and any(p >= 0 for row in s.pages for p in row)]
+        if self.auto and cause == "":
+            dst = self._decide(plan, live)
+            cause = "auto"
+        if dst is None or dst == cur:
+            self.steps_since_switch += 1
+            return
+        t0 = time.perf_counter()
+        sw = self._plan(dst, plan, live, mode)
+        plan_s = time.perf_counter() - t0
+        from splash.switch import SwitchRefusal
+
+        if isinstance(sw, SwitchRefusal):
+            self.refusals += 1
+            self.events.append(SwitchEvent(plan.step, cur, dst, cause, mode, refused=sw.reason,
+                                           message=str(sw), plan_s=plan_s))
+            log.warning("step %d: %s; staying in %s", plan.step, sw, cur)
+            self.steps_since_switch = 0  # do not re-plan the same refused move every step
+            return
+        new = sw.restep(plan)
+        st.plan = dataclasses.replace(new, kind="switch", payload=sw)
+        self.pending = sw
+        lay = sw.layers[0] if sw.layers else None
+        per_layer = (sum(lay.weight_send_bytes) + sum(lay.kv_send_bytes)) if lay else 0.0
+        self._pending_event = SwitchEvent(plan.step, cur, dst, cause, sw.mode, bytes_per_layer=per_layer,
+                                          layers=sw.num_layers, plan_s=plan_s)
+
+    def _plan(self, dst: str, plan: StepPlan, live: list[Any], mode: str) -> Any:
+        from splash.switch import LiveRequest
+
+        rows = {s.req_id: s.num_new for s in plan.seqs}
+        reqs = [LiveRequest(seq.seq_id, context=seq.num_computed, owner=seq.owner,
+                            pages=[row[:] for row in seq.pages],
+                            tokens=seq.num_computed + rows.get(seq.seq_id, 0),
+                            projected=self._projected(seq))
+                for seq in live]
+        src = self.alloc.layout
+        extra = [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
+        self.planner.reserve = extra
+        try:
+            return self.planner.plan(dst, reqs, mode)
+        finally:
+            self.planner.reserve = [0] * self.world
+
+    def _projected(self, seq: Any) -> int:
+        """Expected final length: the request's own limit (prompt + max_tokens, capped by the context)."""
+        p = seq.params
+        ctx = self.sched.cfg.max_model_len
+        limit = ctx if p.max_tokens is None else len(seq.prompt_token_ids) + p.max_tokens
+        return max(seq.num_tokens, min(limit, ctx))
+
+    def after_execute(self, st: Any) -> None:
+        """The step ran on every rank: commit the switch (if one travelled with it)."""
+        sw, self.pending = self.pending, None
+        if sw is None:
+            return
+        runner = getattr(self.engine.runner, "local", self.engine.runner)
+        timing: SwitchTiming | None = getattr(runner, "last_switch", None)
+        src = self.alloc.layout
+        self.planner.commit(sw, freed=timing.freed if timing is not None else None)
+        by_id = {seq.seq_id: seq for seq in self.sched.running}
+        for rid, table in sw.tables.items():
+            seq = by_id.get(rid)
+            if seq is None:
+                continue
+            seq.pages = [row[:] for row in table]
+            if seq.owner != sw.owners[rid]:
+                self.sched._uncharge(seq)
+                seq.owner = sw.owners[rid]
+                self.sched._charge(seq)
+        if sw.dst in REPLICATED and src not in REPLICATED and any(self.weight_pages):
+            self.withheld = withhold(self.alloc, self.weight_pages)
+        elif sw.dst not in REPLICATED and src in REPLICATED and any(len(w) for w in self.withheld):
+            give_back(self.alloc, self.withheld)
+            self.withheld = [[] for _ in range(self.world)]
+        ev = self._pending_event
+        self._pending_event = None
+        if ev is not None:
+            if timing is not None:
+                ev.exposed_s, ev.total_s = timing.exposed_s, timing.total_s
+            self.events.append(ev)
+            self.exposed.append(ev.exposed_s)
+        self.switches[(sw.src, sw.dst)] = self.switches.get((sw.src, sw.dst), 0) + 1
+        self.steps_since_switch = 0
+        log.info("step %d: switched %s -> %s (%s, %s): %.0f B/layer, exposed %.1f ms", st.plan.step, sw.src,
+                 sw.dst, ev.cause if ev else "?", sw.mode, ev.bytes_per_layer if ev else 0,
+                 (ev.exposed_s if ev else 0) * 1e3)
+
+    def abort_pending(self) -> None:
+        """The switching step failed before it ran everywhere: give back its destination pages."""
+        sw, self.pending, self._pending_event = self.pending, None, None
+        if sw is not None:
+            try:
+                self.planner.abort(sw)
+            except RuntimeError as e:  # already committed/aborted: nothing left to undo
+                log.warning("abort of switch plan %s: %s", sw.plan_id, e)
+
+    # ---- introspection -----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            "layout_mode": "auto" if self.auto else "fixed",
+            "switch_mode": self.mode,
+            "switches_total": {f"{a}->{b}": n for (a, b), n in sorted(self.switches.items())},
+            "num_switches": sum(self.switches.values()),
+            "switch_refusals": self.refusals,
+            "switch_exposed_seconds": list(self.exposed),
+            "theta_source": self.theta_source if self.auto else None,
+            "weight_pages_withheld": [len(w) for w in self.withheld],
+        }
+
+
+def replica_bytes(model: Any, world: int) -> int:
+    """Bytes of attention projections a rank holds beyond its 1/T head slice when they are replicated
+    (what a switch into DP/CP gathers, and a switch into TP/DOP drops)."""
+    heads = sum(t.numel() * t.element_size() for layer in model.layers
+                for t in layer.self_attn.head_tensors().values())
+    held = len(model.layers[0].self_attn.heads) if model.layers else 0
+    total = model.cfg.num_attention_heads
+    full = heads * total // max(1, held)  # every head's blocks, whatever this rank holds now
+    return int(full * (1 - 1 / world))
+
+
+def weight_pages(model: Any, world: int, page_bytes: int) -> int:
+    """Pages of one rank's KV pool that the replicated projections take (ceil)."""
+    return -(-replica_bytes(model, world) // page_bytes) if world > 1 else 0
+
+
+# ---- wiring into build_engine --------------------------------------------------------------------------
+AUTO_START = "dop"  # where --layout auto starts: the most KV a budget allows, sharded projections
+
+
+def resolve_layout(layout: str | None, world: int, schedule: Any) -> tuple[str, bool, list[tuple[int, str]]]:
+    """(layout to load, auto?, forced schedule) from the user's options; ConfigError on bad input."""
+    sched = parse_schedule(schedule)
+    if layout is None:
+        layout = "auto" if world > 1 else "tp"
+    layout = str(layout).lower()
+    if layout != "auto" and layout not in LAYOUTS:
+        raise ConfigError(f"unknown layout {layout!r}; choose auto or one of {', '.join(LAYOUTS)}")
+    if world == 1:
+        if sched:
+            raise ConfigError("--switch-schedule needs T > 1 ranks (one rank has one layout); add --tp 2")
+        return ("tp" if layout == "auto" else layout), False, []
+    if layout == "auto":
+        return AUTO_START, True, sched
+    return layout, False, sched
+
+
+def attach_switching(engine: Any, cfg: Any, model: Any, *, auto: bool, schedule: list[tuple[int, str]],
+                     mode: str = "overlapped", theta: str | None = None, margin: float = 0.05,
+                     min_dwell: int = 8, budget: bool = False, device: str | None = None) -> SwitchController:
+    """Give a T-rank engine its SwitchController (always: benchmarks `request()` switches too)."""
+    from splash.kv.pool import KVPool
+
+    world = engine.allocator.world
+    switching = auto or bool(schedule)
+    wp = [0] * world
+    if budget and switching:
+        page_bytes = KVPool.bytes_per_page(cfg, engine.allocator.page_size, model.dtype)
+        wp = [weight_pages(model, world, page_bytes)] * world
+    th, src = None, ""
+    if auto:
+        from splash.calibration import load_or_default_theta
+        from splash.switch.planner import dtype_name
+
+        th, src = load_or_default_theta(theta, world, cfg, dtype_name(model.dtype), device)
+    ctl = SwitchController(engine, cfg, model.dtype, schedule=schedule, auto=auto, theta=th, theta_source=src,
+                           margin=margin, min_dwell=min_dwell, mode=mode, weight_pages=wp, budget=budget)
+    engine.switcher = ctl
+    return ctl
