@@ -1,0 +1,272 @@
+"""Live layout switches through the ENGINE (splash/engine/switching.py) on T = 2 and T = 4 gloo ranks.
+
+A tiny float64 DeepSeek-V3 checkpoint (transformers-made) serves a batch of unequal prompts with
+chunked prefill (8 rows per step) while a forced schedule switches the layout at consecutive steps
+along a circuit that takes all 12 directions (the first switches land in the middle of chunked
+prefills). Checked: greedy tokens equal transformers'; every sampled row's logits equal the
+unswitched single-rank engine's to 1e-9; every request comes back exactly once; after every step
+the page accounting of every rank balances (each used page in exactly one live table or withheld,
+tables follow the running layout's placement rule) and the runner's layout is the allocator's;
+overlapped and blocking modes give bit-identical logits; a batch with fewer requests than ranks
+(ranks owning nothing) switches too; a switch refused for memory leaves the engine serving in its
+layout; `layout="auto"` with a crafted theta switches and changes no token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
+
+from splash.config import ConfigError
+from splash.engine.group import RankGroup
+from splash.engine.runner import build_engine
+from splash.engine.sampling import SamplingParams
+from splash.engine.switching import parse_schedule
+from splash.kv.allocator import page_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+NEW = 6
+P = 4
+PROMPTS = [[5, 6, 7], list(range(10, 31)), list(range(3, 12)), [90, 1, 33, 4, 8, 61], list(range(40, 54)),
+           [17, 18, 2, 44, 71, 9, 9, 13, 60, 12, 50]]
+ENGINE = dict(dtype="float64", page_size=P, max_num_seqs=8, max_num_batched_tokens=8, device="cpu")
+# An Eulerian circuit of the complete digraph on the four layouts: all 12 directions, once each.
+CIRCUIT = ["tp", "dp", "cp", "dop", "tp", "cp", "dp", "dop", "cp", "tp", "dop", "dp", "tp"]
+ALL12 = "".join(f"{i + 1}:{lay}," for i, lay in enumerate(CIRCUIT[1:])).rstrip(",")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The checkpoint, transformers' greedy tokens, and the single-rank engine's sampled logits."""
+    path = build_checkpoint(tmp_path_factory.mktemp("eswitch") / "v3", "v3", seed=3)
+    hf = hf_reference(path)
+    ref = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    del hf
+    eng = build_engine(model=path, num_kv_pages=64, **ENGINE)
+    try:
+        toks, logits, _ = run(eng, PROMPTS)
+    finally:
+        eng.shutdown()
+    assert toks == ref, "the single-rank engine disagrees with transformers"
+    return path, ref, logits
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["T2", "T4"])
+def group(request):
+    g = RankGroup.start(request.param, device="cpu", timeout_s=60.0, threads=1)
+    yield g
+    g.close()
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+def accounting_errors(eng) -> list[str]:
+    """Every used page of every rank is in exactly one live table (or withheld for replicas), tables
+    follow the running layout's placement, and rank 0's runner runs the allocator's layout."""
+    alloc, sw = eng.allocator, eng.switcher
+    seqs = [s for s in eng.scheduler.running if s.pages]
+    errs = []
+    for r, a in enumerate(alloc.ranks):
+        held = [p for s in seqs for p in s.pages[r] if p >= 0]
+        kept = set(sw.withheld[r]) if sw is not None else set()
+        used = {p for p, u in enumerate(a._used) if u}
+        if len(held) != len(set(held)) or set(held) & kept:
+            errs.append(f"rank {r}: a page is in two places")
+        if used != set(held) | kept:
+            errs.append(f"rank {r}: leaked {sorted(used - set(held) - kept)}, "
+                        f"unallocated {sorted(set(held) - used)}")
+        if a.num_free + len(used) != len(a._used):
+            errs.append(f"rank {r}: free list and used marks disagree")
+    for s in seqs:
+        for j in range(len(s.pages[0])):
+            want = set(page_ranks(alloc.layout, j, s.owner, alloc.world))
+            got = {r for r in range(alloc.world) if s.pages[r][j] >= 0}
+            if want != got:
+                errs.append(f"seq {s.seq_id} page {j}: held by {sorted(got)}, {alloc.layout} says {sorted(want)}")
+    local = getattr(eng.runner, "local", None)
+    if local is not None and local.layout.name != alloc.layout:
+        errs.append(f"runner runs {local.layout.name}, allocator {alloc.layout}")
+    return errs
+
+
+def run(eng, prompts):
+    """Greedy tokens per prompt, {(prompt, position): logits row}, and per-step accounting errors."""
+    logits: dict[tuple[int, int], torch.Tensor] = {}
+    errors: list[str] = []
+
+    def hook(plan, seqs, rows):
+        for seq, row in zip([s for s, sl in zip(seqs, plan.seqs) if sl.sample], rows):
+            key = (int(seq.group.request_id), len(seq.output_token_ids))
+            assert key not in logits, f"row {key} sampled twice"
+            logits[key] = row.clone()
+
+    eng.logits_hook = hook
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), prompt_token_ids=p, params=greedy())
+    done: dict[int, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                rid = int(o.request_id)
+                assert rid not in done, f"request {rid} finished twice"
+                done[rid] = o.outputs[0].token_ids
+        errors += [f"step {eng.steps}: {e}" for e in accounting_errors(eng)]
+    eng.logits_hook = None
+    assert sorted(done) == list(range(len(prompts))), f"requests lost: {set(range(len(prompts))) - set(done)}"
+    assert eng.stats()["kv_pages_used"] == sum(len(w) for w in getattr(eng.switcher, "withheld", [[]]))
+    return [done[i] for i in range(len(prompts))], logits, errors
+
+
+def close(logits, ref_logits, name: str) -> None:
+    assert logits.keys() == ref_logits.keys(), f"{name}: sampled rows differ"
+    err = max((logits[k] - ref_logits[k]).abs().max().item() for k in logits)
+    assert err < 1e-9, f"{name}: logits differ from the unswitched single-rank engine by {err:.2e}"
+
+
+def test_all_12_directions_through_the_engine(group, ckpt):
+    """Both modes, all 12 directions in consecutive steps from step 1 (mid chunked prefill), then a
+    batch with fewer requests than ranks (some ranks own nothing) switching through DP/DOP."""
+    path, ref, ref_logits = ckpt
+    world = group.world
+    results = {}
+    for mode in ("overlapped", "blocking"):
+        eng = build_engine(model=path, layout="tp", rank_group=group, num_kv_pages=96, switch_schedule=ALL12,
+                           switch_mode=mode, **ENGINE)
+        try:
+            toks, logits, errors = run(eng, PROMPTS)
+            st = eng.stats()
+            events = list(eng.switcher.events)
+        finally:
+            eng.shutdown()
+        name = f"T={world} {mode}"
+        assert not errors, f"{name}: {errors[:5]}"
+        assert toks == ref, f"{name}: tokens differ from transformers"
+        close(logits, ref_logits, name)
+        done = {(e.src, e.dst) for e in events if e.refused is None}
+        assert done == set(zip(CIRCUIT, CIRCUIT[1:])), f"{name}: switched {sorted(done)}"
+        assert st["num_switches"] == 12 and st["switch_refusals"] == 0 and st["layout"] == "tp"
+        assert all(e.mode == mode for e in events)
+        assert any(e.bytes_per_layer > 0 for e in events)
+        results[mode] = logits
+    for k in results["overlapped"]:
+        assert torch.equal(results["overlapped"][k], results["blocking"][k]), f"modes differ at {k}"
+
+    few = [2, 0][: world // 2]  # 1 request at T=2, 2 at T=4: ranks that own nothing
+    eng = build_engine(model=path, layout="cp", rank_group=group, num_kv_pages=96,
+                       switch_schedule="1:dp,2:tp,3:dop,4:cp,5:dop,6:dp", **ENGINE)
+    try:
+        toks, logits, errors = run(eng, [PROMPTS[i] for i in few])
+        assert eng.stats()["num_switches"] == 6
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert toks == [ref[i] for i in few]
+    close(logits, {(n, pos): ref_logits[(i, pos)] for n, i in enumerate(few) for pos in range(NEW)}, "few")
+
+
+def test_refused_switch_keeps_serving(group, ckpt):
+    """DP -> TP needs every history on every rank: in a tight pool it is refused (Eq 5), logged, and
+    the engine finishes the batch in DP with the same answer."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    path, ref, ref_logits = ckpt
+    eng = build_engine(model=path, layout="dp", rank_group=group, num_kv_pages=14, switch_schedule="6:tp",
+                       **ENGINE)
+    try:
+        toks, logits, errors = run(eng, PROMPTS)
+        st = eng.stats()
+        refused = [e for e in eng.switcher.events if e.refused]
+    finally:
+        eng.shutdown()
+    assert st["switch_refusals"] == 1 and st["num_switches"] == 0 and st["layout"] == "dp", st
+    assert refused[0].refused in ("eq5", "eq6") and "rank" in refused[0].message
+    assert not errors, errors[:5]
+    assert toks == ref
+    close(logits, ref_logits, "refused")
+
+
+def test_auto_layout_switches_without_changing_tokens(group, ckpt, tmp_path):
+    """`layout="auto"` starts in DOP; a theta whose collectives cost 10 ms each makes DP/TP (one
+    collective per layer) lead DOP (three) by far, so the policy switches; tokens are unchanged."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    from splash.calibration import runtime_prior
+    from splash.config import ModelConfig
+    from splash.sizes import AttentionSizes
+
+    path, ref, ref_logits = ckpt
+    cfg = ModelConfig.from_hf(path)
+    theta = runtime_prior(2, AttentionSizes(cfg, "fp64", "fp64")).to_dict()
+    theta["latency"] = 0.01
+    f = tmp_path / "theta.json"
+    import json
+
+    f.write_text(json.dumps(theta))
+    eng = build_engine(model=path, rank_group=group, num_kv_pages=96, theta=str(f), switch_margin=0.05,
+                       min_dwell_steps=2, **ENGINE)
+    try:
+        assert eng.stats()["layout_mode"] == "auto" and eng.allocator.layout == "dop"
+        toks, logits, errors = run(eng, PROMPTS)
+        st = eng.stats()
+        decisions = list(eng.switcher.decisions)
+    finally:
+        eng.shutdown()
+    assert st["num_switches"] >= 1 and st["layout"] in ("dp", "tp"), st
+    assert decisions and all(set(d.times_s) == {"tp", "dp", "cp", "dop"} for d in decisions)
+    assert any(d.switch for d in decisions) and all(d.reason for d in decisions)
+    assert not errors, errors[:5]
+    assert toks == ref
+    close(logits, ref_logits, "auto")
+
+
+def test_schedule_parsing_and_bad_input():
+    assert parse_schedule("8:dp, 2:CP") == [(2, "cp"), (8, "dp")]
+    for bad, msg in (("8-dp", "STEP:LAYOUT"), ("x:dp", "STEP:LAYOUT"), ("3:pp", "unknown layout"),
+                     ("3:dp,3:tp", "twice")):
+        with pytest.raises(ConfigError, match=msg):
+            parse_schedule(bad)
+    with pytest.raises(ConfigError, match="needs T > 1"):
+        build_engine(model="tiny", switch_schedule="2:dp", num_kv_pages=8, device="cpu")
+
+
+def test_budget_withholds_replica_pages(group, ckpt):
+    """Under --memory-per-rank with switching, the pool is sized for sharded projections and DP/CP
+    withhold the pages their replicas take: capacities follow the layout, accounting still balances."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    path, ref, ref_logits = ckpt
+    probe = build_engine(model=path, layout="dop", rank_group=group, num_kv_pages=4, **ENGINE)
+    st = probe.stats()
+    probe.shutdown()
+    memory = max(st["weight_bytes_per_rank"]) + st["kv_reserve_bytes"] + 200 * 1024
+    eng = build_engine(model=path, layout="dop", rank_group=group, memory_per_rank=memory,
+                       switch_schedule="2:dp,4:tp,6:cp,8:dop", **ENGINE)
+    seen = {}
+    eng.on_step.append(lambda info: seen.setdefault(eng.allocator.layout,
+                                                    (eng.stats()["weight_pages_withheld"],
+                                                     eng.allocator.num_total)))
+    try:
+        toks, logits, errors = run(eng, PROMPTS)
+        wp = eng.switcher.weight_pages
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert toks == ref
+    close(logits, ref_logits, "budget")
+    assert wp[0] > 0 and set(seen) == {"dop", "dp", "tp", "cp"}
+    for lay, (held, total) in seen.items():
+        want = wp if lay in ("dp", "cp") else [0, 0]
+        assert held == want, f"{lay}: withheld {held}, expected {want}"
+        assert total == [t - w for t, w in zip(seen["dop"][1], want)]
