@@ -94,7 +94,8 @@ def accounting_errors(eng) -> list[str]:
             want = set(page_ranks(alloc.layout, j, s.owner, alloc.world))
             got = {r for r in range(alloc.world) if s.pages[r][j] >= 0}
             if want != got:
-                errs.append(f"seq {s.seq_id} page {j}: held by {sorted(got)}, {alloc.layout} says {sorted(want)}")
+                errs.append(f"seq {s.seq_id} page {j}: held by {sorted(got)}, "
+                            f"{alloc.layout} says {sorted(want)}")
     local = getattr(eng.runner, "local", None)
     if local is not None and local.layout.name != alloc.layout:
         errs.append(f"runner runs {local.layout.name}, allocator {alloc.layout}")
