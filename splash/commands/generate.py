@@ -8,7 +8,6 @@ import sys
 from typing import Any
 
 from splash.dist.launch import add_launch_args
-from splash.engine.plan import LAYOUTS
 
 
 def _ids(text: str) -> list[int]:
@@ -46,19 +45,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: from the machine)")
     p.add_argument("--page-size", type=_positive, default=16, help="tokens per KV page")
     add_launch_args(p)
-    p.add_argument("--layout", default="tp", choices=LAYOUTS, help="attention layout (default tp)")
+    from splash.commands.switching import add_switch_args
+
+    add_switch_args(p)  # --layout (auto default at T > 1), --switch-schedule, --switch-mode, --theta, ...
     p.add_argument("--collective-timeout", type=float, default=None, metavar="S",
                    help="seconds before a collective waiting on a dead or hung rank fails the engine "
                         "(default 300)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from splash.commands.switching import switch_kwargs
+
     return {"model": args.model, "dtype": args.dtype, "device": args.device,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
             "memory_per_rank": args.memory_per_rank, "page_size": args.page_size, "tp": args.tp,
             "layout": args.layout, "nnodes": args.nnodes, "node_rank": args.node_rank,
-            "dist_init_addr": args.dist_init_addr, "collective_timeout_s": args.collective_timeout}
+            "dist_init_addr": args.dist_init_addr, "collective_timeout_s": args.collective_timeout,
+            **switch_kwargs(args)}
 
 
 def follow_as_worker(args: argparse.Namespace) -> bool:
@@ -139,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
                                          "max_request_tokens", "weight_bytes_per_rank", "page_size",
                                          "max_model_len",
                                          "max_num_seqs", "max_num_batched_tokens", "prompt_tokens_total",
-                                         "generation_tokens_total", "num_preemptions", "steps")
+                                         "generation_tokens_total", "num_preemptions", "steps",
+                                         "layout_mode", "num_switches", "switches_total", "switch_refusals")
                   if k in stats}
         print(json.dumps({"outputs": rows, "engine": engine}))
         return 0

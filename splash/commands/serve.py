@@ -15,7 +15,6 @@ import sys
 from typing import Any
 
 from splash.dist.launch import add_launch_args
-from splash.engine.plan import LAYOUTS
 
 ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "memory_per_rank",
                   "num_kv_pages", "tp", "layout", "device", "nnodes", "node_rank", "dist_init_addr",
@@ -39,7 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-pages", type=int, default=None,
                    help="KV pool size in pages, overriding --memory-per-rank (tests, demos)")
     add_launch_args(p)  # --tp/--ranks, --nnodes, --node-rank, --dist-init-addr
-    p.add_argument("--layout", default=None, choices=LAYOUTS, help="attention layout")
+    from splash.commands.switching import add_switch_args
+
+    add_switch_args(p)  # --layout (auto default at T > 1), --switch-schedule, --switch-mode, --theta, ...
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=None,
                    metavar="S", help="seconds before a dead or hung rank fails the engine (default 300)")
@@ -67,9 +68,11 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def build_engine(args: argparse.Namespace) -> Any:
     """Construct the AsyncEngine from the options given (unset ones keep the engine's defaults)."""
+    from splash.commands.switching import switch_kwargs
     from splash.engine.async_engine import AsyncEngine
 
     kw = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k, None) is not None}
+    kw.update(switch_kwargs(args))
     if kw.get("nnodes") == 1:
         kw.pop("nnodes")
     if kw.get("node_rank") == 0:

@@ -86,6 +86,10 @@ class ServerMetrics:
 
         self._engine = _EngineCounters(model_name)
         r.register(self._engine)
+        from splash.server.switch_metrics import SwitchCollector
+
+        self._switches = SwitchCollector(model_name)  # splash:switches_total{from,to}, exposed seconds
+        r.register(self._switches)
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self._label["model_name"], reason or "unknown").inc()
@@ -94,6 +98,7 @@ class ServerMetrics:
         """Copy engine state into the gauges; missing keys leave a gauge at its last value."""
         lab = self._label["model_name"]
         self._engine.stats = dict(stats)
+        self._switches.stats = self._engine.stats
         for gauge, keys in ((self.running, ("num_running", "running", "num_requests_running")),
                             (self.waiting, ("num_waiting", "waiting", "num_requests_waiting")),
                             (self.kv_usage, ("kv_usage", "kv_cache_usage", "kv_cache_usage_perc")),

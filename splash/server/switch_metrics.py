@@ -1,0 +1,47 @@
+"""Prometheus series of live layout switching, exported from the engine's stats at scrape time.
+
+`splash:switches_total{from,to}` counts switches per direction and `splash:switch_exposed_seconds`
+is the histogram of each switch's exposed time on rank 0 (the `splash:layout` gauge lives in
+metrics.py). The engine keeps the counts and the per-switch times itself (`stats()`), so the
+collector only re-shapes them; a single-rank engine reports no switches.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from splash.engine.switching import EXPOSED_BUCKETS
+
+EXPOSED_DOC = "Exposed time of each live layout switch on rank 0."
+
+
+class SwitchCollector(Collector):
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: Mapping[str, Any] = {}
+
+    def describe(self) -> list[Any]:
+        return [CounterMetricFamily("splash:switches", "Live layout switches, by direction.",
+                                    labels=["model_name", "from", "to"]),
+                HistogramMetricFamily("splash:switch_exposed_seconds",
+                                      EXPOSED_DOC, labels=["model_name"])]
+
+    def collect(self) -> list[Any]:
+        sw = CounterMetricFamily("splash:switches", "Live layout switches, by direction.",
+                                 labels=["model_name", "from", "to"])
+        for key, n in sorted(dict(self.stats.get("switches_total") or {}).items()):
+            src, _, dst = str(key).partition("->")
+            sw.add_metric([self.model_name, src, dst], float(n))
+        times = [float(t) for t in self.stats.get("switch_exposed_seconds") or ()]
+        hist = HistogramMetricFamily("splash:switch_exposed_seconds",
+                                     EXPOSED_DOC, labels=["model_name"])
+        ordered = sorted(times)
+        buckets = [(str(b), float(bisect.bisect_right(ordered, b))) for b in EXPOSED_BUCKETS]
+        buckets.append(("+Inf", float(len(ordered))))
+        hist.add_metric([self.model_name], buckets, sum(times))
+        return [sw, hist]
