@@ -10,7 +10,7 @@ import pytest
 from splash.calibration.fidelity import evaluate, format_table, summarize
 from splash.calibration.fit import Observation, fit_theta, nnls
 from splash.calibration.grid import GridPoint, default_grid, parse_points, quick_grid, split_holdout
-from splash.calibration.measure import Timing
+from splash.calibration.measure import Timing, pages_needed
 from splash.calibration.prior import RUNTIME_COLLECTIVES, load_or_default_theta, runtime_prior
 from splash.config import PRESETS, ConfigError
 from splash.costmodel import FIT_PARAMS, Batch, Theta, step_cost, step_features, theta_params, with_params
@@ -163,8 +163,27 @@ def test_fidelity_hits_regret_and_table():
     s = summarize(rows)
     assert s.points == 2 and s.hit_rate == 0.5 and s.max_regret == pytest.approx(r1.regret)
     assert s.within_10 == (0.5 if r1.regret > 0.1 else 1.0)
+    assert rows[0].noise == 0 and not rows[0].tied  # identical repetitions: no noise
+    assert s.tied == 0 and json.loads(json.dumps(s.to_dict()))["tied"] == 0
     text = format_table(rows, ["tp", "dp", "cp", "dop"])
     assert "miss" in text and "B=" not in text and text.count("\n") == 4
+
+
+def test_pages_needed_follows_each_layouts_placement():
+    pts = [GridPoint(3, 100, 1), GridPoint(1, 1000, 8)]  # 7 and 63 pages of 16 tokens per request
+    assert pages_needed(pts, 16, "tp", 2) == 63 + 1  # every rank holds every page
+    assert pages_needed(pts, 16, "dp", 2) == 63 + 1  # the owner of the long request holds it all
+    assert pages_needed(pts, 16, "cp", 2) == 32 + 1  # page j on rank j % 2
+    assert pages_needed([GridPoint(4, 100, 1)], 16, "dop", 2) == 2 * 7 + 1  # two requests per owner
+
+
+def test_timing_statistics():
+    t = Timing("tp", GridPoint(1, 8, 1), [0.010, 0.011, 0.030, 0.012])
+    assert t.median == pytest.approx(0.0115)
+    q1, q3 = np.percentile(t.times, [25, 75])
+    assert t.spread == pytest.approx((q3 - q1) / 0.0115)
+    d = t.to_dict()
+    assert d["B"] == 1 and d["median_s"] == t.median and d["times_s"] == t.times
 
 
 def test_grid_parsing_and_holdout():

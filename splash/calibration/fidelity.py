@@ -40,6 +40,17 @@ class PointFidelity:
         return self.measured[self.pred_best] / self.measured[self.meas_best] - 1
 
     @property
+    def noise(self) -> float:
+        """Measurement noise at this point: the mean interquartile spread of the two fastest layouts."""
+        two = sorted(self.measured, key=self.measured.__getitem__)[:2]
+        return sum(self.spread[lay] for lay in two) / len(two)
+
+    @property
+    def tied(self) -> bool:
+        """The measured best leads the runner-up by less than the noise: either pick is as good."""
+        return self.runner_up_gap < self.noise
+
+    @property
     def runner_up_gap(self) -> float:
         """How much slower the measured second-best layout is than the best (0 with one layout)."""
         t = sorted(self.measured.values())
@@ -48,7 +59,8 @@ class PointFidelity:
     def to_dict(self) -> dict[str, Any]:
         return {**self.point.to_dict(), "measured_s": self.measured, "spread": self.spread,
                 "predicted_s": self.predicted, "pred_best": self.pred_best, "meas_best": self.meas_best,
-                "hit": self.hit, "regret": self.regret, "runner_up_gap": self.runner_up_gap}
+                "hit": self.hit, "regret": self.regret, "runner_up_gap": self.runner_up_gap,
+                "noise": self.noise, "tied": self.tied}
 
 
 @dataclass(frozen=True)
@@ -59,11 +71,12 @@ class Summary:
     mean_regret: float
     max_regret: float
     rel_rmse: float  # of predicted vs measured step times, all layouts
+    tied: float = float("nan")  # share of points whose best two layouts are within measurement noise
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: no held-out points gives nulls, not NaN."""
         d = {"hit_rate": self.hit_rate, "within_10pct": self.within_10, "mean_regret": self.mean_regret,
-             "max_regret": self.max_regret, "rel_rmse": self.rel_rmse}
+             "max_regret": self.max_regret, "rel_rmse": self.rel_rmse, "tied": self.tied}
         return {"points": self.points, **{k: (None if math.isnan(v) else v) for k, v in d.items()}}
 
 
@@ -88,13 +101,15 @@ def summarize(rows: Sequence[PointFidelity]) -> Summary:
     regrets = [r.regret for r in rows]
     errs = [(r.predicted[lay] - t) / t for r in rows for lay, t in r.measured.items()]
     return Summary(n, sum(r.hit for r in rows) / n, sum(g <= REGRET_OK + 1e-12 for g in regrets) / n,
-                   sum(regrets) / n, max(regrets), (sum(e * e for e in errs) / len(errs)) ** 0.5)
+                   sum(regrets) / n, max(regrets), (sum(e * e for e in errs) / len(errs)) ** 0.5,
+                   sum(r.tied for r in rows) / n)
 
 
 def format_table(rows: Sequence[PointFidelity], layouts: Sequence[str]) -> str:
-    """The fidelity table: per point, predicted/measured ms per layout, both bests, regret."""
+    """The fidelity table: per point, predicted/measured ms per layout (* = measured best), both bests,
+    regret, the measured runner-up's gap and the noise (interquartile spread / median) of the best two."""
     head = f"{'B':>4} {'s':>5} {'q':>4} | " + " | ".join(f"{lay:>17}" for lay in layouts)
-    head += " | pred  meas  regret  gap2"
+    head += " | pred  meas  regret  gap2  noise"
     sub = f"{'':>16}| " + " | ".join(f"{'pred/meas ms':>17}" for _ in layouts) + " |"
     lines = [head, sub, "-" * len(head)]
     for r in rows:
@@ -105,7 +120,7 @@ def format_table(rows: Sequence[PointFidelity], layouts: Sequence[str]) -> str:
         flag = "" if r.hit else ("  (miss)" if r.regret > REGRET_OK else "  (miss, within 10%)")
         left = f"{r.point.B:>4} {r.point.s:>5} {r.point.q:>4} | " + " | ".join(f"{c:>17}" for c in cells)
         lines.append(left + f" | {r.pred_best:>4}  {r.meas_best:>4}  {r.regret:6.1%}  "
-                     f"{r.runner_up_gap:5.1%}{flag}")
+                     f"{r.runner_up_gap:5.1%}  {r.noise:5.1%}{flag}")
     return "\n".join(lines)
 
 
@@ -113,4 +128,5 @@ def format_summary(s: Summary, label: str = "") -> str:
     tag = f"{label}: " if label else ""
     return (f"{tag}{s.points} held-out points: predicted best == measured best in {s.hit_rate:.0%} "
             f"(target >= 80%); chosen layout within 10% of the best in {s.within_10:.0%}; regret mean "
-            f"{s.mean_regret:.1%}, max {s.max_regret:.1%}; step-time error (rel. RMSE) {s.rel_rmse:.1%}")
+            f"{s.mean_regret:.1%}, max {s.max_regret:.1%}; step-time error (rel. RMSE) {s.rel_rmse:.1%}; "
+            f"best two layouts within measurement noise at {s.tied:.0%} of the points")

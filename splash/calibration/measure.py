@@ -1,19 +1,20 @@
 """Time real engine steps of each layout on this deployment, one grid point at a time.
 
-For each layout the engine is loaded on the T ranks (one rank group reused across layouts), then for
-each (B, s, q) point a step plan is built by hand: B requests owned round-robin (as the cost model's
-`Batch.balanced` assumes), each holding pages for s positions under the layout's placement rule, each
-contributing q new rows at positions [s - q, s). The same plan is executed repeatedly through the
-engine's runner, so one timing is exactly one forward step over the T ranks (plan broadcast, every
-layer's attention and collectives, logits of the sampled rows) with nothing else in it. The KV pool
-starts zeroed and the token ids are random (seeded), so the MoE routes the rows as real text would.
+Every layout gets its own engine, resident for the whole run: one driver process per layout holds a
+rank group of T ranks (its rank 0 plus T - 1 spawned workers) with the model loaded in that layout.
+For each (B, s, q) point each driver builds a step plan by hand: B requests owned round-robin (as the
+cost model's `Batch.balanced` assumes), each holding pages for s positions under the layout's
+placement rule, each contributing q new rows at positions [s - q, s). The same plan is executed
+repeatedly through the engine's runner, so one timing is exactly one forward step over the T ranks
+(plan broadcast, every layer's attention and collectives, logits of the sampled rows) and nothing
+else. The KV pool starts zeroed and the token ids are random (seeded), so the MoE routes the rows as
+real text would.
 
-Noise control (the machine may be shared): a warm-up step first, then `reps` timings per point. The
-grid is cut into blocks of a few points; the layouts take turns on each block (one engine load per
-turn, the first layout rotating from block to block), and `rounds` passes repeat the whole schedule,
-so every layout is measured in many short windows spread over the run and a burst of load from
-another process does not land on one layout only. The statistic is the median over all rounds'
-timings; the interquartile spread is kept as the point's noise.
+Noise control (the machine may be shared): the layouts take turns *step by step* - one timed step of
+each layout, in an order that rotates every repetition - so a burst of load from another process
+lands on all layouts alike instead of on whichever was being measured. One untimed warm-up step per
+layout and point comes first; `rounds` passes repeat the grid. The statistic is the median over all
+timings of a (layout, point); the interquartile spread is kept as its noise.
 """
 
 from __future__ import annotations
@@ -55,9 +56,18 @@ class Timing:
                 "spread": self.spread, "times_s": list(self.times)}
 
 
-def pages_needed(points: Sequence[GridPoint], page_size: int) -> int:
-    """Pages per rank that hold the largest point in the worst placement (TP replicates everything)."""
-    return max(p.B * -(-p.s // page_size) for p in points) + 1
+def pages_needed(points: Sequence[GridPoint], page_size: int, layout: str = "tp", ranks: int = 1) -> int:
+    """Pages per rank that hold the largest point under `layout`'s placement (TP replicates all)."""
+    from splash.kv.allocator import KVAllocator
+    from splash.layouts import round_robin_owners
+
+    need = 0
+    for p in points:
+        alloc = KVAllocator(p.B * -(-p.s // page_size) + 1, page_size, world=ranks, layout=layout)
+        for owner in round_robin_owners(p.B, ranks):
+            alloc.grow(alloc.empty_table(), p.s, owner)
+        need = max(need, *alloc.num_used)
+    return need + 1
 
 
 def build_plan(point: GridPoint, layout: str, alloc: Any, rng: np.random.Generator, vocab: int,
@@ -78,50 +88,108 @@ def build_plan(point: GridPoint, layout: str, alloc: Any, rng: np.random.Generat
     return StepPlan(step=step, layout=layout, input_ids=ids, seqs=seqs), tables
 
 
-def blocks(points: Sequence[GridPoint], size: int) -> list[list[GridPoint]]:
-    """Consecutive runs of `size` sorted points: the unit the layouts take turns on."""
-    pts = sorted(points)
-    return [pts[i:i + size] for i in range(0, len(pts), max(1, size))]
+class _Driver:
+    """Rank 0 of one layout's engine, in its own process (it spawns that engine's worker ranks)."""
+
+    def __init__(self, ctx: Any, layout: str, ranks: int, engine_kw: dict[str, Any], model: str,
+                 seed: int, timeout_s: float) -> None:
+        self.layout, self.timeout_s = layout, timeout_s
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_driver_main, name=f"splash-calibrate-{layout}",
+                                args=(child, layout, ranks, engine_kw, model, seed), daemon=False)
+        self.proc.start()
+        child.close()
+
+    def ask(self, *msg: Any) -> Any:
+        self.conn.send(msg)
+        return self.reply()
+
+    def reply(self) -> Any:
+        if not self.conn.poll(self.timeout_s):
+            raise TimeoutError(f"calibration engine for {self.layout} did not answer in {self.timeout_s:g} s")
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"calibration engine for {self.layout} exited (code {self.proc.exitcode})"
+                               ) from None
+        if kind == "error":
+            raise RuntimeError(f"calibration engine for {self.layout}: {value}")
+        return value
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.conn.send(None)
+                self.proc.join(30)
+        except (OSError, BrokenPipeError):
+            pass
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        self.conn.close()
 
 
-def _time_point(eng: Any, point: GridPoint, layout: str, rng: np.random.Generator, warmup: int, reps: int,
-                step: int) -> list[float]:
-    """`reps` timings of one forward step of `point` (after `warmup` untimed ones); pages released."""
-    plan, tables = build_plan(point, layout, eng.allocator, rng, eng.vocab_size or 2, step)
-    times = []
+def _driver_main(conn: Any, layout: str, ranks: int, engine_kw: dict[str, Any], model: str,
+                 seed: int) -> None:
+    """Driver loop: ("plan", point) builds a step plan, ("step",) times one step, ("release",) frees
+    the plan's pages, None stops. Every answer is ("ok", value) or ("error", message)."""
+    import torch
+
+    torch.set_num_threads(1)
     try:
-        for k in range(warmup + reps):
-            plan.step = step + k
-            t0 = time.perf_counter()
-            eng.runner.execute(plan)
-            if k >= warmup:
-                times.append(time.perf_counter() - t0)
+        from splash.engine.runner import build_engine
+
+        eng = build_engine(model, layout=layout, threads=1, **engine_kw)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    rng = np.random.default_rng(seed)
+    cuda = eng.runner.device.type == "cuda"  # kernels are asynchronous there: wait for the step's end
+    plan, tables, step = None, [], 0
+    try:
+        conn.send(("ok", None))
+        while (msg := conn.recv()) is not None:
+            if msg[0] == "plan":
+                plan, tables = build_plan(msg[1], layout, eng.allocator, rng, eng.vocab_size or 2, step)
+                conn.send(("ok", None))
+            elif msg[0] == "step":
+                plan.step = step
+                step += 1
+                t0 = time.perf_counter()
+                eng.runner.execute(plan)
+                if cuda:
+                    torch.cuda.synchronize(eng.runner.device)
+                conn.send(("ok", time.perf_counter() - t0))
+            elif msg[0] == "release":
+                for t in tables:
+                    eng.allocator.release(t)
+                plan, tables = None, []
+                conn.send(("ok", None))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("error", f"{type(e).__name__}: {e}"))
     finally:
-        for t in tables:
-            eng.allocator.release(t)
-    return times
+        eng.shutdown()
 
 
 def measure(points: Sequence[GridPoint], layouts: Sequence[str], ranks: int, *, model: str = "tiny",
-            dtype: str = "float32", page_size: int = 16, reps: int = 3, warmup: int = 1, rounds: int = 3,
-            block: int = 6, device: str | None = None, seed: int = 0,
-            progress: bool = True) -> dict[tuple[str, GridPoint], Timing]:
+            dtype: str = "float32", page_size: int = 16, reps: int = 5, warmup: int = 1, rounds: int = 1,
+            device: str | None = None, seed: int = 0, progress: bool = True,
+            timeout_s: float = 600.0) -> dict[tuple[str, GridPoint], Timing]:
     """Timings of one forward step per (layout, point) on `ranks` ranks (see the module docstring)."""
-    import torch
-
-    from splash.engine.group import RankGroup
-    from splash.engine.runner import build_engine
+    import multiprocessing as mp
 
     if ranks < 2:
         raise ConfigError("calibration compares layouts, which needs --tp 2 or more ranks")
-    if reps < 1 or warmup < 0 or rounds < 1 or block < 1:
-        raise ConfigError("need reps >= 1, warmup >= 0, rounds >= 1, block >= 1")
+    if reps < 1 or warmup < 0 or rounds < 1:
+        raise ConfigError("need reps >= 1, warmup >= 0, rounds >= 1")
+    if not layouts:
+        raise ConfigError("no layouts to calibrate")
     points = sorted(points)
-    engine_kw = dict(dtype=dtype, tp=ranks, num_kv_pages=pages_needed(points, page_size), page_size=page_size,
-                     max_num_seqs=max(p.B for p in points),
-                     max_num_batched_tokens=max(512, max(p.rows for p in points)),
-                     max_model_len=max(p.s for p in points) + 1, device=device, seed=seed)
-    torch.set_num_threads(1)
+    base_kw = dict(dtype=dtype, tp=ranks, page_size=page_size, max_num_seqs=max(p.B for p in points),
+                   max_num_batched_tokens=max(512, max(p.rows for p in points)),
+                   max_model_len=max(p.s for p in points) + 1, device=device, seed=seed)
     out: dict[tuple[str, GridPoint], Timing] = {(lay, p): Timing(lay, p) for lay in layouts for p in points}
     bar = None
     if progress:
@@ -129,29 +197,35 @@ def measure(points: Sequence[GridPoint], layouts: Sequence[str], ranks: int, *, 
 
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=rounds * len(layouts) * len(points), desc="calibrate", unit="pt", file=sys.stderr)
-    group = RankGroup.start(ranks, device=device, threads=1)
-    rng = np.random.default_rng(seed)
-    step, turn = 0, 0
+        bar = tqdm(total=rounds * len(points), desc=f"calibrate {'/'.join(layouts)}", unit="pt",
+                   file=sys.stderr)
+    ctx = mp.get_context("spawn")
+    drivers: list[_Driver] = []
     try:
+        for i, lay in enumerate(layouts):
+            kw = {**base_kw, "num_kv_pages": pages_needed(points, page_size, lay, ranks)}
+            drivers.append(_Driver(ctx, lay, ranks, kw, model, seed + i, timeout_s))
+        for d in drivers:
+            d.reply()  # engine loaded
+        turn = 0
         for _ in range(rounds):
-            for pts in blocks(points, block):
-                k = turn % len(layouts)
-                turn += 1
-                for lay in [*layouts[k:], *layouts[:k]]:  # each block starts at the next layout
-                    if bar is not None:
-                        bar.set_description(f"calibrate {lay}")
-                    eng = build_engine(model, layout=lay, rank_group=group, **engine_kw)
-                    try:
-                        for p in pts:
-                            out[(lay, p)].times += _time_point(eng, p, lay, rng, warmup, reps, step)
-                            step += warmup + reps
-                            if bar is not None:
-                                bar.update(1)
-                    finally:
-                        eng.shutdown()
+            for p in points:
+                for d in drivers:
+                    d.ask("plan", p)
+                for k in range(warmup + reps):
+                    order = drivers[turn % len(drivers):] + drivers[:turn % len(drivers)]
+                    turn += 1
+                    for d in order:
+                        dt = d.ask("step")
+                        if k >= warmup:
+                            out[(d.layout, p)].times.append(dt)
+                for d in drivers:
+                    d.ask("release")
+                if bar is not None:
+                    bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-        group.close()
+        for d in drivers:
+            d.close()
     return out

@@ -63,8 +63,7 @@ def fit_and_check(timings: Mapping[tuple[str, GridPoint], Timing], points: Seque
 
 def calibrate(ranks: int, points: Sequence[GridPoint], *, layouts: Sequence[str] = LAYOUT_NAMES,
               model: str = "tiny", dtype: str = "float32", page_size: int = 16, reps: int = 5,
-              warmup: int = 1, rounds: int = 3, block: int = 6, device: str | None = None,
-              profile: str | None = None,
+              warmup: int = 1, rounds: int = 2, device: str | None = None, profile: str | None = None,
               holdout_every: int = 3, seed: int = 0, progress: bool = True) -> Calibration:
     """Time the grid on `ranks` ranks, fit theta on 2/3 of the points, report fidelity on the rest."""
     from splash.config import ModelConfig
@@ -77,7 +76,7 @@ def calibrate(ranks: int, points: Sequence[GridPoint], *, layouts: Sequence[str]
     prof = profile or default_profile(device)
     prior = runtime_prior(ranks, sizes, prof)
     timings = measure(points, layouts, ranks, model=model, dtype=dtype, page_size=page_size, reps=reps,
-                      warmup=warmup, rounds=rounds, block=block, device=device, seed=seed, progress=progress)
+                      warmup=warmup, rounds=rounds, device=device, seed=seed, progress=progress)
     fit, train, held = fit_and_check(timings, points, layouts, ranks, sizes, prior, page_size, holdout_every)
     d = fit.theta.to_dict()
     d.update(name=f"{cfg.name or model}-{prof}x{ranks}-calibrated",

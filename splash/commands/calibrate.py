@@ -37,12 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="custom grid instead of the built-in one, e.g. 1:64:1,32:512:1,1:1024:256")
     p.add_argument("--layouts", default="tp,dp,cp,dop", help="layouts to compare (default all four)")
     p.add_argument("--reps", type=_positive, default=None,
-                   help="timed steps per point and round (default 3, quick 2)")
-    p.add_argument("--rounds", type=_positive, default=3,
-                   help="passes over all layouts, interleaved in time against background load (default 3)")
-    p.add_argument("--block", type=_positive, default=None,
-                   help="grid points measured per engine load; the layouts take turns block by block "
-                        "(default 6, quick 4)")
+                   help="timed steps per layout, point and round; the layouts take turns step by step "
+                        "(default 3, quick 2)")
+    p.add_argument("--rounds", type=_positive, default=2, help="passes over the grid (default 2)")
     p.add_argument("--holdout-every", type=int, default=3, metavar="K",
                    help="hold out every K-th grid point for the fidelity check (default 3)")
     p.add_argument("--page-size", type=_positive, default=16, help="KV page size (default 16)")
@@ -71,11 +68,10 @@ def run(args: argparse.Namespace) -> int:
     reps = args.reps or (2 if args.quick else 3)
     try:
         cal = calibrate(args.tp, points, layouts=layouts, model=args.model, dtype=args.dtype,
-                        page_size=args.page_size, reps=reps, rounds=args.rounds,
-                        block=args.block or (4 if args.quick else 6), device=args.device,
+                        page_size=args.page_size, reps=reps, rounds=args.rounds, device=args.device,
                         profile=args.profile, holdout_every=args.holdout_every, seed=args.seed,
                         progress=True)
-    except WorkerError as e:
+    except (WorkerError, RuntimeError, TimeoutError) as e:  # a rank or an engine failed mid-run
         print(f"splash calibrate: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     cal.theta.save(args.out)
