@@ -150,3 +150,29 @@ def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int) -> None
         pools.append(pool.data)
     assert (outs[0] - outs[1]).abs().max().item() < 1e-12
     assert torch.equal(pools[0], pools[1])
+
+
+def test_fused_projections_equal_separate_ones() -> None:
+    """q_a with kv_a, and gate with up, as one GEMM each: bit-identical outputs, weights keep their
+    names and values (as views), and a replaced weight falls back to the separate GEMMs."""
+    from splash.model import DeepseekForCausalLM
+
+    g = torch.Generator().manual_seed(2)
+    model = DeepseekForCausalLM(TINY, torch.float32)
+    for _, b in model.named_buffers():
+        if b is not None and b.is_floating_point():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    x = torch.randn(16, TINY.hidden_size, generator=g)
+    pos = torch.arange(16) * 3
+    layer = model.layers[1]
+    mla, shared, dense = layer.self_attn, layer.mlp.shared, model.layers[0].mlp
+    want = (mla.prepare(x, pos), shared(x), dense(x))
+    counts = model.weight_counts()
+    model.fuse()
+    assert mla._qkv_a is not None and shared._gate_up is not None and dense._gate_up is not None
+    assert model.weight_counts() == counts
+    got = (mla.prepare(x, pos), shared(x), dense(x))
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0]))
+    assert torch.equal(want[1], got[1]) and torch.equal(want[2], got[2])
+    dense.up_proj = dense.up_proj.clone() * 2  # replaced: the fused tensor is stale, so not used
+    assert not torch.equal(dense(x), want[2])

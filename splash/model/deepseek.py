@@ -133,6 +133,18 @@ class DeepseekForCausalLM(nn.Module):
         self.norm.load(reader, "model.norm.weight", dev)
         if not self.cfg.tie_word_embeddings:
             self.lm_head = reader.get("lm_head.weight", dt, dev, rows=span(self.head_rows, expect[0]))
+        self.fuse()
+
+    def fuse(self) -> None:
+        """Weights that share an input run as one GEMM where that is bit-identical (CPU, float32/bf16):
+        q_a with kv_a, gate with up (dense MLP, shared experts). Views keep every weight's name."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            mlp = layer.mlp
+            if isinstance(mlp, MLP):
+                mlp.fuse()
+            elif mlp.shared is not None:
+                mlp.shared.fuse()
 
     def weight_counts(self) -> dict[str, int]:
         """Elements this rank holds per part: attention, mlp (dense), experts (routed), shared,

@@ -14,6 +14,28 @@ from splash.model.loader import CheckpointReader
 from splash.model.shard import span
 
 
+def fusable(*ws: torch.Tensor) -> bool:
+    """Whether weights sharing an input may run as one GEMM of their concatenation.
+
+    On CPU in float32/bf16/fp16 the concatenated GEMM's columns equal the separate GEMMs' bit for bit
+    (tests/test_fast_paths.py); float64 (the parity reference) and accelerators keep separate GEMMs."""
+    return all(w is not None and w.device.type == "cpu" and w.dtype in _FUSE_DTYPES and w.dim() == 2
+               and w.shape[1] == ws[0].shape[1] for w in ws)
+
+
+_FUSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fused_rows(*ws: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(concatenation along rows, views of it standing for each weight): no extra memory is held."""
+    cat = torch.cat(ws)
+    views, a = [], 0
+    for w in ws:
+        views.append(cat[a:a + w.shape[0]])
+        a += w.shape[0]
+    return cat, views
+
+
 def check_activation(name: str) -> None:
     if name != "silu":
         raise ConfigError(f"hidden_act {name!r} is not supported; DeepSeek models use 'silu'")
@@ -63,6 +85,7 @@ class MLP(nn.Module):
         self.register_buffer("gate_proj", torch.empty(n, hidden, dtype=dtype, device=device))
         self.register_buffer("up_proj", torch.empty(n, hidden, dtype=dtype, device=device))
         self.register_buffer("down_proj", torch.empty(hidden, n, dtype=dtype, device=device))
+        self._gate_up: torch.Tensor | None = None  # [gate; up] when fused (see `fuse`)
 
     def load(self, reader: CheckpointReader, prefix: str, dev: torch.device) -> None:
         dt = self.gate_proj.dtype
@@ -80,7 +103,21 @@ class MLP(nn.Module):
                                  f"{tuple(getattr(self, n).shape)}; config.json does not match the weights")
             setattr(self, n, t)
 
+    def fuse(self) -> None:
+        """Run gate and up as one GEMM: `gate_proj` / `up_proj` become views of one [2n, d] tensor.
+        Only where that is bit-identical (`fusable`) and silu sees whole vector blocks either way
+        (a row length that is a multiple of 64), so no element takes a different rounding path."""
+        b = self._buffers
+        if len(self.cols) % 64 or not fusable(b["gate_proj"], b["up_proj"]):
+            return
+        self._gate_up, (self.gate_proj, self.up_proj) = fused_rows(b["gate_proj"], b["up_proj"])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d] -> [N, d] (this rank's partial sum when `partial`)."""
         b = self._buffers
-        return F.linear(F.silu(F.linear(x, b["gate_proj"])) * F.linear(x, b["up_proj"]), b["down_proj"])
+        gu = self._gate_up
+        if gu is not None and b["gate_proj"]._base is gu and b["up_proj"]._base is gu:
+            g, u = F.linear(x, gu).chunk(2, dim=-1)
+        else:  # unfused, or the weights were replaced since (a reload, `.to()`)
+            g, u = F.linear(x, b["gate_proj"]), F.linear(x, b["up_proj"])
+        return F.linear(F.silu(g) * u, b["down_proj"])

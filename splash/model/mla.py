@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splash.config import ModelConfig
-from splash.model.layers import RMSNorm
+from splash.model.layers import RMSNorm, fusable, fused_rows
 from splash.model.loader import CheckpointReader
 from splash.model.rope import Rotary, softmax_scale
 
@@ -49,6 +49,7 @@ class MLA(nn.Module):
         buf("o_bias", *((d,) if bias else ()))
         self.heads = range(0)
         self._alloc_heads(heads, dtype, device)
+        self._qkv_a: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused [q_a; kv_a] (+ bias)
 
     # ---- held heads -----------------------------------------------------------------------------
     def _alloc_heads(self, heads: range, dtype: torch.dtype, device) -> None:
@@ -115,6 +116,28 @@ class MLA(nn.Module):
         self.w_uv = kv_b[:, self.d_nope:].transpose(1, 2).contiguous()
         self.o_w = get(f"{prefix}.o_proj.weight", dt, dev, cols=(a * self.d_v, b * self.d_v))
 
+    def fuse(self) -> None:
+        """Run q_a and kv_a (same input) as one GEMM where that is bit-identical (see `fusable`):
+        `q_a` / `kv_a` become views of one tensor, biases likewise."""
+        b = self._buffers
+        if not self.q_lora or not fusable(b["q_a"], b["kv_a"]):
+            return
+        if (b["q_a_bias"] is None) != (b["kv_a_bias"] is None):
+            return
+        w, (self.q_a, self.kv_a) = fused_rows(b["q_a"], b["kv_a"])
+        bias = None
+        if b["q_a_bias"] is not None:
+            bias, (self.q_a_bias, self.kv_a_bias) = fused_rows(b["q_a_bias"], b["kv_a_bias"])
+        self._qkv_a = (w, bias)
+
+    def _project_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x q_a^T + bias [N, q_lora], x kv_a^T + bias [N, d_c + d_rope]), fused when possible."""
+        b, f = self._buffers, self._qkv_a
+        if f is not None and b["q_a"]._base is f[0] and b["kv_a"]._base is f[0]:
+            y = F.linear(x, f[0], f[1])
+            return y[:, :self.q_lora], y[:, self.q_lora:]
+        return F.linear(x, b["q_a"], b["q_a_bias"]), F.linear(x, b["kv_a"], b["kv_a_bias"])
+
     # ---- compute --------------------------------------------------------------------------------
     # Weights are read from `_buffers` / `_modules` and norms called through `.forward`: nn.Module's
     # attribute lookup and call machinery cost about as much as a small op, and a decode step is
@@ -122,8 +145,11 @@ class MLA(nn.Module):
     def prepare(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replicated part: x [N, d] -> (q_in [N, q_in], latent_new [N, d_c + d_rope])."""
         b, m, d_c, rot = self._buffers, self._modules, self.d_c, self.rotary
-        q_in = m["q_a_norm"].forward(F.linear(x, b["q_a"], b["q_a_bias"])) if self.q_lora else x
-        kv = F.linear(x, b["kv_a"], b["kv_a_bias"])
+        if self.q_lora:
+            q, kv = self._project_a(x)
+            q_in = m["q_a_norm"].forward(q)
+        else:
+            q_in, kv = x, F.linear(x, b["kv_a"], b["kv_a_bias"])
         k_pe = rot.apply(kv[:, d_c:], rot.tables(positions))
         return q_in, torch.cat([m["kv_a_norm"].forward(kv[:, :d_c]), k_pe], dim=-1)
 
