@@ -103,9 +103,17 @@ def stage_serve(tp: int = 1, layout: str | None = None) -> None:
     print(f"server shut down cleanly (exit code {proc.returncode})")
 
 
+def stage_sweep() -> None:
+    _banner("3. The four layouts on 2 ranks: throughput over input lengths x batch sizes (Figure 4 protocol)")
+    _splash("bench", "sweep", "--model", "tiny", "--tp", "2", "--input-lens", "32,256", "--batch-sizes",
+            "1,8,32", "--output-len", "16", "--memory-per-rank", "21MiB", "--no-progress",
+            "--plot", f"{OUT}/sweep_tiny_t2.png")
+
+
 STAGES: dict[str, Callable[[], None]] = {
     "plan": stage_plan,
-    "serve": stage_serve,
+    "serve": lambda: stage_serve(2, "dop"),  # rank 0 serves, rank 1 is a spawned worker
+    "sweep": stage_sweep,
 }
 
 
