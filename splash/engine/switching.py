@@ -260,7 +260,8 @@ class SwitchController:
         self.policy_cfg = PolicyConfig(margin=margin, min_dwell=min_dwell, page_size=P)
 
     def _batch(self, plan: StepPlan, live: list[Any]) -> Any:
-        """The Policy's x: every sequence holding pages, s_i including this step's rows, q_i, owners."""
+        """The Policy's x: every sequence holding pages, s_i including this step's rows, q_i, owners,
+        and the KV each will reach."""
         from splash.costmodel import Batch
 
         rows = {s.req_id: s.num_new for s in plan.seqs}
@@ -275,7 +276,10 @@ class SwitchController:
                 r = min(range(self.world), key=lambda r: (load[r], r))
                 owners[i] = r
                 load[r] += contexts[i]
-        return Batch.make(contexts, q, owners, ranks=self.world)
+        # Each request's KV at its own limit (prompt + max_tokens): the steady-state fit (Eq 6) of a
+        # layout must hold the batch as it grows, as the planner's own Eq 6 check will demand.
+        reserved = [max(c, self._projected(seq)) for c, seq in zip(contexts, live)]
+        return Batch.make(contexts, q, owners, ranks=self.world, reserved=reserved)
 
     def _decide(self, plan: StepPlan, live: list[Any]) -> str | None:
         from splash.policy import decide

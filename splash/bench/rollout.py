@@ -1,0 +1,294 @@
+"""`splash bench rollout`: an RL-rollout workload under each fixed layout and under `auto`.
+
+All requests start together (a rollout batch): mixed prompt lengths (log-normal) and heavy-tailed
+output lengths (Pareto), so the batch starts wide and KV-bound and narrows to a few long requests.
+Output lengths are emulated the usual benchmark way: `ignore_eos` with each request's own
+`max_tokens` (so the engine knows each request's limit, as it would know a user's `max_tokens`).
+Every layout runs the same requests (same seed) on the same ranks and the same per-rank memory
+budget; the budget is chosen so the paper's capacity regimes exist: DP/CP keep replicated attention
+projections and hold the fewest KV tokens, DOP holds W_A(1-1/T)/k more per rank, TP holds as much
+per rank as DOP but replicated (1/T of DOP's distinct tokens); the longest request fits every layout.
+Reported per run: makespan, generated tokens/s, switches, and a per-step timeline (layout, running
+and waiting requests, tokens/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+RUNS = ("tp", "dp", "cp", "dop", "auto")
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int = 128
+    prompt_median: int = 48
+    prompt_max: int = 192
+    output_scale: float = 3.0  # Pareto x_m: most outputs are short
+    output_alpha: float = 1.0  # tail index: heavy
+    output_max: int = 448
+    seed: int = 0
+
+    def sample(self, vocab: int) -> tuple[list[list[int]], list[int]]:
+        rng = np.random.default_rng(self.seed)
+        plens = np.clip(rng.lognormal(np.log(self.prompt_median), 0.6, self.requests), 4, self.prompt_max)
+        tail = self.output_scale * (1 + rng.pareto(self.output_alpha, self.requests))
+        olens = np.clip(tail, 2, self.output_max)
+        prompts = [rng.integers(3, vocab, int(n)).tolist() for n in plens]
+        return prompts, [int(n) for n in olens]
+
+    @property
+    def longest(self) -> int:
+        return self.prompt_max + self.output_max
+
+
+QUICK = Workload(requests=64, prompt_median=32, prompt_max=96, output_scale=2.0, output_max=192)
+
+
+def register(kinds: argparse._SubParsersAction) -> None:
+    from splash.commands.generate import _positive
+
+    p = kinds.add_parser("rollout", help="RL-rollout workload: each fixed layout vs live switching (auto)",
+                         description="Run one rollout batch under tp, dp, cp, dop and auto on the same "
+                                     "ranks, requests and memory budget; compare makespan and throughput.")
+    p.add_argument("--tp", type=_positive, default=2, help="ranks T (default 2)")
+    p.add_argument("--requests", type=_positive, default=None, help="requests started together (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths")
+    p.add_argument("--quick", action="store_true", help="a smaller workload (about a minute at T=2)")
+    p.add_argument("--runs", default=",".join(RUNS), help="which of tp,dp,cp,dop,auto to run")
+    p.add_argument("--kv-tokens", type=_positive, default=None,
+                   help="KV tokens per rank under DP (sets the memory budget; default: the longest request "
+                        "plus 25%%)")
+    p.add_argument("--theta", default=None, metavar="FILE", help="calibrated theta for auto")
+    p.add_argument("--switch-margin", type=float, default=0.05)
+    p.add_argument("--min-dwell-steps", type=int, default=8)
+    p.add_argument("--switch-mode", default="overlapped", choices=("overlapped", "blocking"))
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=256)
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, metavar="FILE", help="write the timeline PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def budget_bytes(group: Any, args: argparse.Namespace, kv_tokens: int) -> int:
+    """Per-rank memory: DP's (replicated) weights + step workspace + `kv_tokens` of KV."""
+    from splash.engine.runner import build_engine
+    from splash.kv.pool import KVPool
+
+    probe = build_engine(args.model, dtype=args.dtype, tp=args.tp, layout="dp", rank_group=group,
+                         num_kv_pages=4, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                         device=args.device)
+    try:
+        st = probe.stats()
+        cfg = probe.runner.local.model.cfg
+        import torch
+
+        per_page = KVPool.bytes_per_page(cfg, args.page_size, getattr(torch, args.dtype))
+    finally:
+        probe.shutdown()
+    pages = -(-kv_tokens // args.page_size)
+    return int(max(st["weight_bytes_per_rank"]) + st["kv_reserve_bytes"] + pages * per_page + per_page // 2)
+
+
+def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prompts: list[list[int]],
+            outs: list[int], bar: Any = None) -> dict[str, Any]:
+    from splash.engine.runner import build_engine
+    from splash.engine.sampling import SamplingParams
+
+    eng = build_engine(args.model, dtype=args.dtype, tp=args.tp, layout=layout, rank_group=group,
+                       memory_per_rank=memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                       device=args.device, theta=args.theta, switch_margin=args.switch_margin,
+                       min_dwell_steps=args.min_dwell_steps, switch_mode=args.switch_mode)
+    timeline: list[dict[str, Any]] = []
+    try:
+        st0 = eng.stats()
+        for i, (p, n) in enumerate(zip(prompts, outs)):
+            eng.add_request(str(i), prompt_token_ids=p,
+                            params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        t0 = time.perf_counter()
+        gen0 = 0
+        while eng.has_unfinished():
+            layout_before = eng.allocator.layout
+            eng.step(final_only=True)
+            st = eng.stats()
+            now = time.perf_counter() - t0
+            timeline.append({"t": now, "layout": st["layout"], "from": layout_before,
+                             "running": st["num_running"], "waiting": st["num_waiting"],
+                             "tokens": st["generation_tokens_total"] - gen0})
+            gen0 = st["generation_tokens_total"]
+            if bar is not None:
+                bar.set_postfix_str(f"{layout}: {len(prompts) - st['num_requests']}/{len(prompts)} done, "
+                                    f"{st['layout']}", refresh=False)
+                bar.update(0)
+        makespan = time.perf_counter() - t0
+        st = eng.stats()
+        events = [e.to_dict() for e in eng.switcher.events] if eng.switcher is not None else []
+        decisions = len(eng.switcher.decisions) if eng.switcher is not None else 0
+    finally:
+        eng.shutdown()
+    gen = st["generation_tokens_total"]
+    return {"throughput_tok_s": gen / makespan, "makespan_s": makespan,
+            "switches": st.get("num_switches", 0),
+            "total_tok_s": (gen + st["prompt_tokens_total"]) / makespan,
+            "generated_tokens": gen, "steps": st["steps"], "preemptions": st["num_preemptions"],
+            "refusals": st.get("switch_refusals", 0),
+            "kv_pool_tokens_per_rank": st0["kv_pool_tokens_per_rank"],
+            "kv_distinct_tokens": st0["kv_distinct_tokens"],
+            "max_running": max((x["running"] for x in timeline), default=0),
+            "switch_events": events, "decisions": decisions, "timeline": timeline,
+            "switches_total": st.get("switches_total", {})}
+
+
+def rollout(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from splash.config import ConfigError
+    from splash.engine.group import RankGroup
+
+    runs = [r.strip().lower() for r in args.runs.split(",") if r.strip()]
+    bad = [r for r in runs if r not in RUNS]
+    if bad or not runs:
+        raise ConfigError(f"--runs: unknown {bad}; choose from {','.join(RUNS)}")
+    wl = QUICK if args.quick else Workload()
+    if args.requests is not None:
+        wl = Workload(**{**wl.__dict__, "requests": args.requests})
+    wl = Workload(**{**wl.__dict__, "seed": args.seed})
+    kv_tokens = args.kv_tokens or int(wl.longest * 1.25)
+    if kv_tokens < wl.longest:
+        raise ConfigError(f"--kv-tokens {kv_tokens} cannot hold the longest request ({wl.longest} tokens) "
+                          "under DP; raise it")
+    args.max_model_len = wl.longest + args.page_size
+    args.max_num_seqs = wl.requests
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    group = RankGroup.start(args.tp, device=args.device, threads=1)
+    bar = None
+    try:
+        memory = budget_bytes(group, args, kv_tokens)
+        from splash.config import ModelConfig
+        from splash.model import resolve_model_path
+
+        vocab = ModelConfig.from_hf(resolve_model_path(args.model)).vocab_size
+        prompts, outs = wl.sample(vocab)
+        if not args.quiet:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(runs), desc="bench rollout", unit="run", file=sys.stderr)
+        results = {}
+        for lay in runs:
+            results[lay] = run_one(group, args, lay, memory, prompts, outs, bar)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        group.close()
+    fixed = {k: v for k, v in results.items() if k != "auto"}
+    best = max(fixed, key=lambda k: fixed[k]["throughput_tok_s"]) if fixed else None
+    doc = {"runs": results, "best_fixed": best,
+           "auto_vs_best_fixed": (results["auto"]["throughput_tok_s"] / fixed[best]["throughput_tok_s"]
+                                  if "auto" in results and best else None),
+           "workload": {**wl.__dict__, "prompt_tokens": int(sum(map(len, prompts))),
+                        "output_tokens": int(sum(outs)),
+                        "longest_output": int(max(outs)), "median_output": float(np.median(outs))},
+           "config": {"tp": args.tp, "model": args.model, "dtype": args.dtype, "page_size": args.page_size,
+                      "memory_per_rank": memory, "kv_tokens_dp": kv_tokens, "theta": args.theta,
+                      "switch_margin": args.switch_margin, "min_dwell_steps": args.min_dwell_steps,
+                      "switch_mode": args.switch_mode, "seconds": time.perf_counter() - t_start}}
+    return doc
+
+
+def table(doc: dict[str, Any]) -> str:
+    w, c = doc["workload"], doc["config"]
+    lines = [f"bench rollout: T={c['tp']} {c['model']} {c['dtype']}, {w['requests']} requests started "
+             f"together (prompts {w['prompt_tokens']} tokens, outputs {w['output_tokens']}: median "
+             f"{w['median_output']:.0f}, longest {w['longest_output']}), "
+             f"{c['memory_per_rank'] / 2**20:.1f} MiB per rank",
+             f"{'run':>5} {'KV tok/rank':>11} {'distinct':>8} {'max run':>7} {'makespan s':>10} "
+             f"{'gen tok/s':>9} {'steps':>6} {'preempt':>7} {'switches':>8}"]
+    for name, r in doc["runs"].items():
+        lines.append(f"{name:>5} {r['kv_pool_tokens_per_rank'][0]:>11} {r['kv_distinct_tokens']:>8} "
+                     f"{r['max_running']:>7} {r['makespan_s']:>10.2f} {r['throughput_tok_s']:>9.1f} "
+                     f"{r['steps']:>6} {r['preemptions']:>7} {r['switches']:>8}")
+    if doc.get("auto_vs_best_fixed"):
+        a = doc["runs"]["auto"]
+        path = " ".join(f"{e['step']}:{e['src']}->{e['dst']}" for e in a["switch_events"] if not e["refused"])
+        lines.append(f"auto / best fixed ({doc['best_fixed']}): {doc['auto_vs_best_fixed']:.2f}x; auto "
+                     f"switched {path or 'never'}; {a['refusals']} refused")
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = {"tp": 0, "dp": 1, "cp": 2, "dop": 3}
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    for name, r in doc["runs"].items():
+        tl = r["timeline"]
+        if not tl:
+            continue
+        t = np.array([x["t"] for x in tl])
+        lw = 2.2 if name == "auto" else 1.0
+        axes[0].step(t, [order[x["layout"]] + (0.08 if name == "auto" else 0) for x in tl], where="post",
+                     label=name, lw=lw)
+        axes[1].plot(t, [x["running"] for x in tl], label=name, lw=lw)
+        tok = np.array([x["tokens"] for x in tl], dtype=float)
+        dt = np.diff(np.concatenate([[0.0], t]))
+        k = 10
+        rate = np.convolve(tok, np.ones(k), "same") / np.maximum(np.convolve(dt, np.ones(k), "same"), 1e-9)
+        axes[2].plot(t, rate, label=name, lw=lw)
+    axes[0].set_yticks(list(order.values()), [k.upper() for k in order])
+    axes[0].set_ylabel("layout")
+    axes[1].set_ylabel("running requests")
+    axes[2].set_ylabel("generated tokens/s")
+    axes[2].set_xlabel("time since the batch started (s)")
+    axes[0].legend(ncol=5, fontsize=8)
+    c = doc["config"]
+    ratio = doc.get("auto_vs_best_fixed")
+    extra = f"; auto = {ratio:.2f}x best fixed ({doc['best_fixed']})" if ratio else ""
+    axes[0].set_title(f"rollout timeline, T={c['tp']}{extra}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from splash.config import ConfigError
+    from splash.dist.launch import WorkerError
+
+    if args.tp < 2:
+        print("splash bench rollout: error: comparing layouts needs --tp 2 or more", file=sys.stderr)
+        return 2
+    try:
+        doc = rollout(args)
+    except (ConfigError, ValueError) as e:
+        print(f"splash bench rollout: error: {e}", file=sys.stderr)
+        return 2
+    except (WorkerError, TimeoutError, RuntimeError) as e:
+        print(f"splash bench rollout: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    if args.plot:
+        plot(doc, args.plot)
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(table(doc))
+        if args.plot:
+            print(f"timeline: {args.plot}")
+    return 0
