@@ -62,6 +62,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=_positive, default=None, help="requests started together (default 128)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths")
     p.add_argument("--quick", action="store_true", help="a smaller workload (about a minute at T=2)")
+    p.add_argument("--output-max", type=_positive, default=None,
+                   help="cap on generated tokens per request (the tail; default 448, quick 192)")
     p.add_argument("--runs", default=",".join(RUNS), help="which of tp,dp,cp,dop,auto to run")
     p.add_argument("--kv-tokens", type=_positive, default=None,
                    help="KV tokens per rank under DP (sets the memory budget; default: the longest request "
@@ -165,6 +167,8 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
     wl = QUICK if args.quick else Workload()
     if args.requests is not None:
         wl = Workload(**{**wl.__dict__, "requests": args.requests})
+    if args.output_max is not None:
+        wl = Workload(**{**wl.__dict__, "output_max": args.output_max})
     wl = Workload(**{**wl.__dict__, "seed": args.seed})
     kv_tokens = args.kv_tokens or int(wl.longest * 1.25)
     if kv_tokens < wl.longest:
@@ -250,7 +254,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
         axes[1].plot(t, [x["running"] for x in tl], label=name, lw=lw)
         tok = np.array([x["tokens"] for x in tl], dtype=float)
         dt = np.diff(np.concatenate([[0.0], t]))
-        k = 10
+        k = max(1, min(10, len(tl)))  # ~10-step moving window
         rate = np.convolve(tok, np.ones(k), "same") / np.maximum(np.convolve(dt, np.ones(k), "same"), 1e-9)
         axes[2].plot(t, rate, label=name, lw=lw)
     axes[0].set_yticks(list(order.values()), [k.upper() for k in order])
