@@ -11,7 +11,7 @@ from splash.calibration.fidelity import evaluate, format_table, summarize
 from splash.calibration.fit import Observation, fit_theta, nnls
 from splash.calibration.grid import GridPoint, default_grid, parse_points, quick_grid, split_holdout
 from splash.calibration.measure import Timing, pages_needed
-from splash.calibration.prior import RUNTIME_COLLECTIVES, load_or_default_theta, runtime_prior
+from splash.calibration.prior import CPU_MEASURED, RUNTIME_COLLECTIVES, load_or_default_theta, runtime_prior
 from splash.config import PRESETS, ConfigError
 from splash.costmodel import FIT_PARAMS, Batch, Theta, step_cost, step_features, theta_params, with_params
 from splash.layouts import LAYOUTS, Layout
@@ -202,8 +202,11 @@ def test_load_or_default_theta(tmp_path, caplog):
     cfg = PRESETS["tiny"]
     with caplog.at_level("WARNING", logger="splash.calibration"):
         th, src = load_or_default_theta(None, 2, cfg, "fp32", "cpu")
-    assert th.ranks == 2 and "uncalibrated" in src and "cpu" in src and "splash calibrate" in caplog.text
+    assert th.ranks == 2 and "built-in default" in src and "splash calibrate" in caplog.text
+    assert th.source == "cpu-measured-default" and th.t_seq == CPU_MEASURED["t_seq"]
     assert th.collectives == RUNTIME_COLLECTIVES and th.act_bytes == 4
+    gpu, _ = load_or_default_theta(None, 4, cfg, "bf16", "cuda")
+    assert gpu.source == "profile:h200" and gpu.ranks == 4 and gpu.act_bytes == 2
     cal = _true_theta()
     cal.save(tmp_path / "theta.json")
     th, src = load_or_default_theta(str(tmp_path / "theta.json"), 2, cfg)

@@ -4,12 +4,16 @@
 layer: the collectives each layout issues (TP one all-reduce; DP one all-gather; CP two all-to-alls
 and an all-gather for the exact merge; DOP two all-to-alls and an all-reduce), no overlap of attention
 with those collectives (they are issued and waited on in turn, so eta = 0), and activations exchanged
-in the model's dtype. `load_or_default_theta` is what an engine calls for `--theta FILE`.
+in the model's dtype. `load_or_default_theta` is what an engine calls for `--theta FILE`; without a
+file it uses `default_theta`: on CPU rates measured on the development VM (stated as such in the log),
+on CUDA the H200 profile prior.
 """
 
 from __future__ import annotations
 
 import logging
+
+import numpy as np
 
 from splash.config import ConfigError, ModelConfig, dtype_bytes
 from splash.costmodel import Theta
@@ -20,6 +24,14 @@ log = logging.getLogger("splash.calibration")
 
 RUNTIME_COLLECTIVES = {"TP": 1.0, "DP": 1.0, "CP": 3.0, "DOP": 3.0}
 RUNTIME_ETA = {lay.label: 0.0 for lay in LAYOUTS}
+
+# The built-in CPU default: per-parameter medians of four `splash calibrate --tp 2` runs (tiny model,
+# float32, gloo) on the shared 2-core development VM, 2026-11. Per-rank rates and latencies, so they
+# carry over to other T roughly; t0 / t_row / t_experts are the tiny model's and never change which
+# layout wins. A stated default, not a measurement of *this* machine: calibrate for that.
+CPU_MEASURED = {"t0": 2.4e-2, "t_row": 1.3e-4, "t_experts": 1.6e-2, "inv_flops_proj": 5e-11,
+                "inv_bw_weights": 0.0, "inv_flops_att": 1.1e-10, "inv_bw_kv": 2.1e-9, "inv_link_bw": 5.3e-9,
+                "latency": 1.4e-3, "t_seq": 5.0e-4}
 
 
 def default_profile(device: str | None) -> str:
@@ -39,7 +51,7 @@ def runtime_prior(ranks: int, sizes: AttentionSizes, profile: str = "cpu") -> Th
 
 def load_or_default_theta(path: str | None, ranks: int, cfg: ModelConfig, dtype: str = "bf16",
                           device: str | None = None) -> tuple[Theta, str]:
-    """(theta, where it came from): the calibrated file if given, else the device's profile prior.
+    """(theta, where it came from): the calibrated file if given, else `default_theta` for the device.
 
     A file calibrated for another number of ranks is refused (its latencies and busiest-rank loads
     were fitted at that T). Either way one log line says which theta the policy runs on.
@@ -52,9 +64,23 @@ def load_or_default_theta(path: str | None, ranks: int, cfg: ModelConfig, dtype:
         src = f"calibrated theta from {path}"
         log.info("layout policy: %s (%s)", src, theta.source or "unknown source")
         return theta, src
-    prof = default_profile(device)
-    theta = runtime_prior(ranks, AttentionSizes(cfg, dtype, dtype), prof)
-    src = (f"built-in '{prof}' profile prior (uncalibrated); run `splash calibrate --tp {ranks} "
-           f"--out theta.json` and pass --theta theta.json for this machine's rates")
+    theta = default_theta(ranks, AttentionSizes(cfg, dtype, dtype), device)
+    src = (f"built-in default theta '{theta.source}' (not measured on this machine); run `splash calibrate "
+           f"--tp {ranks} --out theta.json` and pass --theta theta.json for this deployment's rates")
     log.warning("layout policy: %s", src)
     return theta, src
+
+
+def default_theta(ranks: int, sizes: AttentionSizes, device: str | None = None) -> Theta:
+    """CPU: the profile prior carrying CPU_MEASURED; CUDA: the H200 profile prior (no GPU calibration
+    has been run yet)."""
+    from splash.costmodel import FIT_PARAMS, with_params
+
+    prof = default_profile(device)
+    prior = runtime_prior(ranks, sizes, prof)
+    if prof != "cpu":
+        return prior
+    theta = with_params(prior, np.array([CPU_MEASURED[k] for k in FIT_PARAMS]))
+    d = theta.to_dict()
+    d.update(source="cpu-measured-default", name=f"cpu-default-x{ranks}")
+    return Theta.from_dict(d)

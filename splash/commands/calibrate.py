@@ -38,8 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layouts", default="tp,dp,cp,dop", help="layouts to compare (default all four)")
     p.add_argument("--reps", type=_positive, default=None,
                    help="timed steps per layout, point and round; the layouts take turns step by step "
-                        "(default 3, quick 2)")
-    p.add_argument("--rounds", type=_positive, default=2, help="passes over the grid (default 2)")
+                        "(default 3)")
+    p.add_argument("--rounds", type=_positive, default=None, help="passes over the grid (default 2, quick 1)")
     p.add_argument("--holdout-every", type=int, default=3, metavar="K",
                    help="hold out every K-th grid point for the fidelity check (default 3)")
     p.add_argument("--page-size", type=_positive, default=16, help="KV page size (default 16)")
@@ -65,10 +65,11 @@ def run(args: argparse.Namespace) -> int:
     points = parse_points(args.points) if args.points else (quick_grid() if args.quick else default_grid())
     if args.holdout_every < 2:
         raise ConfigError(f"--holdout-every must be >= 2, got {args.holdout_every}")
-    reps = args.reps or (2 if args.quick else 3)
+    reps = args.reps or 3
+    rounds = args.rounds or (1 if args.quick else 2)
     try:
         cal = calibrate(args.tp, points, layouts=layouts, model=args.model, dtype=args.dtype,
-                        page_size=args.page_size, reps=reps, rounds=args.rounds, device=args.device,
+                        page_size=args.page_size, reps=reps, rounds=rounds, device=args.device,
                         profile=args.profile, holdout_every=args.holdout_every, seed=args.seed,
                         progress=True)
     except (WorkerError, RuntimeError, TimeoutError) as e:  # a rank or an engine failed mid-run
