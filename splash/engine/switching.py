@@ -243,19 +243,12 @@ class SwitchController:
         from splash.switch.planner import dtype_name
 
         dt = dtype_name(dtype)
-        self.sizes = sizes = AttentionSizes(self.cfg, dt, dt)
-        T, P = self.world, self.alloc.page_size
-        pool = max(a.num_pages + len(w) for a, w in zip(self.alloc.ranks, self.withheld))
-        page_bytes = P * sizes.k
-        # The policy's memory model in this engine's terms: per rank, the analytical fixed weights, the
-        # attention projections, the KV pool, and the step workspace (which the engine reserves apart).
-        # With a budget the pool was sized for sharded projections (replicas eat into it); without one
-        # the replicas live beside the pool and every layout keeps the whole pool.
-        reserve = float(self.engine.info.get("kv_reserve_bytes", 0) or 0)
-        h = (sizes.fixed_bytes_per_rank(T) + sizes.attention_weight_bytes(not budget, T) + pool * page_bytes
-             + reserve)
+        self.sizes = AttentionSizes(self.cfg, dt, dt)
+        P = self.alloc.page_size
         d = self.theta.to_dict()
-        d.update(memory_bytes=h, reserve_bytes=0.0, act_bytes=dtype_bytes(dt))
+        # Memory feasibility is decided on the engine's real pages (`fits`); the Policy's own memory
+        # model would double-count the step workspace the engine reserves apart, so it gets room to spare.
+        d.update(memory_bytes=1e18, reserve_bytes=0.0, act_bytes=dtype_bytes(dt))
         self.theta = Theta.from_dict(d)
         self.policy_cfg = PolicyConfig(margin=margin, min_dwell=min_dwell, page_size=P)
 
@@ -281,23 +274,61 @@ class SwitchController:
         reserved = [max(c, self._projected(seq)) for c, seq in zip(contexts, live)]
         return Batch.make(contexts, q, owners, ranks=self.world, reserved=reserved)
 
+    def fits(self, dst: str, live: list[Any]) -> bool:
+        """Whether `dst` holds the live batch grown to each request's limit (the planner's Eq 6, on the
+        real per-rank pools, with the replicas' pages withheld in DP/CP); owners as the planner picks."""
+        from splash.kv.allocator import pages_for
+
+        T, P = self.world, self.alloc.page_size
+        cap = [a.num_pages + len(w) - (wp if dst in REPLICATED else 0)
+               for a, w, wp in zip(self.alloc.ranks, self.withheld, self.weight_pages)]
+        need = [0] * T
+        pages = [pages_for(self._projected(seq), P) for seq in live]
+        if dst == "tp":
+            need = [sum(pages)] * T
+        elif dst == "cp":
+            for n in pages:
+                for r in range(T):
+                    need[r] += n // T + (1 if r < n % T else 0)
+        elif self.alloc.layout in ("dp", "dop"):
+            for seq, n in zip(live, pages):
+                need[seq.owner] += n
+        else:
+            for n in sorted(pages, reverse=True):
+                r = min(range(T), key=lambda r: (need[r], r))
+                need[r] += n
+        return all(n <= c for n, c in zip(need, cap))
+
     def _decide(self, plan: StepPlan, live: list[Any]) -> str | None:
+        """Evaluate the Policy on the live batch. Memory feasibility is the engine's own page accounting
+        (`fits`, exactly what the planner will check); the Policy prices each candidate (Eq 10) and
+        applies its margin and dwell."""
+        from splash.costmodel import step_cost
+        from splash.layouts import Layout
         from splash.policy import decide
 
         cur = self.alloc.layout
         if not live:
             return None
         batch = self._batch(plan, live)
-        d = decide(self.sizes, self.theta, batch, cur, self.steps_since_switch, self.policy_cfg)
+        ok = [lay for lay in LAYOUTS if lay == cur or self.fits(lay, live)]
+        cfg = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in ok))
+        d = decide(self.sizes, self.theta, batch, cur, self.steps_since_switch, cfg)
         chosen = d.layout.label.lower()
-        rec = LayoutDecision(plan.step, cur, chosen, d.switch, d.reason,
-                             {lay.label.lower(): t for lay, t in d.times.items()},
+        times = {lay.label.lower(): t for lay, t in d.times.items()}
+        for lay in LAYOUTS:  # price the layouts memory ruled out too, for the log
+            if lay not in times:
+                times[lay] = step_cost(Layout.parse(lay), self.sizes, batch, self.theta, cfg.page_size).total
+        reason = d.reason
+        if len(ok) < len(LAYOUTS):
+            reason += f" (memory rules out {','.join(lay for lay in LAYOUTS if lay not in ok)})"
+        rec = LayoutDecision(plan.step, cur, chosen, d.switch, reason, {lay: times[lay] for lay in LAYOUTS},
                              sorted(lay.label.lower() for lay in d.feasible), batch.size, batch.n_rows)
         self.decisions.append(rec)
         if log.isEnabledFor(logging.DEBUG) or d.switch:
-            times = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in rec.times_s.items())
+            msg = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in rec.times_s.items())
             (log.info if d.switch else log.debug)("step %d: layout %s -> %s (%s); predicted %s; B=%d rows=%d",
-                                                  plan.step, cur, chosen, d.reason, times, batch.size,
+                                                  plan.step, cur, chosen, reason, msg, batch.size,
                                                   batch.n_rows)
         return chosen if d.switch and chosen != cur else None
 
