@@ -98,7 +98,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         prefill_s = time.perf_counter() - t0
         sw = eng.switcher
         samples: dict[tuple[str, str], dict[str, list[float]]] = {
-            d: {"ready": [], "blocking": [], "overlapped": []} for d in DIRECTIONS}
+            d: {k: [] for k in ("ready", "blocking", "overlapped", "blocking_exposed", "overlapped_exposed",
+                                "plan")} for d in DIRECTIONS}
         moved: dict[tuple[str, str], float] = {}
 
         def timed() -> float:
@@ -130,10 +131,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 go(a)
                 timed()  # settle in a
                 got["blocking"].append(go(b, "blocking"))
-                moved[(a, b)] = sw.events[-1].bytes_per_layer * sw.events[-1].layers
+                ev = sw.events[-1]
+                moved[(a, b)] = ev.bytes_per_layer * ev.layers
+                got["blocking_exposed"].append(ev.exposed_s)
+                got["plan"].append(ev.plan_s)
                 go(a)
                 timed()
                 got["overlapped"].append(go(b, "overlapped"))
+                got["overlapped_exposed"].append(sw.events[-1].exposed_s)
+                got["plan"].append(sw.events[-1].plan_s)
                 got["ready"].append(timed())
                 got["ready"].append(timed())
                 if bar is not None:
@@ -169,7 +175,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                      "blocking_overhead_p50_ms": _pct(b_over, 50) * 1e3,
                      "overlapped_overhead_p50_ms": _pct(o_over, 50) * 1e3,
                      "overlapped_overhead_p95_ms": _pct(o_over, 95) * 1e3,
-                     "blocking_overhead_p95_ms": _pct(b_over, 95) * 1e3})
+                     "blocking_overhead_p95_ms": _pct(b_over, 95) * 1e3,
+                     # rank 0's own time inside the switch executor (transfers it waited on, installs) and
+                     # in the planner: the switch's cost without the step-to-step noise of a busy machine
+                     "blocking_exposed_p50_ms": _pct(s["blocking_exposed"], 50) * 1e3,
+                     "overlapped_exposed_p50_ms": _pct(s["overlapped_exposed"], 50) * 1e3,
+                     "plan_p50_ms": _pct(s["plan"], 50) * 1e3})
     return {"directions": rows, "drain_restart_ms": (drain_s + restart_s) * 1e3, "drain_ms": drain_s * 1e3,
             "restart_ms": restart_s * 1e3, "drain_from": src, "restart_into": dst,
             "config": {"tp": args.tp, "batch": args.batch, "context": args.context, "repeats": args.repeats,
@@ -201,9 +212,11 @@ def verdict(doc: dict[str, Any]) -> list[str]:
 def table(doc: dict[str, Any]) -> str:
     c = doc["config"]
     lines = [f"bench switch: T={c['tp']} B={c['batch']} context={c['context']} {c['dtype']}, {c['repeats']} "
-             f"repeats; times in ms, overhead = step - target-ready",
+             f"repeats; times in ms, overhead dT = step - target-ready; exp = rank 0's time inside the "
+             "switch executor; plan = rank 0's planning",
              f"{'direction':>10} {'MB moved':>9} {'ready':>8} {'blocking':>9} {'overlap':>8} "
-             f"{'dT block':>9} {'dT ovl p50 (p95)':>17} {'ovl/blk':>8}"]
+             f"{'dT block':>9} {'dT ovl p50 (p95)':>17} {'ovl/blk':>8} {'exp blk':>8} {'exp ovl':>8} "
+             f"{'plan':>6}"]
     for r in doc["directions"]:
         ratio = (r["overlapped_overhead_p50_ms"] / r["blocking_overhead_p50_ms"]
                  if r["bytes_moved"] > 0 and r["blocking_overhead_p50_ms"] > 0 else None)
@@ -212,7 +225,9 @@ def table(doc: dict[str, Any]) -> str:
                      f"{r['blocking_p50_ms']:9.1f} {r['overlapped_p50_ms']:8.1f} "
                      f"{r['blocking_overhead_p50_ms']:9.1f} {r['overlapped_overhead_p50_ms']:8.1f} "
                      f"({r['overlapped_overhead_p95_ms']:6.1f}) "
-                     + (f"{ratio:8.0%}" if ratio is not None else f"{'-':>8}"))
+                     + (f"{ratio:8.0%}" if ratio is not None else f"{'-':>8}")
+                     + f" {r.get('blocking_exposed_p50_ms', 0):8.1f}"
+                     f" {r.get('overlapped_exposed_p50_ms', 0):8.1f} {r.get('plan_p50_ms', 0):6.1f}")
     lines.append(f"drain-and-restart {doc['drain_from']}->{doc['restart_into']}: "
                  f"{doc['drain_restart_ms']:.0f} ms (drain {c['remaining']} tokens {doc['drain_ms']:.0f} ms "
                  f"+ restart ranks {doc['restart_ms']:.0f} ms)")
