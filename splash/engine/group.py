@@ -27,13 +27,28 @@ from typing import Any
 from splash.dist.groups import DEFAULT_TIMEOUT_S, init_distributed, pick_backend
 from splash.dist.launch import LaunchSpec, WorkerError, WorkerGroup, resolve_launch, start_workers
 from splash.engine.plan import StepPlan, control_plan
-from splash.engine.worker import WorkerState, load_reply, stats_reply, unload, worker_main
+from splash.engine.worker import (
+    WorkerState,
+    load_reply,
+    set_data_timeout,
+    stats_reply,
+    unload,
+    worker_main,
+)
 
 log = logging.getLogger("splash.engine")
 
 
+START_TIMEOUT_S = 300.0
+
+
 class GroupFailed(RuntimeError):
     """The rank group broke (a rank died, hung or raised); the engine cannot run any more steps."""
+
+
+def start_timeout(timeout_s: float) -> float:
+    """Timeout for forming the group: spawned ranks import torch first, which can take a while."""
+    return max(float(timeout_s), START_TIMEOUT_S)
 
 
 def default_threads(local_ranks: int) -> int:
@@ -82,19 +97,22 @@ class RankGroup:
 
             torch.set_num_threads(threads)
         workers = None
+        start = start_timeout(timeout_s)
         if local:
-            workers = start_workers(launch.world, worker_main, ranks=local, init_method=launch.init_method,
-                                    backend=backend, timeout_s=timeout_s, threads=threads)
+            workers = start_workers(launch.world, worker_main, (timeout_s,), ranks=local,
+                                    init_method=launch.init_method, backend=backend, timeout_s=start,
+                                    threads=threads)
         try:
-            # Rank 0's control group gets the data-plane timeout: a plan a hung rank never takes fails
-            # the send after `timeout_s`. Workers keep the long default: they may wait idle for days.
-            grid = init_distributed(0, launch.world, launch.init_method, backend=backend, timeout_s=timeout_s,
-                                    control_timeout_s=timeout_s)
+            grid = init_distributed(0, launch.world, launch.init_method, backend=backend, timeout_s=start,
+                                    control_timeout_s=start)
         except BaseException:
             if workers is not None:
                 _raise_worker_error(workers)
                 workers.terminate()
             raise
+        # Rank 0's control group gets the data-plane timeout too: a plan a hung rank never takes fails
+        # the send after `timeout_s`. Workers keep the long default: they may wait idle for days.
+        set_data_timeout(grid, timeout_s, control=True)
         return cls(grid, launch, workers, timeout_s)
 
     @property
@@ -272,14 +290,15 @@ def run_worker_node(launch: LaunchSpec, device: str | None = None, timeout_s: fl
         if threads and backend == "gloo":
             torch.set_num_threads(threads)
         grid = init_distributed(launch.ranks[0], launch.world, launch.init_method, backend=backend,
-                                timeout_s=timeout_s)
+                                timeout_s=start_timeout(timeout_s))
         try:
-            worker_main(grid)
+            worker_main(grid, timeout_s)
         finally:
             grid.destroy()
         return 0
-    workers = start_workers(launch.world, worker_main, ranks=launch.ranks, init_method=launch.init_method,
-                            backend=backend, timeout_s=timeout_s, threads=threads)
+    workers = start_workers(launch.world, worker_main, (timeout_s,), ranks=launch.ranks,
+                            init_method=launch.init_method, backend=backend,
+                            timeout_s=start_timeout(timeout_s), threads=threads)
     try:
         while not workers.finished:
             workers.poll()  # raises WorkerError for a rank that failed (e.g. rank 0 went away)

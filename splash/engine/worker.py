@@ -115,9 +115,35 @@ def _step_kinds() -> dict[str, str]:
     return STEP_KINDS
 
 
-def worker_main(grid: Any) -> int:
+def set_data_timeout(grid: Any, timeout_s: float | None, control: bool = False) -> None:
+    """Lower the data-plane groups' timeout after start-up (and the control group's, on rank 0).
+
+    Groups are formed with a generous start-up timeout - spawning T processes that each import torch
+    can take long on a busy machine - then steps get `timeout_s`, so a hung peer fails them quickly.
+    """
+    if timeout_s is None or grid.world == 1:
+        return
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    set_timeout = getattr(c10d, "_set_pg_timeout", None)
+    if set_timeout is None:  # older torch: keep the start-up timeout
+        log.warning("this torch cannot change a group's timeout; collectives keep the start-up timeout")
+        return
+    td = datetime.timedelta(seconds=float(timeout_s))
+    groups = [grid.group, getattr(getattr(grid, "switch", None), "group", None)]
+    if control:
+        groups.append(grid.control)
+    for g in dict.fromkeys(x for x in groups if x is not None):
+        set_timeout(td, g)
+
+
+def worker_main(grid: Any, timeout_s: float | None = None) -> int:
     """Entry point of a worker rank (the `target` of start_workers): follow plans until shutdown.
-    Returns the number of forward steps run."""
+    `timeout_s` bounds each data-plane collective once the group is formed. Returns the number of
+    forward steps run."""
+    set_data_timeout(grid, timeout_s)
     state = WorkerState(grid)
     while True:
         plan = grid.comm.broadcast_object(None, src=0)
