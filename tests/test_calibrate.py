@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from splash.calibration.fidelity import evaluate, format_table, summarize
+from splash.calibration.fidelity import evaluate, format_table, repeatability, summarize
 from splash.calibration.fit import Observation, fit_theta, nnls
 from splash.calibration.grid import GridPoint, default_grid, parse_points, quick_grid, split_holdout
 from splash.calibration.measure import Timing, pages_needed
@@ -186,6 +186,16 @@ def test_timing_statistics():
     assert d["B"] == 1 and d["median_s"] == t.median and d["times_s"] == t.times
 
 
+def test_repeatability_compares_the_two_halves_of_the_repetitions():
+    a, b = GridPoint(1, 8, 1), GridPoint(2, 8, 1)
+    tim = {("tp", a): Timing("tp", a, [1, 1, 1, 1]), ("dp", a): Timing("dp", a, [2, 2, 2, 2]),  # agree
+           ("tp", b): Timing("tp", b, [1, 1, 3, 3]), ("dp", b): Timing("dp", b, [2, 2, 2, 2])}  # flip
+    assert repeatability(tim, [a, b], ["tp", "dp"]) == 0.5
+    assert repeatability(tim, [a], ["tp", "dp"]) == 1.0
+    one = {k: Timing(v.layout, v.point, v.times[:1]) for k, v in tim.items()}
+    assert np.isnan(repeatability(one, [a, b], ["tp", "dp"]))
+
+
 def test_grid_parsing_and_holdout():
     assert parse_points("1:64:1, 8:512:32") == [GridPoint(1, 64, 1), GridPoint(8, 512, 32)]
     for bad in ("1:64", "a:b:c", "", "2:4:8"):
@@ -250,4 +260,4 @@ def test_cli_tiny_real_calibration_end_to_end(tmp_path):
     assert row["pred_best"] in ("tp", "dp") and row["regret"] >= 0
     assert len(obj["timings"]) == 6 and all(len(t["times_s"]) == 2 and t["median_s"] > 0
                                             for t in obj["timings"])
-    assert obj["summary"]["points"] == 1
+    assert obj["summary"]["points"] == 1 and 0 <= obj["repeatability"] <= 1

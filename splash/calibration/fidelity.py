@@ -130,3 +130,27 @@ def format_summary(s: Summary, label: str = "") -> str:
             f"(target >= 80%); chosen layout within 10% of the best in {s.within_10:.0%}; regret mean "
             f"{s.mean_regret:.1%}, max {s.max_regret:.1%}; step-time error (rel. RMSE) {s.rel_rmse:.1%}; "
             f"best two layouts within measurement noise at {s.tied:.0%} of the points")
+
+
+def repeatability(timings: Mapping[tuple[str, GridPoint], Timing], points: Sequence[GridPoint],
+                  layouts: Sequence[str]) -> float:
+    """Share of points where the first and second half of the repetitions (with 2 rounds: round 1
+    vs round 2) pick the same best layout - the ceiling any predictor's hit rate can reach against
+    measurements this noisy. NaN without at least two timings per (layout, point)."""
+    import statistics
+
+    agree, n = 0, 0
+    for p in points:
+        halves = []
+        for part in (0, 1):
+            med = {}
+            for lay in layouts:
+                t = timings[(lay, p)].times
+                h = len(t) // 2
+                if h == 0:
+                    return float("nan")
+                med[lay] = statistics.median(t[:h] if part == 0 else t[h:])
+            halves.append(min(med, key=med.__getitem__))
+        agree += halves[0] == halves[1]
+        n += 1
+    return agree / n if n else float("nan")

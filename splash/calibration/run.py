@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import platform
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from splash.calibration.fidelity import PointFidelity, Summary, evaluate, summarize
+from splash.calibration.fidelity import PointFidelity, Summary, evaluate, repeatability, summarize
 from splash.calibration.fit import FitResult, Observation, fit_theta
 from splash.calibration.grid import GridPoint, split_holdout
 from splash.calibration.measure import Timing, measure
@@ -33,6 +34,7 @@ class Calibration:
     summary: Summary
     prior_rows: list[PointFidelity]  # the same points under the uncalibrated prior, for comparison
     prior_summary: Summary
+    repeatability: float  # halves of the measurements agreeing on the best layout (all points)
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -42,6 +44,7 @@ class Calibration:
                 "layouts": self.layouts, "train": [p.to_dict() for p in self.train],
                 "heldout": [r.to_dict() for r in self.rows], "summary": self.summary.to_dict(),
                 "prior_summary": self.prior_summary.to_dict(),
+                "repeatability": None if math.isnan(self.repeatability) else self.repeatability,
                 "timings": [t.to_dict() for t in self.timings.values()], "seconds": self.seconds}
 
 
@@ -87,4 +90,5 @@ def calibrate(ranks: int, points: Sequence[GridPoint], *, layouts: Sequence[str]
     rows = evaluate(theta, sizes, timings, held, layouts, page_size)
     prior_rows = evaluate(prior, sizes, timings, held, layouts, page_size)
     return Calibration(theta, prior, fit, train, held, list(layouts), timings, rows, summarize(rows),
-                       prior_rows, summarize(prior_rows), time.perf_counter() - t_start)
+                       prior_rows, summarize(prior_rows), repeatability(timings, points, layouts),
+                       time.perf_counter() - t_start)

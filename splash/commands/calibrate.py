@@ -87,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(cal.rows, layouts))
         print(format_summary(cal.summary, "calibrated"))
         print(format_summary(cal.prior_summary, f"uncalibrated {cal.prior.source} prior, same points"))
+    if cal.repeatability == cal.repeatability:  # not NaN
+        print(f"repeatability: the two halves of the measurements pick the same best layout at "
+              f"{cal.repeatability:.0%} of all {len(points)} points (the ceiling for any predictor against "
+              f"measurements this noisy)")
     else:
         print("no held-out points (grid too small): fidelity not checked")
     print(f"theta saved to {args.out} (engines: --theta {args.out})")
