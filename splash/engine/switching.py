@@ -274,30 +274,48 @@ class SwitchController:
         reserved = [max(c, self._projected(seq)) for c, seq in zip(contexts, live)]
         return Batch.make(contexts, q, owners, ranks=self.world, reserved=reserved)
 
-    def fits(self, dst: str, live: list[Any]) -> bool:
-        """Whether `dst` holds the live batch grown to each request's limit (the planner's Eq 6, on the
-        real per-rank pools, with the replicas' pages withheld in DP/CP); owners as the planner picks."""
-        from splash.kv.allocator import pages_for
+    def capacity(self, dst: str) -> list[int]:
+        """KV pages each rank can give requests in `dst` (the replicas' pages withheld in DP/CP)."""
+        return [a.num_pages + len(w) - (wp if dst in REPLICATED else 0)
+                for a, w, wp in zip(self.alloc.ranks, self.withheld, self.weight_pages)]
 
-        T, P = self.world, self.alloc.page_size
-        cap = [a.num_pages + len(w) - (wp if dst in REPLICATED else 0)
-               for a, w, wp in zip(self.alloc.ranks, self.withheld, self.weight_pages)]
-        need = [0] * T
+    def distinct_tokens(self, dst: str) -> int:
+        """Distinct KV tokens the group holds in `dst` (TP replicates: one rank's share)."""
+        cap = self.capacity(dst)
+        return (min(cap) if dst == "tp" else sum(cap)) * self.alloc.page_size
+
+    def fits(self, dst: str, live: list[Any]) -> bool:
+        """Whether a switch to `dst` passes the planner's memory checks on the real per-rank pools:
+        Eq 6 (the live batch grown to each request's limit fits `dst`, replica pages withheld in
+        DP/CP) and Eq 5 (during the switch a rank holds its current pages, the new ones and, into
+        DP/CP, the replicas). Owners as the planner picks them (kept from DP/DOP, else longest first)."""
+        from splash.kv.allocator import page_ranks, pages_for
+
+        T, P, src = self.world, self.alloc.page_size, self.alloc.layout
+        cap = self.capacity(dst)
         pages = [pages_for(self._projected(seq), P) for seq in live]
-        if dst == "tp":
-            need = [sum(pages)] * T
-        elif dst == "cp":
-            for n in pages:
-                for r in range(T):
-                    need[r] += n // T + (1 if r < n % T else 0)
-        elif self.alloc.layout in ("dp", "dop"):
-            for seq, n in zip(live, pages):
-                need[seq.owner] += n
+        if dst in ("dp", "dop") and src in ("dp", "dop"):
+            owners = [seq.owner for seq in live]
+        elif dst in ("dp", "dop"):
+            owners, load = [0] * len(live), [0] * T
+            for i in sorted(range(len(live)), key=lambda i: -pages[i]):
+                r = min(range(T), key=lambda r: (load[r], r))
+                owners[i], load[r] = r, load[r] + pages[i]
         else:
-            for n in sorted(pages, reverse=True):
-                r = min(range(T), key=lambda r: (need[r], r))
-                need[r] += n
-        return all(n <= c for n, c in zip(need, cap))
+            owners = [0] * len(live)
+        need, new = [0] * T, [0] * T
+        for seq, n, own in zip(live, pages, owners):
+            have = len(seq.pages[0])
+            for j in range(n):
+                for r in page_ranks(dst, j, own, T):
+                    need[r] += 1
+                    if j < have and seq.pages[r][j] < 0:
+                        new[r] += 1
+        if any(n > c for n, c in zip(need, cap)):
+            return False
+        extra = [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
+        used, total = self.alloc.num_used, self.alloc.num_total
+        return all(u + n + e <= t for u, n, e, t in zip(used, new, extra, total))
 
     def _decide(self, plan: StepPlan, live: list[Any]) -> str | None:
         """Evaluate the Policy on the live batch. Memory feasibility is the engine's own page accounting
@@ -312,6 +330,9 @@ class SwitchController:
             return None
         batch = self._batch(plan, live)
         ok = [lay for lay in LAYOUTS if lay == cur or self.fits(lay, live)]
+        queued = bool(self.sched.waiting)
+        if queued:  # requests wait for KV: never trade admission capacity for a faster step
+            ok = [lay for lay in ok if lay == cur or self.distinct_tokens(lay) >= self.distinct_tokens(cur)]
         cfg = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in ok))
         d = decide(self.sizes, self.theta, batch, cur, self.steps_since_switch, cfg)
         chosen = d.layout.label.lower()
@@ -321,7 +342,8 @@ class SwitchController:
                 times[lay] = step_cost(Layout.parse(lay), self.sizes, batch, self.theta, cfg.page_size).total
         reason = d.reason
         if len(ok) < len(LAYOUTS):
-            reason += f" (memory rules out {','.join(lay for lay in LAYOUTS if lay not in ok)})"
+            why = "memory or the queue" if queued else "memory"
+            reason += f" ({why} rules out {','.join(lay for lay in LAYOUTS if lay not in ok)})"
         rec = LayoutDecision(plan.step, cur, chosen, d.switch, reason, {lay: times[lay] for lay in LAYOUTS},
                              sorted(lay.label.lower() for lay in d.feasible), batch.size, batch.n_rows)
         self.decisions.append(rec)
