@@ -110,10 +110,16 @@ def stage_sweep() -> None:
             "--plot", f"{OUT}/sweep_tiny_t2.png")
 
 
+def stage_rollout() -> None:
+    _banner("4. Live switching: an RL-rollout batch on 2 ranks, fixed layouts vs `auto`")
+    _splash("bench", "rollout", "--tp", "2", "--quick", "--plot", f"{OUT}/rollout_tiny_t2.png")
+
+
 STAGES: dict[str, Callable[[], None]] = {
     "plan": stage_plan,
     "serve": lambda: stage_serve(2, "dop"),  # rank 0 serves, rank 1 is a spawned worker
     "sweep": stage_sweep,
+    "rollout": stage_rollout,
 }
 
 
