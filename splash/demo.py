@@ -112,7 +112,7 @@ def stage_sweep() -> None:
 
 def stage_rollout() -> None:
     _banner("4. Live switching: an RL-rollout batch on 2 ranks, fixed layouts vs `auto`")
-    _splash("bench", "rollout", "--tp", "2", "--quick", "--plot", f"{OUT}/rollout_tiny_t2.png")
+    _splash("bench", "rollout", "--tp", "2", "--plot", f"{OUT}/rollout_tiny_t2.png")
 
 
 STAGES: dict[str, Callable[[], None]] = {
