@@ -15,13 +15,14 @@ and waiting requests, tokens/s).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from splash.bench.report import report
 
 RUNS = ("tp", "dp", "cp", "dop", "auto")
 
@@ -282,26 +283,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from splash.config import ConfigError
-    from splash.dist.launch import WorkerError
-
     if args.tp < 2:
         print("splash bench rollout: error: comparing layouts needs --tp 2 or more", file=sys.stderr)
         return 2
-    try:
-        doc = rollout(args)
-    except (ConfigError, ValueError) as e:
-        print(f"splash bench rollout: error: {e}", file=sys.stderr)
-        return 2
-    except (WorkerError, TimeoutError, RuntimeError) as e:
-        print(f"splash bench rollout: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
-    if args.plot:
-        plot(doc, args.plot)
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        print(table(doc))
-        if args.plot:
-            print(f"timeline: {args.plot}")
-    return 0
+    return report("rollout", args, rollout, table, plot)

@@ -12,12 +12,12 @@ queueing (and preemption) where a layout holds less KV.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from typing import Any
 
+from splash.bench.report import report
 from splash.engine.plan import LAYOUTS
 
 
@@ -212,23 +212,4 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from splash.dist.launch import WorkerError
-    from splash.engine.group import GroupFailed
-
-    try:
-        doc = sweep(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"splash bench sweep: error: {e}", file=sys.stderr)
-        return 2
-    except (WorkerError, GroupFailed, TimeoutError) as e:
-        print(f"splash bench sweep: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
-    if args.plot:
-        plot(doc, args.plot)
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        print(table(doc))
-        if args.plot:
-            print(f"plot written to {args.plot}")
-    return 0
+    return report("sweep", args, sweep, table, plot)

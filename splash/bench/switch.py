@@ -19,7 +19,6 @@ again and load the model in the new layout (measured).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from splash.bench.report import report
 from splash.engine.plan import LAYOUTS
 
 DIRECTIONS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
@@ -262,26 +262,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from splash.config import ConfigError
-    from splash.dist.launch import WorkerError
-
     if args.tp < 2:
         print("splash bench switch: error: switching needs --tp 2 or more", file=sys.stderr)
         return 2
-    try:
-        doc = measure(args)
-    except (ConfigError, ValueError) as e:
-        print(f"splash bench switch: error: {e}", file=sys.stderr)
-        return 2
-    except (WorkerError, TimeoutError, RuntimeError) as e:
-        print(f"splash bench switch: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
-    if args.plot:
-        plot(doc, args.plot)
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        print(table(doc))
-        if args.plot:
-            print(f"plot: {args.plot}")
-    return 0
+    return report("switch", args, measure, table, plot)
