@@ -17,17 +17,17 @@ from typing import Any
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import _positive, add_engine_args
+    from splash.commands.generate import add_engine_args, positive_int
 
     p = kinds.add_parser("offline", help="offline generation throughput (optionally vs transformers)",
                          description="Time LLM.generate on a fixed batch of random-token prompts.")
     add_engine_args(p)
-    p.add_argument("--batch", type=_positive, default=16, help="prompts in the batch")
-    p.add_argument("--input-len", type=_positive, default=128, help="prompt tokens each")
-    p.add_argument("--output-len", type=_positive, default=128, help="generated tokens each")
+    p.add_argument("--batch", type=positive_int, default=16, help="prompts in the batch")
+    p.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens each")
+    p.add_argument("--output-len", type=positive_int, default=128, help="generated tokens each")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--repeat", type=_positive, default=3,
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--repeat", type=positive_int, default=3,
                    help="timed runs per side; the fastest counts (default 3: robust to a busy machine)")
     p.add_argument("--compare-hf", action="store_true",
                    help="also time transformers' generate on the same checkpoint and batch")

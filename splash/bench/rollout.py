@@ -54,21 +54,22 @@ QUICK = Workload(requests=48, prompt_median=32, prompt_max=96, output_scale=2.0,
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import _positive
+    from splash.commands.generate import positive_int
 
     p = kinds.add_parser("rollout", help="RL-rollout workload: each fixed layout vs live switching (auto)",
                          description="Run one rollout batch under tp, dp, cp, dop and auto on the same "
                                      "ranks, requests and memory budget; compare makespan and throughput.")
-    p.add_argument("--tp", type=_positive, default=2, help="ranks T (default 2)")
-    p.add_argument("--requests", type=_positive, default=None, help="requests started together (default 128)")
+    p.add_argument("--tp", type=positive_int, default=2, help="ranks T (default 2)")
+    p.add_argument("--requests", type=positive_int, default=None,
+                   help="requests started together (default 128)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths")
     p.add_argument("--quick", action="store_true", help="a smaller workload (about a minute at T=2)")
-    p.add_argument("--output-max", type=_positive, default=None,
+    p.add_argument("--output-max", type=positive_int, default=None,
                    help="cap on generated tokens per request (the tail; default 320, quick 128)")
-    p.add_argument("--repeats", type=_positive, default=1,
+    p.add_argument("--repeats", type=positive_int, default=1,
                    help="runs per layout, interleaved in rotating order; the median run counts (default 1)")
     p.add_argument("--runs", default=",".join(RUNS), help="which of tp,dp,cp,dop,auto to run")
-    p.add_argument("--kv-tokens", type=_positive, default=None,
+    p.add_argument("--kv-tokens", type=positive_int, default=None,
                    help="KV tokens per rank under DP (sets the memory budget; default: the longest request "
                         "plus 25%%)")
     p.add_argument("--theta", default=None, metavar="FILE", help="calibrated theta for auto")
@@ -77,8 +78,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--switch-mode", default="overlapped", choices=("overlapped", "blocking"))
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--page-size", type=_positive, default=16)
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=256)
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=256)
     p.add_argument("--device", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE", help="write the timeline PNG")

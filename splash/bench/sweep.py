@@ -41,24 +41,25 @@ def _layouts(text: str) -> list[str]:
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import _positive
+    from splash.commands.generate import positive_int
 
     p = kinds.add_parser("sweep", help="throughput of each fixed layout over input lengths x batch sizes",
                          description="Figure 4 protocol: total throughput B*(L_in+L_out)/T_batch per layout.")
     p.add_argument("--model", default="tiny", help="checkpoint directory or 'tiny' (default)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float64 (default: per device)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
-    p.add_argument("--tp", "--ranks", dest="tp", type=_positive, default=2, help="ranks T (default 2)")
+    p.add_argument("--tp", "--ranks", dest="tp", type=positive_int, default=2, help="ranks T (default 2)")
     p.add_argument("--layouts", type=_layouts, default=list(LAYOUTS), help="default tp,dp,cp,dop")
     p.add_argument("--input-lens", type=_int_list, default=[128, 512], help="L_in values (default 128,512)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="B values (default 1,8,32)")
-    p.add_argument("--output-len", type=_positive, default=32, help="L_out (default 32)")
+    p.add_argument("--output-len", type=positive_int, default=32, help="L_out (default 32)")
     p.add_argument("--memory-per-rank", default=None, help="budget per rank for weights + KV, e.g. 2GiB")
-    p.add_argument("--page-size", type=_positive, default=16)
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="prefill chunk per step (default max(512, largest batch))")
-    p.add_argument("--repeat", type=_positive, default=1, help="timed runs per point; the fastest counts")
-    p.add_argument("--threads", type=_positive, default=None, help="CPU threads per rank (default: cores/T)")
+    p.add_argument("--repeat", type=positive_int, default=1, help="timed runs per point; the fastest counts")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads per rank (default: cores/T)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a PNG: throughput vs batch per L_in")

@@ -33,20 +33,21 @@ DIRECTIONS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import _positive
+    from splash.commands.generate import positive_int
 
     p = kinds.add_parser("switch", help="live switch cost per direction vs drain-and-restart (Table 1)",
                          description="Time target-ready, blocking and overlapped switching steps for all 12 "
                                      "directions, and the drain-and-restart baseline.")
-    p.add_argument("--tp", type=_positive, default=2, help="ranks T (default 2)")
-    p.add_argument("--batch", type=_positive, default=8, help="requests in the decoding batch B (default 8)")
-    p.add_argument("--context", type=_positive, default=2048, help="tokens of context per request S")
-    p.add_argument("--repeats", type=_positive, default=5, help="timed switches per direction and mode")
-    p.add_argument("--remaining", type=_positive, default=32,
+    p.add_argument("--tp", type=positive_int, default=2, help="ranks T (default 2)")
+    p.add_argument("--batch", type=positive_int, default=8,
+                   help="requests in the decoding batch B (default 8)")
+    p.add_argument("--context", type=positive_int, default=2048, help="tokens of context per request S")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed switches per direction and mode")
+    p.add_argument("--remaining", type=positive_int, default=32,
                    help="tokens each request still has to generate when drain-and-restart drains (32)")
     p.add_argument("--model", default="tiny", help="checkpoint directory or 'tiny'")
     p.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float64")
-    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -7,15 +7,7 @@ import json
 import sys
 from typing import Any
 
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+from splash.commands.generate import positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "requests, s context, q query rows), fit theta of Eq 10 by least squares on two thirds "
                     "of the points, and print how well it picks layouts on the held-out third. Engines "
                     "load the result with --theta FILE.")
-    p.add_argument("--tp", type=_positive, default=2, help="ranks T (default 2)")
+    p.add_argument("--tp", type=positive_int, default=2, help="ranks T (default 2)")
     p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (default)")
     p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
@@ -36,13 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--points", default=None, metavar="B:s:q,...",
                    help="custom grid instead of the built-in one, e.g. 1:64:1,32:512:1,1:1024:256")
     p.add_argument("--layouts", default="tp,dp,cp,dop", help="layouts to compare (default all four)")
-    p.add_argument("--reps", type=_positive, default=None,
+    p.add_argument("--reps", type=positive_int, default=None,
                    help="timed steps per layout, point and round; the layouts take turns step by step "
                         "(default 3)")
-    p.add_argument("--rounds", type=_positive, default=None, help="passes over the grid (default 2, quick 1)")
+    p.add_argument("--rounds", type=positive_int, default=None,
+                   help="passes over the grid (default 2, quick 1)")
     p.add_argument("--holdout-every", type=int, default=3, metavar="K",
                    help="hold out every K-th grid point for the fidelity check (default 3)")
-    p.add_argument("--page-size", type=_positive, default=16, help="KV page size (default 16)")
+    p.add_argument("--page-size", type=positive_int, default=16, help="KV page size (default 16)")
     p.add_argument("--profile", default=None, help="hardware profile of the prior (default: cpu, or h200 on "
                                                    "CUDA)")
     p.add_argument("--seed", type=int, default=0)

@@ -21,7 +21,8 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type for counts and sizes: a clear message instead of a traceback."""
     try:
         v = int(text)
     except ValueError:
@@ -36,14 +37,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="Hugging Face checkpoint directory, or 'tiny' (default)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float64 (default: per device)")
     p.add_argument("--device", default=None, help="cpu | cuda[:i] (default: cuda if present)")
-    p.add_argument("--max-num-seqs", type=_positive, default=64, help="bound on the running batch")
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="bound on the running batch")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="token budget per step (prefill chunk size); default max(512, max-num-seqs)")
-    p.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: model's)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context length (default: model's)")
     p.add_argument("--memory-per-rank", default=None,
                    help="memory budget per rank for weights + KV cache, e.g. 2GiB "
                         "(default: from the machine)")
-    p.add_argument("--page-size", type=_positive, default=16, help="tokens per KV page")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     add_launch_args(p)
     from splash.commands.switching import add_switch_args
 
@@ -80,12 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", type=_ids, default=[], metavar="1,2,3",
                    help="a prompt as token ids (repeatable)")
-    p.add_argument("--max-tokens", type=_positive, default=32, help="tokens to generate per prompt")
+    p.add_argument("--max-tokens", type=positive_int, default=32, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--n", type=_positive, default=1, help="completions per prompt")
+    p.add_argument("--n", type=positive_int, default=1, help="completions per prompt")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--json", action="store_true", help="print one JSON object")
