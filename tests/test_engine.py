@@ -14,12 +14,7 @@ NEW = 32
 PROMPTS = [[5, 6, 7], list(range(10, 31)), list(range(3, 12)), list(range(40, 77)), [90, 1, 33, 4, 8, 61]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from splash.engine.runner import build_engine
 from splash.engine.sampling import SamplingParams
 from splash.sizes import AttentionSizes
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
 LAYOUTS = ("tp", "dp", "cp", "dop")
 NEW = 6
@@ -42,14 +42,6 @@ PROMPTS = [[5, 6, 7], list(range(10, 31)), list(range(3, 12)), [90, 1, 33, 4, 8,
            [17, 18, 2, 44, 71, 9, 9, 13, 60, 12, 50]]
 ENGINE = dict(dtype="float64", page_size=P, max_num_seqs=8, max_num_batched_tokens=16, device="cpu")
 TIMEOUT_S = 12.0  # collective timeout of the groups: bounds every step, and the hang test
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from splash.engine.sampling import SamplingParams
 from splash.engine.switching import parse_schedule
 from splash.kv.allocator import page_ranks
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
 NEW = 6
 P = 4
@@ -35,14 +35,6 @@ ENGINE = dict(dtype="float64", page_size=P, max_num_seqs=8, max_num_batched_toke
 # An Eulerian circuit of the complete digraph on the four layouts: all 12 directions, once each.
 CIRCUIT = ["tp", "dp", "cp", "dop", "tp", "cp", "dp", "dop", "cp", "tp", "dop", "dp", "tp"]
 ALL12 = "".join(f"{i + 1}:{lay}," for i, lay in enumerate(CIRCUIT[1:])).rstrip(",")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
