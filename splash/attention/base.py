@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from splash.attention.kernel import attend
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.mla import MLA
 
@@ -39,3 +40,16 @@ class Layout(ABC):
         """(keys [m, D], positions [m]) of slice `s` that this rank holds, new rows included."""
         slots, pos = s.key_slots()
         return ctx.kv.flat_layer(layer_idx)[slots], pos
+
+    def attend_held(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
+                    ctx: ForwardContext) -> torch.Tensor:
+        """Store the step's latent, then attend every slice over the pages this rank holds, for the heads
+        it holds -> [N, h, d_c]. TP and the one-rank layout are exactly this plus their output step."""
+        self.write_kv(layer_idx, latent_new, ctx)
+        q_lat, q_pe = mla.q_heads(q_in, ctx.positions)
+        out = torch.empty_like(q_lat)
+        for s in ctx.seqs:
+            keys, pos = self.keys(layer_idx, s, ctx)
+            r = s.rows
+            out[r] = attend(q_lat[r], q_pe[r], keys, pos, ctx.positions[r], mla.softmax_scale, lse=False)[0]
+        return out

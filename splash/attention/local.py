@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from splash.attention.base import Layout
-from splash.attention.kernel import attend
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 
@@ -28,11 +27,4 @@ class LocalLayout(Layout):
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
-        self.write_kv(layer_idx, latent_new, ctx)
-        q_lat, q_pe = mla.q_heads(q_in, ctx.positions)
-        out = torch.empty_like(q_lat)
-        for s in ctx.seqs:
-            keys, pos = self.keys(layer_idx, s, ctx)
-            r = s.rows
-            out[r] = attend(q_lat[r], q_pe[r], keys, pos, ctx.positions[r], mla.softmax_scale, lse=False)[0]
-        return mla.out_heads(out)
+        return mla.out_heads(self.attend_held(layer_idx, mla, q_in, latent_new, ctx))
