@@ -53,7 +53,11 @@ class Theta:
     t_seq: float = 0.0  # seconds per request a rank attends, per layer (per-slice launch/gather cost;
     #                     0 in the paper's profiles, measured by `splash calibrate` on this runtime)
     collectives: dict[str, float] | None = None  # collectives per attention layer, per layout
-    #                     (None: COLLECTIVES; calibration counts the runtime's own, e.g. CP's 3)
+    #                     (None: COLLECTIVES; calibration fits them as effective counts in `latency` units,
+    #                     since an all-to-all and an all-reduce do not cost one latency alike)
+    link_bw_by_layout: dict[str, float] | None = None  # bytes/s of each layout's collectives (None:
+    #                     link_bw for all; calibration fits one per layout: all-reduce, all-gather and
+    #                     all-to-all move their bytes at different rates)
 
     def __post_init__(self) -> None:
         if int(self.ranks) < 1:
@@ -79,6 +83,11 @@ class Theta:
             if any(v < 0 for v in coll.values()):
                 raise ConfigError(f"theta: collectives must be >= 0, got {coll}")
             self.collectives = {lay.label: coll.get(lay.label, float(COLLECTIVES[lay])) for lay in LAYOUTS}
+        if self.link_bw_by_layout is not None:
+            bw = {Layout.parse(k).label: float(v) for k, v in dict(self.link_bw_by_layout).items()}
+            if not all(v > 0 for v in bw.values()):
+                raise ConfigError(f"theta: link_bw_by_layout must be > 0, got {bw}")
+            self.link_bw_by_layout = {lay.label: bw.get(lay.label, float(self.link_bw)) for lay in LAYOUTS}
 
     def eta_of(self, layout: Layout) -> float:
         return self.eta[layout.label]
@@ -86,6 +95,10 @@ class Theta:
     def collectives_of(self, layout: Layout) -> float:
         """Collectives one attention layer of `layout` issues (each pays the latency delta once)."""
         return COLLECTIVES[layout] if self.collectives is None else self.collectives[layout.label]
+
+    def link_bw_of(self, layout: Layout) -> float:
+        """Bytes/s the collectives of `layout` move (link_bw unless calibrated per layout)."""
+        return self.link_bw if self.link_bw_by_layout is None else self.link_bw_by_layout[layout.label]
 
     # -- JSON --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -267,7 +280,7 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
     t_att_r = np.maximum(ld.f_att / theta.flops_att, ld.kv_read / theta.bw_kv) + theta.t_seq * ld.slices
     busiest = int(np.argmax(t_proj_r + t_att_r)) if T else 0
     t_proj, t_att = float(t_proj_r[busiest]), float(t_att_r[busiest])
-    comm = ld.comm_bytes / theta.link_bw
+    comm = ld.comm_bytes / theta.link_bw_of(layout)
     delta = theta.latency * ld.collectives
     exposed = max(0.0, comm - theta.eta_of(layout) * t_att)
     total = outside_attention(theta, batch.n_rows) + L * (t_proj + t_att + delta + exposed)
@@ -330,8 +343,8 @@ def step_features(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Th
     x[8] += L * ld.collectives
     eta = theta.eta_of(layout)
     t_att = float(t_att_r[b])
-    if ld.comm_bytes / theta.link_bw - eta * t_att > 0:
-        x[7] += L * ld.comm_bytes
+    if ld.comm_bytes / theta.link_bw_of(layout) - eta * t_att > 0:
+        x[7] += L * ld.comm_bytes * theta.link_bw / theta.link_bw_of(layout)  # in units of 1 / link_bw
         x -= L * eta * att
     return x
 

@@ -64,10 +64,20 @@ def test_theta_new_fields_round_trip(tmp_path):
     th.save(tmp_path / "t.json")
     assert Theta.load(tmp_path / "t.json") == th
     d = th.to_dict()
-    for k in ("t_seq", "collectives"):  # files written before these fields existed still load
+    for k in ("t_seq", "collectives", "link_bw_by_layout"):  # files written before these fields load
         d.pop(k)
     old = Theta.from_dict(d)
     assert old.t_seq == 0 and old.collectives is None and old.collectives_of(Layout.CP) == 1
+    assert old.link_bw_by_layout is None and old.link_bw_of(Layout.DOP) == old.link_bw
+    per = Theta.from_dict({**d, "link_bw_by_layout": {"dop": 1e6}})  # unnamed layouts: link_bw
+    assert per.link_bw_of(Layout.DOP) == 1e6 and per.link_bw_of(Layout.TP) == old.link_bw
+    per.save(tmp_path / "p.json")
+    assert Theta.load(tmp_path / "p.json") == per
+    b = Batch.balanced(8, 64, 1, 2)
+    assert step_cost(Layout.DOP, SIZES, b, per, PAGE).comm == pytest.approx(
+        step_cost(Layout.DOP, SIZES, b, old, PAGE).comm * old.link_bw / 1e6)
+    with pytest.raises(ConfigError, match="link_bw_by_layout"):
+        Theta.from_dict({**d, "link_bw_by_layout": {"tp": 0}})
     with pytest.raises(ConfigError, match="t_seq"):
         Theta.from_dict({**d, "t_seq": -1})
     with pytest.raises(ConfigError, match="collectives"):
@@ -102,35 +112,66 @@ def test_nnls_meets_kkt_conditions():
     assert nnls(A, A @ x_true) == pytest.approx(x_true, abs=1e-9)
 
 
-def test_fit_recovers_known_theta_from_noisy_synthetic_timings():
-    """Timings made by Eq 10 itself (+3% noise): the fit recovers the parameters that matter and picks
-    the true best layout on held-out points."""
-    true = _true_theta()
-    rng = np.random.default_rng(7)
-    train, held = split_holdout(default_grid())
+def _synthetic(true, points, rng, noise=0.03):
+    return [Observation(lay, p.batch(2), step_cost(lay, SIZES, p.batch(2), true, PAGE).total
+                        * (1 + noise * rng.standard_normal())) for p in points for lay in LAYOUTS]
 
-    def obs(points):
-        return [Observation(lay, p.batch(2), step_cost(lay, SIZES, p.batch(2), true, PAGE).total
-                            * (1 + 0.03 * rng.standard_normal())) for p in points for lay in LAYOUTS]
 
-    fit = fit_theta(obs(train), SIZES, runtime_prior(2, SIZES), PAGE)
-    assert fit.rel_rmse < 0.05
-    got, want = theta_params(fit.theta), theta_params(true)
-    for name in ("t0", "latency", "t_seq", "inv_flops_att", "inv_flops_proj"):
-        i = FIT_PARAMS.index(name)
-        assert got[i] == pytest.approx(want[i], rel=0.25), name
+def _check_picks(fit_theta_, true, held, min_hits=0.8):
+    """Predicted step times within 8% of the truth; misses only between near-equal layouts (the truth's
+    best leads by < 5%); at least `min_hits` of the points hit."""
     hits = 0
     for p in held:
         b = p.batch(2)
         t_true = {lay: step_cost(lay, SIZES, b, true, PAGE).total for lay in LAYOUTS}
-        t_fit = {lay: step_cost(lay, SIZES, b, fit.theta, PAGE).total for lay in LAYOUTS}
+        t_fit = {lay: step_cost(lay, SIZES, b, fit_theta_, PAGE).total for lay in LAYOUTS}
         for lay in LAYOUTS:
             assert t_fit[lay] == pytest.approx(t_true[lay], rel=0.08)
         best = min(t_true, key=t_true.get)
         pick = min(t_fit, key=t_fit.get)
         hits += pick == best
         assert t_true[pick] / t_true[best] - 1 < 0.05  # a miss only between near-equal layouts
-    assert hits >= 0.8 * len(held)
+        if sorted(t_true.values())[1] / t_true[best] - 1 > 0.05:
+            assert pick == best, p
+    assert hits >= min_hits * len(held)
+
+
+def test_fit_recovers_known_theta_from_noisy_synthetic_timings():
+    """Timings made by Eq 10 itself (+3% noise): the one-latency fit recovers the parameters that
+    matter and picks the true best layout on held-out points."""
+    true = _true_theta()
+    rng = np.random.default_rng(7)
+    train, held = split_holdout(default_grid())
+    fit = fit_theta(_synthetic(true, train, rng), SIZES, runtime_prior(2, SIZES), PAGE, per_layout_comm=False)
+    assert fit.rel_rmse < 0.05
+    got, want = theta_params(fit.theta), theta_params(true)
+    for name in ("t0", "latency", "t_seq", "inv_flops_att", "inv_flops_proj"):
+        i = FIT_PARAMS.index(name)
+        assert got[i] == pytest.approx(want[i], rel=0.25), name
+    _check_picks(fit.theta, true, held)
+
+
+def test_per_layout_comm_fit_prices_each_layouts_collectives():
+    """A deployment whose all-to-alls cost more per call and per byte than its all-reduce (as gloo's
+    do): the per-layout fit reproduces it; one shared latency and link rate cannot. (Per layout, t0
+    and the latencies are only identified together, so the check is on step times and picks.)"""
+    d = _true_theta().to_dict()
+    d.update(collectives={"TP": 1.0, "DP": 0.2, "CP": 8.0, "DOP": 12.0},
+             link_bw_by_layout={"TP": 1e9, "DP": 5e7, "CP": 4e8, "DOP": 2e7})
+    true = Theta.from_dict(d)
+    rng = np.random.default_rng(3)
+    train, held = split_holdout(default_grid())
+    obs = _synthetic(true, train, rng, noise=0.02)
+    fit = fit_theta(obs, SIZES, runtime_prior(2, SIZES), PAGE)
+    shared = fit_theta(obs, SIZES, runtime_prior(2, SIZES), PAGE, per_layout_comm=False)
+    assert fit.rel_rmse < 0.03 and shared.rel_rmse > 1.5 * fit.rel_rmse, (fit.rel_rmse, shared.rel_rmse)
+    _check_picks(fit.theta, true, held, min_hits=0.7)  # this truth has more near-ties
+    th = fit.theta
+    assert th.link_bw_by_layout is not None and set(th.collectives) == {"TP", "DP", "CP", "DOP"}
+    for lay in LAYOUTS:  # features @ params still equal Eq 10 with per-layout rates
+        b = Batch.balanced(8, 512, 1, 2)
+        assert step_features(lay, SIZES, b, th, PAGE) @ theta_params(th) == pytest.approx(
+            step_cost(lay, SIZES, b, th, PAGE).total, rel=1e-9)
 
 
 def test_fit_rejects_bad_input():

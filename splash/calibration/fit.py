@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from splash.costmodel import FIT_PARAMS, Batch, Theta, step_cost, step_features, theta_params, with_params
-from splash.layouts import Layout
+from splash.layouts import LAYOUTS, Layout
 from splash.sizes import AttentionSizes
 
 
@@ -86,20 +86,89 @@ def _branch_key(theta: Theta, sizes: AttentionSizes, obs: Sequence[Observation],
     return (X != 0).tobytes()
 
 
+PER_LAYOUT = ("latency", "inv_link_bw")  # communication terms fitted once per layout
+
+
+def column_names(per_layout: bool) -> list[str]:
+    """The fit's unknowns: FIT_PARAMS, with latency and 1/link_bw split by layout when `per_layout`."""
+    if not per_layout:
+        return list(FIT_PARAMS)
+    base = [n for n in FIT_PARAMS if n not in PER_LAYOUT]
+    return base + [f"{n}[{lay.label}]" for n in PER_LAYOUT for lay in LAYOUTS]
+
+
+def design_row(o: Observation, sizes: AttentionSizes, theta: Theta, page_size: int | None,
+               per_layout: bool) -> np.ndarray:
+    """Eq 10's linear form for one observation (branches fixed by `theta`), in `column_names` order.
+
+    Per layout: the latency column is L (one per attention layer, times the layout's effective count
+    folded into the parameter) and the link column is L * R bytes when communication is exposed."""
+    x = step_features(o.layout, sizes, o.batch, theta, page_size)
+    if not per_layout:
+        return x
+    keep = [i for i, n in enumerate(FIT_PARAMS) if n not in PER_LAYOUT]
+    split = np.zeros(2 * len(LAYOUTS))
+    j = LAYOUTS.index(o.layout)
+    coll = theta.collectives_of(o.layout)
+    layers = sizes.layers if theta.ranks > 1 else 0
+    split[j] = x[FIT_PARAMS.index("latency")] / coll if coll > 0 else layers
+    split[len(LAYOUTS) + j] = x[FIT_PARAMS.index("inv_link_bw")] * theta.link_bw_of(o.layout) / theta.link_bw
+    return np.concatenate([x[keep], split])
+
+
+def column_values(theta: Theta, per_layout: bool) -> np.ndarray:
+    """theta in `column_names` order (per layout: latency x effective collectives, 1 / link rate)."""
+    p = theta_params(theta)
+    if not per_layout:
+        return p
+    keep = [i for i, n in enumerate(FIT_PARAMS) if n not in PER_LAYOUT]
+    lat = [theta.latency * theta.collectives_of(lay) for lay in LAYOUTS]
+    inv = [1 / theta.link_bw_of(lay) for lay in LAYOUTS]
+    return np.concatenate([p[keep], lat, inv])
+
+
+def from_columns(theta: Theta, v: np.ndarray, per_layout: bool, counts: dict[str, float],
+                 max_rate: float = 1e30) -> Theta:
+    """A theta carrying column values `v`. Per layout, `latency` becomes the median seconds per
+    collective (each layout's fitted delta / the collectives the runtime issues, `counts`), and
+    `collectives` the effective counts in that unit; `link_bw` the median of the per-layout rates
+    (what a switch's bulk transfers are priced at)."""
+    if not per_layout:
+        return with_params(theta, v)
+    nb = len(FIT_PARAMS) - len(PER_LAYOUT)
+    base, lat, inv = v[:nb], np.maximum(v[nb:nb + len(LAYOUTS)], 0), np.maximum(v[nb + len(LAYOUTS):], 0)
+    per_coll = [lat[i] / counts[lay.label] for i, lay in enumerate(LAYOUTS)
+                if lat[i] > 0 and counts[lay.label] > 0]
+    latency = float(np.median(per_coll)) if per_coll else 0.0
+    coll = ({lay.label: float(lat[i] / latency) for i, lay in enumerate(LAYOUTS)} if latency > 0
+            else dict(counts))
+    rates = [min(max_rate, 1 / x) if x > 0 else max_rate for x in inv]
+    finite = [r for r in rates if r < max_rate]
+    link = float(np.median(finite)) if finite else max_rate
+    p = np.zeros(len(FIT_PARAMS))
+    p[[i for i, n in enumerate(FIT_PARAMS) if n not in PER_LAYOUT]] = base
+    p[FIT_PARAMS.index("latency")] = latency
+    p[FIT_PARAMS.index("inv_link_bw")] = 1 / link
+    d = with_params(theta, p).to_dict()
+    d.update(collectives=coll, link_bw_by_layout={lay.label: float(r) for lay, r in zip(LAYOUTS, rates)})
+    return Theta.from_dict(d)
+
+
 def _refit(theta: Theta, sizes: AttentionSizes, obs: Sequence[Observation], page_size: int | None,
-           fixed: Sequence[str]) -> Theta:
+           fixed: Sequence[str], per_layout: bool, counts: dict[str, float]) -> Theta:
     """One linear solve with the branches `theta` selects; parameters without data keep their value."""
-    X = np.array([step_features(o.layout, sizes, o.batch, theta, page_size) for o in obs])
+    X = np.array([design_row(o, sizes, theta, page_size, per_layout) for o in obs])
     y = np.array([o.seconds for o in obs])
     A = X / y[:, None]
-    p0 = theta_params(theta)
-    free = np.array([name not in fixed for name in FIT_PARAMS]) & (np.abs(A).max(axis=0) > 0)
+    p0 = column_values(theta, per_layout)
+    names = column_names(per_layout)
+    free = np.array([n.split("[")[0] not in fixed for n in names]) & (np.abs(A).max(axis=0) > 0)
     rhs = np.ones(len(y)) - A[:, ~free] @ p0[~free]  # fixed / unseen parameters stay as they are
     scale = np.linalg.norm(A[:, free], axis=0)
     p = p0.copy()
     if free.any():
         p[free] = nnls(A[:, free] / scale, rhs) / scale
-    return with_params(theta, p)
+    return from_columns(theta, p, per_layout, counts)
 
 
 def starts(prior: Theta) -> list[tuple[str, Theta]]:
@@ -111,13 +180,17 @@ def starts(prior: Theta) -> list[tuple[str, Theta]]:
 
 
 def fit_theta(obs: Sequence[Observation], sizes: AttentionSizes, prior: Theta, page_size: int | None = None,
-              iterations: int = 30, fixed: Sequence[str] = ()) -> FitResult:
-    """Least-squares theta for `obs` (relative error), alternating branch assignment and NNLS."""
+              iterations: int = 30, fixed: Sequence[str] = (), per_layout_comm: bool = True) -> FitResult:
+    """Least-squares theta for `obs` (relative error), alternating branch assignment and NNLS.
+
+    `per_layout_comm`: latency and link rate per layout (each layout issues different collectives);
+    the prior's `collectives` are taken as the counts the runtime issues."""
     if not obs:
         raise ValueError("no observations to fit")
     unknown = set(fixed) - set(FIT_PARAMS)
     if unknown:
         raise ValueError(f"unknown parameter(s) {sorted(unknown)}; choose from {FIT_PARAMS}")
+    counts = {lay.label: float(prior.collectives_of(lay)) for lay in LAYOUTS}
     best: FitResult | None = None
     history = []
     for name, theta in starts(prior):
@@ -128,7 +201,7 @@ def fit_theta(obs: Sequence[Observation], sizes: AttentionSizes, prior: Theta, p
             if key in seen:
                 break  # the branches repeat: converged (or cycling between equal-error fits)
             seen.add(key)
-            nxt = _refit(cur, sizes, obs, page_size, fixed)
+            nxt = _refit(cur, sizes, obs, page_size, fixed, per_layout_comm, counts)
             err = rel_rmse(nxt, sizes, obs, page_size)
             if err <= cur_err or its == 1:
                 cur, cur_err = nxt, err
