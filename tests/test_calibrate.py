@@ -206,6 +206,7 @@ def test_fidelity_hits_regret_and_table():
     assert s.within_10 == (0.5 if r1.regret > 0.1 else 1.0)
     assert rows[0].noise == 0 and not rows[0].tied  # identical repetitions: no noise
     assert s.tied == 0 and json.loads(json.dumps(s.to_dict()))["tied"] == 0
+    assert s.hit_rate_decisive == s.hit_rate  # no ties: the decisive points are all points
     text = format_table(rows, ["tp", "dp", "cp", "dop"])
     assert "miss" in text and "B=" not in text and text.count("\n") == 4
 
@@ -223,8 +224,28 @@ def test_timing_statistics():
     assert t.median == pytest.approx(0.0115)
     q1, q3 = np.percentile(t.times, [25, 75])
     assert t.spread == pytest.approx((q3 - q1) / 0.0115)
+    assert t.se == pytest.approx(1.2533 * t.spread / 1.349 / 2)  # sigma from the IQR, over sqrt(n)
     d = t.to_dict()
-    assert d["B"] == 1 and d["median_s"] == t.median and d["times_s"] == t.times
+    assert d["B"] == 1 and d["median_s"] == t.median and d["times_s"] == t.times and d["se"] == t.se
+
+
+def test_points_within_two_standard_errors_are_tied_but_still_count():
+    """A 3% lead measured with 10% standard errors is a tie; the headline hit rate still counts it."""
+    th = _true_theta()
+    p = GridPoint(64, 512, 1)
+    pred = {lay.label.lower(): step_cost(lay, SIZES, p.batch(2), th, PAGE).total for lay in LAYOUTS}
+    best = min(pred, key=pred.get)
+    other = sorted(pred, key=pred.get)[1]
+    noisy = [0.8, 0.9, 1.0, 1.1, 1.2] * 2  # IQR / median 0.2 over 10 steps
+    tim = {(lay, p): Timing(lay, p, [t * v for v in noisy]) for lay, t in pred.items()}
+    tim[(other, p)] = Timing(other, p, [pred[best] * 0.97 * v for v in noisy])  # measured 3% faster
+    (row,) = evaluate(th, SIZES, tim, [p], list(pred), PAGE)
+    assert not row.hit and row.meas_best == other and row.tied
+    assert row.noise == pytest.approx(2 ** 0.5 * tim[(best, p)].se)
+    s = summarize([row])
+    assert s.hit_rate == 0 and s.tied == 1 and np.isnan(s.hit_rate_decisive)
+    assert json.loads(json.dumps(s.to_dict()))["hit_rate_decisive"] is None
+    assert "tie" in format_table([row], list(pred))
 
 
 def test_repeatability_compares_the_two_halves_of_the_repetitions():

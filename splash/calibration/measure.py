@@ -12,9 +12,11 @@ real text would.
 
 Noise control (the machine may be shared): the layouts take turns *step by step* - one timed step of
 each layout, in an order that rotates every repetition - so a burst of load from another process
-lands on all layouts alike instead of on whichever was being measured. One untimed warm-up step per
-layout and point comes first; `rounds` passes repeat the grid. The statistic is the median over all
-timings of a (layout, point); the interquartile spread is kept as its noise.
+lands on all layouts alike instead of on whichever was being measured. Untimed warm-up steps per
+layout and point come first; `rounds` passes repeat the grid. The statistic is the median over all
+timings of a (layout, point): one step of a 2-rank CPU engine varies by 15-40% (interquartile range /
+median) on a shared VM, mostly in the wake-ups of its gloo collectives, so the estimate needs many
+steps; its standard error (`Timing.se`) says how decisive a comparison between layouts is.
 """
 
 from __future__ import annotations
@@ -51,9 +53,17 @@ class Timing:
         q1, q3 = np.percentile(self.times, [25, 75])
         return float((q3 - q1) / self.median) if self.median > 0 else 0.0
 
+    @property
+    def se(self) -> float:
+        """Relative standard error of the median (normal approximation: 1.2533 sigma / sqrt(n), sigma
+        from the interquartile range): how far the median itself may be off, unlike `spread`, which is
+        the noise of one step."""
+        n = len(self.times)
+        return 1.2533 * self.spread / 1.349 / n ** 0.5 if n > 1 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout, **self.point.to_dict(), "median_s": self.median,
-                "spread": self.spread, "times_s": list(self.times)}
+                "spread": self.spread, "se": self.se, "times_s": list(self.times)}
 
 
 def pages_needed(points: Sequence[GridPoint], page_size: int, layout: str = "tp", ranks: int = 1) -> int:
@@ -174,7 +184,7 @@ def _driver_main(conn: Any, layout: str, ranks: int, engine_kw: dict[str, Any], 
 
 
 def measure(points: Sequence[GridPoint], layouts: Sequence[str], ranks: int, *, model: str = "tiny",
-            dtype: str = "float32", page_size: int = 16, reps: int = 5, warmup: int = 1, rounds: int = 1,
+            dtype: str = "float32", page_size: int = 16, reps: int = 8, warmup: int = 2, rounds: int = 2,
             device: str | None = None, seed: int = 0, progress: bool = True,
             timeout_s: float = 600.0) -> dict[tuple[str, GridPoint], Timing]:
     """Timings of one forward step per (layout, point) on `ranks` ranks (see the module docstring)."""
