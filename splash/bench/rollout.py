@@ -29,12 +29,12 @@ RUNS = ("tp", "dp", "cp", "dop", "auto")
 
 @dataclass(frozen=True)
 class Workload:
-    requests: int = 128
+    requests: int = 160
     prompt_median: int = 48
     prompt_max: int = 192
     output_scale: float = 3.0  # Pareto x_m: most outputs are short
     output_alpha: float = 1.0  # tail index: heavy
-    output_max: int = 320
+    output_max: int = 192
     seed: int = 0
 
     def sample(self, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -108,6 +108,12 @@ def budget_bytes(group: Any, args: argparse.Namespace, kv_tokens: int) -> int:
     return int(max(st["weight_bytes_per_rank"]) + st["kv_reserve_bytes"] + pages * per_page + per_page // 2)
 
 
+def distinct_held(st: dict[str, Any]) -> int:
+    """Distinct KV tokens the live requests hold now (TP replicates every page on every rank)."""
+    used = st["kv_pages_used_per_rank"]
+    return (max(used) if st["layout"] == "tp" else sum(used)) * st["page_size"]
+
+
 def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prompts: list[list[int]],
             outs: list[int], bar: Any = None) -> dict[str, Any]:
     from splash.engine.runner import build_engine
@@ -133,7 +139,8 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
             now = time.perf_counter() - t0
             timeline.append({"t": now, "layout": st["layout"], "from": layout_before,
                              "running": st["num_running"], "waiting": st["num_waiting"],
-                             "tokens": st["generation_tokens_total"] - gen0})
+                             "tokens": st["generation_tokens_total"] - gen0,
+                             "kv_tokens": distinct_held(st)})
             gen0 = st["generation_tokens_total"]
             if bar is not None:
                 bar.set_postfix_str(f"{layout}: {len(prompts) - st['num_requests']}/{len(prompts)} done, "
@@ -142,7 +149,7 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
         makespan = time.perf_counter() - t0
         st = eng.stats()
         events = [e.to_dict() for e in eng.switcher.events] if eng.switcher is not None else []
-        decisions = len(eng.switcher.decisions) if eng.switcher is not None else 0
+        decisions = list(eng.switcher.decisions) if eng.switcher is not None else []
     finally:
         eng.shutdown()
     gen = st["generation_tokens_total"]
@@ -154,8 +161,25 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
             "kv_pool_tokens_per_rank": st0["kv_pool_tokens_per_rank"],
             "kv_distinct_tokens": st0["kv_distinct_tokens"],
             "max_running": max((x["running"] for x in timeline), default=0),
-            "switch_events": events, "decisions": decisions, "timeline": timeline,
+            "switch_events": events, "decisions": len(decisions), "decision_log": changes(decisions),
+            "timeline": timeline,
             "switches_total": st.get("switches_total", {})}
+
+
+def changes(decisions: list[Any]) -> list[dict[str, Any]]:
+    """The policy evaluations where its verdict moved (a switch, or another best or feasible set):
+    the evidence for each switch auto made, or did not make, with the predicted step times."""
+    out: list[dict[str, Any]] = []
+    prev = None
+    for d in decisions:
+        best = min(d.feasible, key=lambda lay: d.times_s[lay]) if d.feasible else None
+        now = (d.current, best, tuple(d.feasible))
+        if d.switch or now != prev:
+            out.append({"step": d.step, "current": d.current, "chosen": d.chosen, "switch": d.switch,
+                        "batch": d.batch, "feasible": d.feasible, "reason": d.reason,
+                        "predicted_ms": {k: round(v * 1e3, 2) for k, v in d.times_s.items()}})
+        prev = now
+    return out
 
 
 def rollout(args: argparse.Namespace) -> dict[str, Any]:
@@ -210,11 +234,14 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
         if bar is not None:
             bar.close()
         group.close()
+    from splash.bench.phases import analyse
+
     fixed = {k: v for k, v in results.items() if k != "auto"}
     best = max(fixed, key=lambda k: fixed[k]["throughput_tok_s"]) if fixed else None
     doc = {"runs": results, "best_fixed": best,
            "auto_vs_best_fixed": (results["auto"]["throughput_tok_s"] / fixed[best]["throughput_tok_s"]
                                   if "auto" in results and best else None),
+           "phases": analyse(results),
            "workload": {**wl.__dict__, "prompt_tokens": int(sum(map(len, prompts))),
                         "output_tokens": int(sum(outs)),
                         "longest_output": int(max(outs)), "median_output": float(np.median(outs))},
@@ -243,6 +270,10 @@ def table(doc: dict[str, Any]) -> str:
         path = " ".join(f"{e['step']}:{e['src']}->{e['dst']}" for e in a["switch_events"] if not e["refused"])
         lines.append(f"auto / best fixed ({doc['best_fixed']}): {doc['auto_vs_best_fixed']:.2f}x; auto "
                      f"switched {path or 'never'}; {a['refusals']} refused")
+    if doc.get("phases"):
+        from splash.bench.phases import lines as phase_lines
+
+        lines += phase_lines(doc["phases"])
     return "\n".join(lines)
 
 

@@ -328,9 +328,21 @@ class SwitchController:
         cur = self.alloc.layout
         if not live:
             return None
+        queued = bool(self.sched.waiting)
+        if queued and all(self.distinct_tokens(lay) <= self.distinct_tokens(cur) for lay in LAYOUTS):
+            return None  # requests wait for KV and no layout admits more: nothing to weigh
+        # The verdict only moves when the batch does: re-evaluate when requests join or leave, the queue
+        # empties or fills, a dwell ends, or every `recheck` steps as contexts grow - not every step,
+        # where pricing four layouts would cost a few percent of a CPU step.
+        recheck = 8  # steps
+        key = (cur, queued, tuple(seq.seq_id for seq in live))
+        last = getattr(self, "_last_eval", None)
+        if (last is not None and last[0] == key and plan.step - last[1] < recheck
+                and self.steps_since_switch != self.policy_cfg.min_dwell):
+            return None
+        self._last_eval = (key, plan.step)
         batch = self._batch(plan, live)
         ok = [lay for lay in LAYOUTS if lay == cur or self.fits(lay, live)]
-        queued = bool(self.sched.waiting)
         if queued:  # requests wait for KV: never trade admission capacity for a faster step
             ok = [lay for lay in ok if lay == cur or self.distinct_tokens(lay) >= self.distinct_tokens(cur)]
         cfg = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in ok))

@@ -1,0 +1,120 @@
+"""Phases of a rollout timeline, and the per-phase oracle bound on what live switching could reach.
+
+A rollout batch has two phases: *wide* while requests still wait for KV (admission is capacity-bound:
+the layout with more distinct KV tokens runs more requests per step), then the *tail* once every
+request is admitted (the batch only narrows; the layout with the fastest step at that batch size
+wins). From the fixed layouts' own timelines this module measures each phase per layout and prices an
+oracle that runs the wide phase in the layout that finished it soonest, then every tail step at the
+fastest per-step time any fixed layout showed at that batch size. It ignores switch costs and the
+memory that keeps a narrow-capacity layout out until the batch has shrunk, so it is an optimistic
+upper bound: if it is below the target, no switching policy can reach the target on this run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, 1 << 30))
+
+
+def bucket(b: int) -> int:
+    """Index of the batch-size bucket of `b` running requests."""
+    return next(i for i, (lo, hi) in enumerate(BUCKETS) if lo <= max(b, 1) <= hi)
+
+
+def label(i: int) -> str:
+    lo, hi = BUCKETS[i]
+    return f"B={lo}" if lo == hi else (f"B>={lo}" if hi >= 1 << 30 else f"B={lo}-{hi}")
+
+
+def split(timeline: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Wide/tail durations and steps of one run, and its tail steps' (bucket, seconds)."""
+    t = np.array([x["t"] for x in timeline], dtype=float)
+    if not len(t):
+        return {"wide_s": 0.0, "wide_steps": 0, "tail_s": 0.0, "tail_steps": 0, "tail": []}
+    dt = np.diff(np.concatenate([[0.0], t]))
+    waiting = [i for i, x in enumerate(timeline) if x["waiting"] > 0]
+    n = waiting[-1] + 1 if waiting else 0  # the step that admitted the last request ends the wide phase
+    wide = float(t[n - 1]) if n else 0.0
+    # A tail step decodes one token per running request, so its tokens are its batch size (the recorded
+    # `running` is counted after the step, when finished requests have already left).
+    tail = [(bucket(max(1, int(timeline[i]["tokens"]))), float(dt[i]), int(timeline[i].get("kv_tokens", 0)))
+            for i in range(n, len(t))]
+    return {"wide_s": wide, "wide_steps": n, "tail_s": float(t[-1]) - wide, "tail_steps": len(t) - n,
+            "wide_tokens": int(sum(x["tokens"] for x in timeline[:n])),
+            "tail_tokens": int(sum(x["tokens"] for x in timeline[n:])), "tail": tail}
+
+
+def step_times(tail: Sequence[tuple[int, float, int]]) -> dict[int, float]:
+    """Median tail step time per batch-size bucket (buckets with at least 3 steps)."""
+    by: dict[int, list[float]] = {}
+    for b, dt, _ in tail:
+        by.setdefault(b, []).append(dt)
+    return {b: float(np.median(v)) for b, v in by.items() if len(v) >= 3}
+
+
+def analyse(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Per-run phases, per-layout tail step times by batch size, and the oracle bound over the fixed runs."""
+    phases = {name: split(r["timeline"]) for name, r in runs.items()}
+    fixed = [name for name in runs if name != "auto"]
+    times = {name: step_times(phases[name]["tail"]) for name in runs}
+    fastest: dict[int, tuple[str, float]] = {}
+    for name in fixed:
+        for b, dt in times[name].items():
+            if b not in fastest or dt < fastest[b][1]:
+                fastest[b] = (name, dt)
+    capacity = {name: int(runs[name].get("kv_distinct_tokens", 0)) for name in fixed}
+
+    def bound(gated: bool) -> dict[str, Any] | None:
+        """Each fixed run's wide phase + its tail steps at the fastest fixed layout for that batch size;
+        `gated`: only among layouts whose distinct KV capacity holds what the batch holds at that step."""
+        best = None
+        for name in fixed:
+            p, tail = phases[name], 0.0
+            for b, dt, kv in p["tail"]:
+                ok = [lay for lay in fixed if b in times[lay] and (not gated or kv <= capacity[lay])]
+                tail += min((times[lay][b] for lay in ok), default=dt)  # none measured: as it ran
+            total = p["wide_s"] + tail
+            if best is None or total < best["makespan_s"]:
+                best = {"makespan_s": total, "wide_layout": name, "wide_s": p["wide_s"], "tail_s": tail}
+        if best is not None:
+            top = min(fixed, key=lambda k: runs[k]["makespan_s"])
+            best["best_fixed"] = top
+            best["vs_best_fixed"] = runs[top]["makespan_s"] / best["makespan_s"]
+        return best
+
+    oracle, gated = bound(False), bound(True)
+    out = {name: {k: v for k, v in p.items() if k != "tail"} for name, p in phases.items()}
+    for name in runs:
+        out[name]["tail_step_ms"] = {label(b): 1e3 * dt for b, dt in sorted(times[name].items())}
+    return {"runs": out, "fastest_tail": {label(b): name for b, (name, _) in sorted(fastest.items())},
+            "oracle": oracle, "oracle_gated": gated}
+
+
+def lines(ph: Mapping[str, Any]) -> list[str]:
+    """The phase table and the oracle line, for the benchmark's printed report."""
+    runs = ph["runs"]
+    names = (label(i) for i in range(len(BUCKETS)))
+    cols = [b for b in names if any(b in r["tail_step_ms"] for r in runs.values())]
+    out = [f"{'phase':>5} {'wide s':>7} {'steps':>5} {'tail s':>7} {'steps':>5} | tail step ms at "
+           + " ".join(f"{c:>7}" for c in cols)]
+    for name, r in runs.items():
+        ms = r["tail_step_ms"]
+        cells = " ".join(f"{ms[c]:>7.1f}" if c in ms else f"{'-':>7}" for c in cols)
+        out.append(f"{name:>5} {r['wide_s']:>7.2f} {r['wide_steps']:>5} {r['tail_s']:>7.2f} "
+                   f"{r['tail_steps']:>5} | {'':15}{cells}")
+    o = ph.get("oracle")
+    if o:
+        fast = ", ".join(f"{b} {n}" for b, n in ph["fastest_tail"].items())
+        out.append(f"oracle per-phase bound: {o['wide_layout']}'s wide phase ({o['wide_s']:.2f} s) + its "
+                   f"tail at the fastest fixed layout per batch size ({o['tail_s']:.2f} s; {fast}) = "
+                   f"{o['makespan_s']:.2f} s = {o['vs_best_fixed']:.2f}x best fixed ({o['best_fixed']}); "
+                   "optimistic: no switch costs or memory gating")
+    g = ph.get("oracle_gated")
+    if g:
+        out.append(f"  gated by memory (a layout only once the batch's live KV fits its distinct capacity): "
+                   f"{g['makespan_s']:.2f} s = {g['vs_best_fixed']:.2f}x best fixed")
+    return out

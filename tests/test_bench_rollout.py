@@ -1,0 +1,83 @@
+"""`splash bench rollout`'s analysis, without ranks: the workload, the phase split of a timeline, the
+per-phase oracle bound (ungated and gated by KV capacity) and the policy-evidence log."""
+
+from __future__ import annotations
+
+import pytest
+
+from splash.bench.phases import analyse, bucket, lines, split
+from splash.bench.rollout import QUICK, Workload, changes
+from splash.engine.switching import LayoutDecision
+
+
+def timeline(wide: list[float], tail: list[tuple[float, int, int]]) -> list[dict]:
+    """Steps: `wide` step times with requests waiting; `tail` (step time, batch, live KV tokens)."""
+    out, t = [], 0.0
+    for dt in wide:
+        t += dt
+        out.append({"t": t, "running": 8, "waiting": 5, "tokens": 8, "kv_tokens": 900})
+    for dt, b, kv in tail:
+        t += dt
+        out.append({"t": t, "running": b, "waiting": 0, "tokens": b, "kv_tokens": kv})
+    return out
+
+
+def run(tl: list[dict], distinct: int) -> dict:
+    return {"timeline": tl, "makespan_s": tl[-1]["t"], "kv_distinct_tokens": distinct}
+
+
+def test_workload_is_deterministic_and_heavy_tailed():
+    p1, o1 = Workload().sample(320)
+    p2, o2 = Workload().sample(320)
+    assert p1 == p2 and o1 == o2, "every layout must run the same requests"
+    assert len(p1) == Workload().requests and max(o1) == Workload().output_max
+    assert sorted(o1)[len(o1) // 2] < max(o1) / 10, "most outputs short, a few long: the batch narrows"
+    assert all(4 <= len(p) <= Workload().prompt_max for p in p1)
+    assert QUICK.requests < Workload().requests and QUICK.longest < Workload().longest
+
+
+def test_split_wide_and_tail():
+    ph = split(timeline([0.1] * 3, [(0.05, 4, 100), (0.02, 1, 50)]))
+    assert ph["wide_steps"] == 3 and ph["wide_s"] == pytest.approx(0.3)
+    assert ph["tail_steps"] == 2 and ph["tail_s"] == pytest.approx(0.07)
+    assert [b for b, _, _ in ph["tail"]] == [bucket(4), bucket(1)]
+    assert split([])["wide_steps"] == 0
+
+
+def test_oracle_takes_the_best_wide_phase_and_the_fastest_tail():
+    # "big": fast wide phase (more capacity) but slow narrow steps; "small": the reverse.
+    tail_big = [(0.05, 2, 200)] * 10
+    tail_small = [(0.02, 2, 200)] * 10
+    runs = {"big": run(timeline([0.1] * 3, tail_big), 3000),
+            "small": run(timeline([0.1] * 8, tail_small), 1000)}
+    ph = analyse(runs)
+    o = ph["oracle"]
+    assert o["wide_layout"] == "big" and o["makespan_s"] == pytest.approx(0.3 + 10 * 0.02)
+    assert o["best_fixed"] == "big" and o["vs_best_fixed"] == pytest.approx(0.8 / 0.5)
+    assert ph["fastest_tail"] == {"B=2": "small"}
+    assert ph["runs"]["big"]["tail_step_ms"]["B=2"] == pytest.approx(50.0)
+    # Gated: while the batch holds more KV than "small" can, only "big" may run it.
+    runs["big"] = run(timeline([0.1] * 3, [(0.05, 2, 2000)] * 5 + tail_big[:5]), 3000)
+    g = analyse(runs)["oracle_gated"]
+    assert g["makespan_s"] == pytest.approx(0.3 + 5 * 0.05 + 5 * 0.02)
+    text = "\n".join(lines(analyse(runs)))
+    assert "oracle per-phase bound" in text and "gated by memory" in text
+
+
+def test_auto_run_is_analysed_but_not_an_oracle_candidate():
+    runs = {"dp": run(timeline([0.1] * 2, [(0.03, 1, 10)] * 4), 1000),
+            "auto": run(timeline([0.01], [(0.001, 1, 10)] * 4), 1000)}
+    ph = analyse(runs)
+    assert ph["oracle"]["wide_layout"] == "dp" and "auto" in ph["runs"]
+    assert ph["fastest_tail"] == {"B=1": "dp"}
+
+
+def test_changes_keep_only_moves_of_the_verdict():
+    def dec(step: int, cur: str, chosen: str, feasible: list[str], times: dict[str, float]) -> LayoutDecision:
+        return LayoutDecision(step, cur, chosen, cur != chosen, "why", times, feasible, 4, 4)
+
+    t1 = {"tp": 0.05, "dp": 0.04, "cp": 0.06, "dop": 0.045}
+    log = changes([dec(1, "dop", "dop", ["dop"], t1), dec(2, "dop", "dop", ["dop"], t1),
+                   dec(3, "dop", "dp", ["dop", "dp"], t1), dec(4, "dp", "dp", ["dop", "dp"], t1)])
+    assert [d["step"] for d in log] == [1, 3, 4]
+    assert log[1]["switch"] and log[1]["predicted_ms"]["dp"] == pytest.approx(40.0)
