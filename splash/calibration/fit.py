@@ -168,7 +168,26 @@ def _refit(theta: Theta, sizes: AttentionSizes, obs: Sequence[Observation], page
     p = p0.copy()
     if free.any():
         p[free] = nnls(A[:, free] / scale, rhs) / scale
+    if per_layout and free[names.index("t0")]:
+        p = _common_latency_to_t0(p, names, free, sizes.layers if theta.ranks > 1 else 0)
     return from_columns(theta, p, per_layout, counts)
+
+
+def _common_latency_to_t0(p: np.ndarray, names: list[str], free: np.ndarray, layers: int) -> np.ndarray:
+    """t0 and the per-layout deltas are collinear (every step pays t0 + L * delta of its layout), so
+    fix the split: the smallest fitted delta is a per-step cost every layout pays and goes to t0; the
+    deltas keep what each layout pays on top. Predictions do not change (for layouts not in the data,
+    whose delta stays the prior's, up to clipping at 0)."""
+    lat = [i for i, n in enumerate(names) if n.startswith("latency[")]
+    seen = [i for i in lat if free[i]]
+    if not seen or layers == 0:
+        return p
+    c = min(p[i] for i in seen)
+    q = p.copy()
+    q[names.index("t0")] += layers * c
+    for i in lat:
+        q[i] = max(0.0, q[i] - c)
+    return q
 
 
 def starts(prior: Theta) -> list[tuple[str, Theta]]:
