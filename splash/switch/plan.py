@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from splash.engine.plan import StepPlan
 
@@ -140,8 +142,10 @@ class SwitchPlan:
     src_heads: list[tuple[int, int]]  # [start, stop) of the heads rank r holds before ...
     dst_heads: list[tuple[int, int]]  # ... and after the switch
     layers: list[LayerSwitch]
-    # (sender, receiver) -> [(sender local page, receiver local page, valid tokens)], every layer alike
-    kv_pairs: dict[tuple[int, int], list[tuple[int, int, int]]]
+    # (sender, receiver) -> int64 array [k, 3] of (sender local page, receiver local page, valid tokens),
+    # every layer alike (arrays, not tuples: thousands of pages pickle as one buffer, and no per-page
+    # Python objects are made on the switching step's critical path)
+    kv_pairs: dict[tuple[int, int], np.ndarray]
     tables: dict[int, list[list[int]]]  # req_id -> destination page table
     owners: dict[int, int]  # req_id -> destination owner (meaningful for DP/DOP)
     frees: list[list[int]]  # per rank: local pages retired when the switch finishes
@@ -151,14 +155,18 @@ class SwitchPlan:
 
     @property
     def moves_kv(self) -> bool:
-        return any(self.kv_pairs.values())
+        return any(len(v) for v in self.kv_pairs.values())
 
     def kv_send_tokens(self, rank: int) -> list[int]:
         """Tokens `rank` sends to each rank per layer (its all-to-all send counts)."""
-        return [sum(n for _, _, n in self.kv_pairs.get((rank, j), ())) for j in range(self.world)]
+        return [self._tokens(rank, j) for j in range(self.world)]
 
     def kv_recv_tokens(self, rank: int) -> list[int]:
-        return [sum(n for _, _, n in self.kv_pairs.get((s, rank), ())) for s in range(self.world)]
+        return [self._tokens(s, rank) for s in range(self.world)]
+
+    def _tokens(self, src: int, dst: int) -> int:
+        pairs = self.kv_pairs.get((src, dst))
+        return int(pairs[:, 2].sum()) if pairs is not None else 0
 
     def restep(self, plan: StepPlan) -> StepPlan:
         """The switching step's plan in the destination layout: same rows, new tables and owners."""

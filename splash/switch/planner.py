@@ -23,6 +23,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
+
 from splash.config import ModelConfig, dtype_bytes, normalize_dtype
 from splash.engine.plan import LAYOUTS
 from splash.kv.allocator import KVAllocator, page_ranks, pages_for
@@ -97,31 +99,34 @@ class SwitchPlanner:
             return owners
 
         # Destination tables: keep what a rank already holds, mark what it must newly hold (-2).
-        tables, new, frees, growth = [], [0] * T, [[] for _ in range(T)], [0] * T
+        # One [T, n] array per request (numpy: a switch covers thousands of pages, and planning sits
+        # on the switching step's critical path).
+        tables, olds, fresh, new = [], [], [], np.zeros(T, dtype=np.int64)
+        frees: list[list[int]] = [[] for _ in range(T)]
+        growth = np.zeros(T, dtype=np.int64)
         for req, own in zip(live, owners):
-            n = pages_for(req.end, P)
-            have = len(req.pages[0])
-            table = [[-1] * n for _ in range(T)]
-            for j in range(n):
-                holders = page_ranks(dst, j, own, T)
-                for r in range(T):
-                    old = req.pages[r][j] if j < have else -1
-                    if r in holders:
-                        table[r][j] = old if old >= 0 else -2
-                        new[r] += old < 0
-                    elif old >= 0:
-                        frees[r].append(old)
-            for j in range(n, pages_for(req.final, P)):
-                for r in page_ranks(dst, j, own, T):
-                    growth[r] += 1
+            n, m = pages_for(req.end, P), pages_for(req.final, P)
+            held = _holders(dst, m, own, T)
+            hold = held[:, :n]
+            old = _padded(req.pages, T, n)
+            mine = old >= 0
+            table = np.where(hold, np.where(mine, old, -2), -1)
+            want = hold & ~mine
+            new += want.sum(axis=1)
+            gone = mine & ~hold
+            for r in np.flatnonzero(gone.any(axis=1)):
+                frees[r].extend(old[r][gone[r]].tolist())
+            growth += held[:, n:].sum(axis=1)
             tables.append(table)
-
+            olds.append(old)
+            fresh.append(want)
+        new_l, growth_l = new.tolist(), growth.tolist()
         batch = [(req.context, req.owner if src in OWNED else 0, own) for req, own in zip(live, owners)]
         man = switch_manifest(self.cfg, src, dst, batch, T, P, self.dtype, self.kv_dtype)
         L = self.cfg.num_hidden_layers
         w_growth = [(a - b) * L for a, b in zip(man.weights.recv_bytes, man.weights.freed_bytes)]
-        room = Headroom(total_pages=self.alloc.num_total, used_pages=self.alloc.num_used, new_pages=new,
-                        freed_pages=[len(f) for f in frees], growth_pages=growth,
+        room = Headroom(total_pages=self.alloc.num_total, used_pages=self.alloc.num_used, new_pages=new_l,
+                        freed_pages=[len(f) for f in frees], growth_pages=growth_l,
                         reserve_pages=list(self.reserve), page_bytes=self.page_bytes,
                         in_transit_bytes=[float(x) for x in man.in_transit_bytes()],
                         weight_growth_bytes=[float(x) for x in w_growth],
@@ -130,13 +135,16 @@ class SwitchPlanner:
         if refusal is not None:
             return refusal
 
-        allocated = [self.alloc.ranks[r].alloc(new[r]) for r in range(T)]
-        nxt = [iter(a) for a in allocated]
-        for table in tables:
+        allocated = [self.alloc.ranks[r].alloc(new_l[r]) for r in range(T)]
+        taken = [0] * T
+        for table, want in zip(tables, fresh):
             for r in range(T):
-                table[r] = [next(nxt[r]) if p == -2 else p for p in table[r]]
+                k = int(want[r].sum())
+                if k:
+                    table[r][want[r]] = allocated[r][taken[r]:taken[r] + k]
+                    taken[r] += k
         try:
-            pairs = _kv_pairs(man, live, tables, allocated, P)
+            pairs = _kv_pairs(man, live, tables, olds, fresh, P)
             weight_op = _weight_op(man, src, dst, T)
         except Exception:
             for r in range(T):
@@ -151,7 +159,7 @@ class SwitchPlanner:
             plan_id=next(_ids), src=src, dst=dst, world=T, page_size=P, num_layers=L, num_heads=H, mode=mode,
             weight_op=weight_op, src_heads=[head_range(src, r, T, H) for r in range(T)],
             dst_heads=[head_range(dst, r, T, H) for r in range(T)], layers=layers, kv_pairs=pairs,
-            tables={req.req_id: t for req, t in zip(live, tables)},
+            tables={req.req_id: t.tolist() for req, t in zip(live, tables)},
             owners={req.req_id: o for req, o in zip(live, owners)}, frees=frees, allocated=allocated,
             batch=batch, headroom=room)
         self.pending[plan.plan_id] = plan
@@ -184,6 +192,7 @@ class SwitchPlanner:
     def _check_live(self, live: Sequence[LiveRequest]) -> None:
         T, P = self.world, self.alloc.page_size
         seen: set[int] = set()
+        count = np.zeros(T, dtype=np.int64)
         for req in live:
             if req.req_id in seen:
                 raise ValueError(f"request {req.req_id} listed twice")
@@ -199,10 +208,12 @@ class SwitchPlanner:
                                  f"{req.context} cached tokens and not exceed {req.end} tokens")
             if not 0 <= req.owner < T:
                 raise ValueError(f"request {req.req_id}: owner {req.owner} is not a rank in [0, {T})")
-            for j in range(pages_for(req.context, P)):
-                if all(req.pages[r][j] < 0 for r in range(T)):
-                    raise ValueError(f"request {req.req_id}: cached page {j} is held by no rank")
-        held = [sum(1 for req in live for p in req.pages[r] if p >= 0) for r in range(T)]
+            mine = np.asarray(req.pages, dtype=np.int64).reshape(T, have) >= 0
+            orphan = np.flatnonzero(~mine[:, :pages_for(req.context, P)].any(axis=0))
+            if orphan.size:
+                raise ValueError(f"request {req.req_id}: cached page {int(orphan[0])} is held by no rank")
+            count += mine.sum(axis=1)
+        held = count.tolist()
         if held != self.alloc.num_used:
             raise ValueError(f"the live requests hold {held} pages per rank, the allocators have "
                              f"{self.alloc.num_used} in use; pass every request that holds pages")
@@ -219,9 +230,9 @@ class SwitchPlanner:
         order = sorted(range(len(live)), key=lambda i: (-pages_for(live[i].final, P), live[i].req_id))
         for i in order:
             req = live[i]
-            n, have = pages_for(req.end, P), len(req.pages[0])
+            n = pages_for(req.end, P)
             # pages rank r lacks to own the request (everything beyond what it holds now)
-            need = [sum(1 for j in range(n) if j >= have or req.pages[r][j] < 0) for r in range(T)]
+            need = (n - (_padded(req.pages, T, n) >= 0).sum(axis=1)).tolist()
             fits = [r for r in range(T) if need[r] <= avail[r]]
             if not fits:
                 return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens) fits on "
@@ -256,34 +267,59 @@ def _check_headroom(src: str, dst: str, room: Headroom) -> SwitchRefusal | None:
     return None
 
 
-def _kv_pairs(man: Manifest, live: Sequence[LiveRequest], tables: list[list[list[int]]],
-              allocated: list[list[int]], P: int) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
-    """The core's page moves in local page ids; checks them (and its frees) against the tables."""
-    T = man.ranks
-    pairs: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    covered: set[tuple[int, int, int]] = set()
+def _holders(layout: str, n: int, owner: int, T: int) -> np.ndarray:
+    """`page_ranks` of pages 0..n-1 as a [T, n] mask (every layout's rule depends on the page index
+    only through j % T, so T columns are asked and tiled)."""
+    base = np.zeros((T, T), dtype=bool)
+    for j in range(T):
+        base[list(page_ranks(layout, j, owner, T)), j] = True
+    return np.tile(base, (1, -(-n // T)))[:, :n]
+
+
+def _padded(pages: list[list[int]], T: int, n: int) -> np.ndarray:
+    """A [T, n] page table (-1 beyond the pages the request has now)."""
+    out = np.full((T, n), -1, dtype=np.int64)
+    have = len(pages[0]) if pages else 0
+    if have:
+        out[:, :have] = np.asarray(pages, dtype=np.int64).reshape(T, have)[:, :n]
+    return out
+
+
+def _kv_pairs(man: Manifest, live: Sequence[LiveRequest], tables: list[np.ndarray], olds: list[np.ndarray],
+              fresh: list[np.ndarray], P: int) -> dict[tuple[int, int], np.ndarray]:
+    """The core's page moves in local page ids; checks them (and its frees) against the tables:
+    every page a rank newly holds must arrive exactly once, from a rank that holds it, and the core's
+    frees must be exactly the pages the tables drop."""
+    parts: dict[tuple[int, int], list[np.ndarray]] = {}
+    got = [np.zeros((t.shape[0], pages_for(req.context, P)), dtype=np.int64) for req, t in zip(live, tables)]
     for mv in man.kv_moves():
-        req, table = live[mv.request], tables[mv.request]
-        for j in mv.pages:
-            sp, dp = req.pages[mv.src][j], table[mv.dst][j]
-            if sp < 0 or dp < 0 or (j < len(req.pages[0]) and req.pages[mv.dst][j] >= 0):
-                raise RuntimeError(f"manifest moves page {j} of request {req.req_id} {mv.src}->{mv.dst}, "
-                                   "which the page tables do not allow (core and placement rule disagree)")
-            covered.add((mv.request, mv.dst, j))
-            pairs.setdefault((mv.src, mv.dst), []).append((sp, dp, min(P, req.context - j * P)))
-    fresh = [set(a) for a in allocated]  # page ids are per rank
-    want = {(i, r, j) for i, (req, t) in enumerate(zip(live, tables)) for r in range(T)
-            for j in range(pages_for(req.context, P)) if t[r][j] in fresh[r]}
-    if covered != want:
-        raise RuntimeError(f"manifest moves {sorted(covered ^ want)[:4]} differ from the pages the "
-                           "destination tables need (core and placement rule disagree)")
-    core_frees = {(f.rank, f.request, j) for f in man.kv_frees() for j in f.pages}
-    mine = {(r, i, j) for i, req in enumerate(live) for r in range(T)
-            for j in range(pages_for(req.context, P)) if req.pages[r][j] >= 0 and tables[i][r][j] < 0}
-    if core_frees != mine:
-        raise RuntimeError(f"manifest frees {sorted(core_frees ^ mine)[:4]} differ from the tables' "
-                           "(core and placement rule disagree)")
-    return pairs
+        req, table, old = live[mv.request], tables[mv.request], olds[mv.request]
+        j = np.asarray(mv.pages, dtype=np.int64)
+        sp, dp = old[mv.src, j], table[mv.dst, j]
+        if (sp < 0).any() or (dp < 0).any() or (old[mv.dst, j] >= 0).any():
+            raise RuntimeError(f"manifest moves pages {mv.pages[:4]} of request {req.req_id} "
+                               f"{mv.src}->{mv.dst}, which the page tables do not allow (core and placement "
+                               "rule disagree)")
+        np.add.at(got[mv.request][mv.dst], j, 1)
+        n = np.minimum(P, req.context - j * P)
+        parts.setdefault((mv.src, mv.dst), []).append(np.stack([sp, dp, n], axis=1))
+    for i, (req, want) in enumerate(zip(live, fresh)):
+        bad = np.argwhere(got[i] != want[:, :got[i].shape[1]])
+        if bad.size:
+            raise RuntimeError(f"manifest moves (rank, page) {bad[:4].tolist()} of request {req.req_id} "
+                               "differ from the pages the destination tables need (core and placement rule "
+                               "disagree)")
+    dropped = [np.zeros_like(g) for g in got]
+    for f in man.kv_frees():
+        np.add.at(dropped[f.request][f.rank], np.asarray(f.pages, dtype=np.int64), 1)
+    for i, (req, old, table) in enumerate(zip(live, olds, tables)):
+        nc = dropped[i].shape[1]
+        mine = ((old[:, :nc] >= 0) & (table[:, :nc] < 0)).astype(np.int64)
+        bad = np.argwhere(dropped[i] != mine)
+        if bad.size:
+            raise RuntimeError(f"manifest frees (rank, page) {bad[:4].tolist()} of request {req.req_id} "
+                               "differ from the tables' (core and placement rule disagree)")
+    return {k: np.concatenate(v) for k, v in parts.items()}
 
 
 def _weight_op(man: Manifest, src: str, dst: str, T: int) -> str:
