@@ -59,6 +59,12 @@ def test_bench_rollout_json(tmp_path):
     # One budget: DOP's pool holds W_A(1-1/T)/k more tokens per rank than DP's.
     assert doc["runs"]["dop"]["kv_pool_tokens_per_rank"][0] > doc["runs"]["dp"]["kv_pool_tokens_per_rank"][0]
     assert doc["runs"]["dp"]["switches"] == doc["runs"]["dop"]["switches"] == 0
+    # The phase analysis covers every run; the oracle bound is priced over the fixed runs only.
+    ph = doc["phases"]
+    assert set(ph["runs"]) == set(doc["runs"]) and ph["oracle"]["wide_layout"] in {"dp", "dop"}
+    bound, gated = ph["oracle"]["makespan_s"], ph["oracle_gated"]["makespan_s"]
+    assert 0 < bound <= gated + 1e-9, "gating by memory can only restrict the oracle"
+    assert all("kv_tokens" in x for x in doc["runs"]["auto"]["timeline"])
     assert png.stat().st_size > 0
 
 

@@ -132,3 +132,40 @@ def test_config_validation():
         PolicyConfig(min_dwell=-1)
     with pytest.raises(ConfigError):
         PolicyConfig(layouts=())
+
+
+def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
+    """The engine's `_decide` (run on a stand-in controller): while requests wait and no layout holds
+    more distinct KV than the current one it does not price anything; otherwise it prices the batch
+    once and re-prices only when the running set changes or `recheck` steps pass."""
+    from types import SimpleNamespace
+
+    from splash.engine.switching import SwitchController
+
+    priced = []
+    distinct = {"tp": 1000, "dp": 900, "cp": 900, "dop": 2000}
+
+    def batch(plan, live):
+        priced.append(plan.step)
+        return Batch.make([64] * len(live), 1, [s.owner for s in live], ranks=2)
+
+    th = _theta(ranks=2, memory_bytes=1e18)
+    ctl = SimpleNamespace(alloc=SimpleNamespace(layout="dop"), sched=SimpleNamespace(waiting=[object()]),
+                          distinct_tokens=distinct.get, fits=lambda lay, live: True, _batch=batch,
+                          sizes=SIZES, theta=th, policy_cfg=PolicyConfig(page_size=16, min_dwell=0),
+                          steps_since_switch=5, decisions=[])
+    live = [SimpleNamespace(seq_id=i, owner=i % 2) for i in range(4)]
+
+    def step(n, seqs=live):
+        return SwitchController._decide(ctl, SimpleNamespace(step=n), seqs)
+
+    assert step(0) is None and priced == [], "queued in the largest-capacity layout: nothing to weigh"
+    ctl.sched.waiting = []
+    step(1)
+    step(2)
+    assert priced == [1] and len(ctl.decisions) == 1
+    step(3, live[:3])  # a request left: the verdict may move
+    step(11, live[:3])  # contexts grew for `recheck` steps
+    assert priced == [1, 3, 11]
+    rec = ctl.decisions[-1]
+    assert set(rec.times_s) == {"tp", "dp", "cp", "dop"} and rec.chosen in rec.times_s

@@ -9,7 +9,16 @@ budget; the budget is chosen so the paper's capacity regimes exist: DP/CP keep r
 projections and hold the fewest KV tokens, DOP holds W_A(1-1/T)/k more per rank, TP holds as much
 per rank as DOP but replicated (1/T of DOP's distinct tokens); the longest request fits every layout.
 Reported per run: makespan, generated tokens/s, switches, and a per-step timeline (layout, running
-and waiting requests, tokens/s).
+and waiting requests, tokens, live KV tokens); then the phases (`splash.bench.phases`): the wide
+phase while requests wait for KV, the tail after, each layout's tail step time by batch size, and
+the per-phase oracle bound that says how much any switching policy could gain on this run.
+
+The default workload is sized so both phases carry weight on a 2-core CPU at T=2 (measured,
+docs/analytics.md): a decode step there is mostly fixed overhead (~30 ms at B=1, ~1 ms more per
+request), so holding twice the requests nearly doubles the wide phase's throughput and DOP, with the
+most distinct KV, finishes it soonest; in the narrow tail DOP's two all-to-alls per layer make it
+~30-40% slower per step than DP or TP. 160 requests with outputs up to 192 tokens balance the two,
+so DOP, TP and DP end within a few percent of each other and only a layout change can win both.
 """
 
 from __future__ import annotations
