@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 DIR_FIELDS = {"from", "to", "bytes_moved", "ready_p50_ms", "blocking_p50_ms", "overlapped_p50_ms",
-              "blocking_overhead_p50_ms", "overlapped_overhead_p50_ms", "overlapped_overhead_p95_ms"}
+              "blocking_overhead_p50_ms", "overlapped_overhead_p50_ms", "overlapped_overhead_p95_ms",
+              "plan_p50_ms", "cpu_ready_p50_ms", "cpu_blocking_overhead_p50_ms",
+              "cpu_overlapped_overhead_p50_ms"}
 
 
 def splash(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -35,6 +37,7 @@ def test_bench_switch_json(tmp_path):
     for d in dirs:
         assert DIR_FIELDS <= set(d), d
         assert d["ready_p50_ms"] > 0 and d["blocking_p50_ms"] > 0 and d["overlapped_p50_ms"] > 0
+        assert d["cpu_ready_p50_ms"] > 0  # rank 0's own CPU over a step it computes
     moved = {(d["from"], d["to"]): d["bytes_moved"] for d in dirs}
     # Discards move nothing; gathers of replicated projections move the most (bytes are the plan's).
     assert moved[("tp", "dop")] == moved[("dp", "dop")] == 0
@@ -71,5 +74,8 @@ def test_bench_rollout_json(tmp_path):
 def test_bench_bad_input_is_one_line():
     out = splash("bench", "switch", "--tp", "1", timeout=60)
     assert out.returncode == 2 and "needs --tp 2" in out.stderr and "Traceback" not in out.stderr
+    out = splash("bench", "switch", "--directions", "dp-tp,tp-tp", timeout=60)
+    assert out.returncode == 2 and "'tp-tp' is not a direction" in out.stderr
+    assert "Traceback" not in out.stderr
     out = splash("bench", "rollout", "--tp", "2", "--runs", "tp,xx", timeout=60)
     assert out.returncode == 2 and "--runs" in out.stderr and "Traceback" not in out.stderr

@@ -6,8 +6,11 @@ forward, sampling):
   ready       - a step in b with b's state already resident (the target-ready time T_ready);
   blocking    - the step that switches a->b moving every layer's state first, then computing;
   overlapped  - the step that switches a->b computing layer i while layer i+1's state moves.
-Overhead dT = T - T_ready (p50 over repeats; p95 for overlapped). Bytes moved are the switch plan's
-(= the analytical core's manifest, checked in tests/test_switch.py), summed over ranks and layers.
+Overhead dT = T - T_ready (p50 over repeats; p95 for overlapped). Rank 0's CPU time (all its threads,
+gloo's included) is taken over the same steps: `cpu_*_overhead` = the switching step's CPU minus the
+ready step's, i.e. the work a switch adds that overlap can only hide where a core would otherwise idle.
+Bytes moved are the switch plan's (= the analytical core's manifest, checked in tests/test_switch.py),
+summed over ranks and layers.
 The engine is taken back to `a` (an untimed switch) and given one untimed step before each timed
 switch, so every timed step starts from the same state.
 
@@ -39,6 +42,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
                          description="Time target-ready, blocking and overlapped switching steps for all 12 "
                                      "directions, and the drain-and-restart baseline.")
     p.add_argument("--tp", type=positive_int, default=2, help="ranks T (default 2)")
+    p.add_argument("--directions", type=directions, default=None, metavar="A-B,...",
+                   help="only these directions, e.g. dp-tp,cp-tp (default: all 12)")
     p.add_argument("--batch", type=positive_int, default=8,
                    help="requests in the decoding batch B (default 8)")
     p.add_argument("--context", type=positive_int, default=2048, help="tokens of context per request S")
@@ -54,6 +59,18 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of the overheads")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def directions(text: str) -> list[tuple[str, str]]:
+    """'dp-tp,cp-tp' -> [('dp', 'tp'), ('cp', 'tp')] (argparse type: a bad pair is one clear line)."""
+    out = []
+    for part in text.replace(" ", "").lower().split(","):
+        a, _, b = part.partition("-")
+        if (a, b) not in DIRECTIONS:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a direction; write FROM-TO pairs of "
+                                             f"{', '.join(LAYOUTS)} with FROM != TO, e.g. dp-tp,cp-tp")
+        out.append((a, b))
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -80,8 +97,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from splash.engine.sampling import SamplingParams
 
     torch.set_num_threads(1)
+    dirs = getattr(args, "directions", None) or DIRECTIONS
     per_dir = 8  # engine steps per direction and repeat (timed and untimed)
-    steps = (args.repeats + 1) * len(DIRECTIONS) * per_dir + 16
+    steps = (args.repeats + 1) * len(dirs) * per_dir + 16
     t_start = time.perf_counter()
     group = RankGroup.start(args.tp, device=args.device, threads=1)
     bar = None
@@ -100,13 +118,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         sw = eng.switcher
         samples: dict[tuple[str, str], dict[str, list[float]]] = {
             d: {k: [] for k in ("ready", "blocking", "overlapped", "blocking_exposed", "overlapped_exposed",
-                                "plan")} for d in DIRECTIONS}
+                                "plan", "cpu_ready", "cpu_blocking", "cpu_overlapped")} for d in dirs}
         moved: dict[tuple[str, str], float] = {}
 
+        cpu = [0.0]  # rank 0's process CPU seconds of the last timed step
+
         def timed() -> float:
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             eng.step()
-            return time.perf_counter() - t
+            dt = time.perf_counter() - t
+            cpu[0] = time.process_time() - c
+            return dt
 
         def go(layout: str, mode: str | None = None) -> float:
             if eng.allocator.layout != layout:
@@ -119,19 +141,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if not args.quiet:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=args.repeats * len(DIRECTIONS), desc="bench switch", unit="dir",
+            bar = tqdm(total=args.repeats * len(dirs), desc="bench switch", unit="dir",
                        file=sys.stderr)
-        for a, b in DIRECTIONS:  # warm-up: every direction once in each mode (first uses of each path)
+        for a, b in dirs:  # warm-up: every direction once in each mode (first uses of each path)
             go(a)
             go(b, "blocking")
             go(a)
             go(b, "overlapped")
         for _ in range(args.repeats):
-            for a, b in DIRECTIONS:
+            for a, b in dirs:
                 got = samples[(a, b)]
                 go(a)
                 timed()  # settle in a
                 got["blocking"].append(go(b, "blocking"))
+                got["cpu_blocking"].append(cpu[0])
                 ev = sw.events[-1]
                 moved[(a, b)] = ev.bytes_per_layer * ev.layers
                 got["blocking_exposed"].append(ev.exposed_s)
@@ -139,10 +162,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 go(a)
                 timed()
                 got["overlapped"].append(go(b, "overlapped"))
+                got["cpu_overlapped"].append(cpu[0])
                 got["overlapped_exposed"].append(sw.events[-1].exposed_s)
                 got["plan"].append(sw.events[-1].plan_s)
-                got["ready"].append(timed())
-                got["ready"].append(timed())
+                for _ in range(2):
+                    got["ready"].append(timed())
+                    got["cpu_ready"].append(cpu[0])
                 if bar is not None:
                     bar.update(1)
         # Drain-and-restart from the last layout: finish the batch's remaining tokens, then restart.
@@ -165,9 +190,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             bar.close()
         group.close()
     rows = []
-    for d in DIRECTIONS:
+    for d in dirs:
         s = samples[d]
         ready = _pct(s["ready"], 50)
+        cpu_ready = _pct(s["cpu_ready"], 50)
         b_over = [x - ready for x in s["blocking"]]
         o_over = [x - ready for x in s["overlapped"]]
         rows.append({"from": d[0], "to": d[1], "bytes_moved": moved.get(d, 0.0),
@@ -181,7 +207,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                      # in the planner: the switch's cost without the step-to-step noise of a busy machine
                      "blocking_exposed_p50_ms": _pct(s["blocking_exposed"], 50) * 1e3,
                      "overlapped_exposed_p50_ms": _pct(s["overlapped_exposed"], 50) * 1e3,
-                     "plan_p50_ms": _pct(s["plan"], 50) * 1e3})
+                     "plan_p50_ms": _pct(s["plan"], 50) * 1e3,
+                     "cpu_ready_p50_ms": cpu_ready * 1e3,
+                     "cpu_blocking_overhead_p50_ms": (_pct(s["cpu_blocking"], 50) - cpu_ready) * 1e3,
+                     "cpu_overlapped_overhead_p50_ms": (_pct(s["cpu_overlapped"], 50) - cpu_ready) * 1e3})
     return {"directions": rows, "drain_restart_ms": (drain_s + restart_s) * 1e3, "drain_ms": drain_s * 1e3,
             "restart_ms": restart_s * 1e3, "drain_from": src, "restart_into": dst,
             "config": {"tp": args.tp, "batch": args.batch, "context": args.context, "repeats": args.repeats,
@@ -214,10 +243,10 @@ def table(doc: dict[str, Any]) -> str:
     c = doc["config"]
     lines = [f"bench switch: T={c['tp']} B={c['batch']} context={c['context']} {c['dtype']}, {c['repeats']} "
              f"repeats; times in ms, overhead dT = step - target-ready; exp = rank 0's time inside the "
-             "switch executor; plan = rank 0's planning",
+             "switch executor; plan = rank 0's planning; cpu = rank 0's CPU time the switch adds (ovl)",
              f"{'direction':>10} {'MB moved':>9} {'ready':>8} {'blocking':>9} {'overlap':>8} "
              f"{'dT block':>9} {'dT ovl p50 (p95)':>17} {'ovl/blk':>8} {'exp blk':>8} {'exp ovl':>8} "
-             f"{'plan':>6}"]
+             f"{'plan':>6} {'cpu':>6}"]
     for r in doc["directions"]:
         ratio = (r["overlapped_overhead_p50_ms"] / r["blocking_overhead_p50_ms"]
                  if r["bytes_moved"] > 0 and r["blocking_overhead_p50_ms"] > 0 else None)
@@ -228,7 +257,8 @@ def table(doc: dict[str, Any]) -> str:
                      f"({r['overlapped_overhead_p95_ms']:6.1f}) "
                      + (f"{ratio:8.0%}" if ratio is not None else f"{'-':>8}")
                      + f" {r.get('blocking_exposed_p50_ms', 0):8.1f}"
-                     f" {r.get('overlapped_exposed_p50_ms', 0):8.1f} {r.get('plan_p50_ms', 0):6.1f}")
+                     f" {r.get('overlapped_exposed_p50_ms', 0):8.1f} {r.get('plan_p50_ms', 0):6.1f}"
+                     f" {r.get('cpu_overlapped_overhead_p50_ms', 0):6.1f}")
     lines.append(f"drain-and-restart {doc['drain_from']}->{doc['restart_into']}: "
                  f"{doc['drain_restart_ms']:.0f} ms (drain {c['remaining']} tokens {doc['drain_ms']:.0f} ms "
                  f"+ restart ranks {doc['restart_ms']:.0f} ms)")
