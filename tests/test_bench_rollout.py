@@ -60,6 +60,9 @@ def test_oracle_takes_the_best_wide_phase_and_the_fastest_tail():
     runs["big"] = run(timeline([0.1] * 3, [(0.05, 2, 2000)] * 5 + tail_big[:5]), 3000)
     g = analyse(runs)["oracle_gated"]
     assert g["makespan_s"] == pytest.approx(0.3 + 5 * 0.05 + 5 * 0.02)
+    for x in runs["big"]["timeline"]:  # the requests' KV at their limits gates, when recorded
+        x["kv_final_tokens"] = 2000
+    assert analyse(runs)["oracle_gated"]["makespan_s"] == pytest.approx(0.3 + 10 * 0.05)
     text = "\n".join(lines(analyse(runs)))
     assert "oracle per-phase bound" in text and "gated by memory" in text
 

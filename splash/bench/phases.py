@@ -7,7 +7,9 @@ wins). From the fixed layouts' own timelines this module measures each phase per
 oracle that runs the wide phase in the layout that finished it soonest, then every tail step at the
 fastest per-step time any fixed layout showed at that batch size. It ignores switch costs and the
 memory that keeps a narrow-capacity layout out until the batch has shrunk, so it is an optimistic
-upper bound: if it is below the target, no switching policy can reach the target on this run.
+upper bound: if it is below the target, no switching policy can reach the target on this run. The
+gated bound admits a layout at a tail step only once the running requests, grown to their limits,
+fit its distinct KV capacity (the condition auto's Eq 6 check imposes, less per-rank packing).
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ def split(timeline: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     wide = float(t[n - 1]) if n else 0.0
     # A tail step decodes one token per running request, so its tokens are its batch size (the recorded
     # `running` is counted after the step, when finished requests have already left).
-    tail = [(bucket(max(1, int(timeline[i]["tokens"]))), float(dt[i]), int(timeline[i].get("kv_tokens", 0)))
-            for i in range(n, len(t))]
+    # The KV a layout must hold to take the batch over: the running requests at their limits when the
+    # timeline has it (what auto's Eq 6 demands), else what they hold now.
+    kv = [int(x.get("kv_final_tokens", x.get("kv_tokens", 0))) for x in timeline]
+    tail = [(bucket(max(1, int(timeline[i]["tokens"]))), float(dt[i]), kv[i]) for i in range(n, len(t))]
     return {"wide_s": wide, "wide_steps": n, "tail_s": float(t[-1]) - wide, "tail_steps": len(t) - n,
             "wide_tokens": int(sum(x["tokens"] for x in timeline[:n])),
             "tail_tokens": int(sum(x["tokens"] for x in timeline[n:])), "tail": tail}
@@ -70,7 +74,8 @@ def analyse(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
     def bound(gated: bool) -> dict[str, Any] | None:
         """Each fixed run's wide phase + its tail steps at the fastest fixed layout for that batch size;
-        `gated`: only among layouts whose distinct KV capacity holds what the batch holds at that step."""
+        `gated`: only among layouts whose distinct KV capacity holds the batch at that step (at its
+        requests' limits where the timeline has them: no later preemption, as auto's Eq 6 demands)."""
         best = None
         for name in fixed:
             p, tail = phases[name], 0.0
@@ -115,6 +120,7 @@ def lines(ph: Mapping[str, Any]) -> list[str]:
                    "optimistic: no switch costs or memory gating")
     g = ph.get("oracle_gated")
     if g:
-        out.append(f"  gated by memory (a layout only once the batch's live KV fits its distinct capacity): "
+        out.append(f"  gated by memory (a layout only once the running requests, grown to their limits, fit "
+                   "its distinct KV capacity): "
                    f"{g['makespan_s']:.2f} s = {g['vs_best_fixed']:.2f}x best fixed")
     return out

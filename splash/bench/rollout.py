@@ -17,8 +17,10 @@ The default workload is sized so both phases carry weight on a 2-core CPU at T=2
 docs/analytics.md): a decode step there is mostly fixed overhead (~30 ms at B=1, ~1 ms more per
 request), so holding twice the requests nearly doubles the wide phase's throughput and DOP, with the
 most distinct KV, finishes it soonest; in the narrow tail DOP's two all-to-alls per layer make it
-~30-40% slower per step than DP or TP. 160 requests with outputs up to 192 tokens balance the two,
-so DOP, TP and DP end within a few percent of each other and only a layout change can win both.
+~30-40% slower per step than DP or TP. 160 requests with outputs up to 192 tokens, and a budget whose DP
+pool holds two of the longest request per rank (DOP then holds 2.1x DP's distinct tokens, TP 1.05x),
+balance the two, so DOP, TP and DP end within a few percent of each other and only a layout change
+can win both.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Workload:
         return self.prompt_max + self.output_max
 
 
+KV_LONGEST = 2  # default budget: DP's KV per rank holds this many of the longest request
+
 QUICK = Workload(requests=48, prompt_median=32, prompt_max=96, output_scale=2.0, output_max=128)
 
 
@@ -70,17 +74,17 @@ def register(kinds: argparse._SubParsersAction) -> None:
                                      "ranks, requests and memory budget; compare makespan and throughput.")
     p.add_argument("--tp", type=positive_int, default=2, help="ranks T (default 2)")
     p.add_argument("--requests", type=positive_int, default=None,
-                   help="requests started together (default 128)")
+                   help="requests started together (default 160)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths")
     p.add_argument("--quick", action="store_true", help="a smaller workload (about a minute at T=2)")
     p.add_argument("--output-max", type=positive_int, default=None,
-                   help="cap on generated tokens per request (the tail; default 320, quick 128)")
+                   help="cap on generated tokens per request (the tail; default 192, quick 128)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="runs per layout, interleaved in rotating order; the median run counts (default 1)")
     p.add_argument("--runs", default=",".join(RUNS), help="which of tp,dp,cp,dop,auto to run")
     p.add_argument("--kv-tokens", type=positive_int, default=None,
-                   help="KV tokens per rank under DP (sets the memory budget; default: the longest request "
-                        "plus 25%%)")
+                   help="KV tokens per rank under DP (sets the memory budget; default: twice the longest "
+                        "request)")
     p.add_argument("--theta", default=None, metavar="FILE", help="calibrated theta for auto")
     p.add_argument("--switch-margin", type=float, default=0.05)
     p.add_argument("--min-dwell-steps", type=int, default=8)
@@ -123,6 +127,13 @@ def distinct_held(st: dict[str, Any]) -> int:
     return (max(used) if st["layout"] == "tp" else sum(used)) * st["page_size"]
 
 
+def final_tokens(eng: Any) -> int:
+    """Distinct KV tokens the running requests will hold at their limits (prompt + max_tokens): what a
+    layout must hold to take the batch over without preempting anyone later."""
+    sched = eng.scheduler
+    return sum(sched.projected_pages(s) for s in sched.running) * sched.alloc.page_size
+
+
 def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prompts: list[list[int]],
             outs: list[int], bar: Any = None) -> dict[str, Any]:
     from splash.engine.runner import build_engine
@@ -149,7 +160,7 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
             timeline.append({"t": now, "layout": st["layout"], "from": layout_before,
                              "running": st["num_running"], "waiting": st["num_waiting"],
                              "tokens": st["generation_tokens_total"] - gen0,
-                             "kv_tokens": distinct_held(st)})
+                             "kv_tokens": distinct_held(st), "kv_final_tokens": final_tokens(eng)})
             gen0 = st["generation_tokens_total"]
             if bar is not None:
                 bar.set_postfix_str(f"{layout}: {len(prompts) - st['num_requests']}/{len(prompts)} done, "
@@ -207,7 +218,7 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
     if args.output_max is not None:
         wl = Workload(**{**wl.__dict__, "output_max": args.output_max})
     wl = Workload(**{**wl.__dict__, "seed": args.seed})
-    kv_tokens = args.kv_tokens or int(wl.longest * 1.25)
+    kv_tokens = args.kv_tokens or KV_LONGEST * wl.longest
     if kv_tokens < wl.longest:
         raise ConfigError(f"--kv-tokens {kv_tokens} cannot hold the longest request ({wl.longest} tokens) "
                           "under DP; raise it")
