@@ -11,7 +11,13 @@ from splash.calibration.fidelity import evaluate, format_table, repeatability, s
 from splash.calibration.fit import Observation, fit_theta, nnls
 from splash.calibration.grid import GridPoint, default_grid, parse_points, quick_grid, split_holdout
 from splash.calibration.measure import Timing, pages_needed
-from splash.calibration.prior import CPU_MEASURED, RUNTIME_COLLECTIVES, load_or_default_theta, runtime_prior
+from splash.calibration.prior import (
+    CPU_MEASURED,
+    CPU_MEASURED_COMM,
+    RUNTIME_COLLECTIVES,
+    load_or_default_theta,
+    runtime_prior,
+)
 from splash.config import PRESETS, ConfigError
 from splash.costmodel import FIT_PARAMS, Batch, Theta, step_cost, step_features, theta_params, with_params
 from splash.layouts import LAYOUTS, Layout
@@ -276,7 +282,9 @@ def test_load_or_default_theta(tmp_path, caplog):
         th, src = load_or_default_theta(None, 2, cfg, "fp32", "cpu")
     assert th.ranks == 2 and "built-in default" in src and "splash calibrate" in caplog.text
     assert th.source == "cpu-measured-default" and th.t_seq == CPU_MEASURED["t_seq"]
-    assert th.collectives == RUNTIME_COLLECTIVES and th.act_bytes == 4
+    # the CPU default carries the per-layout communication terms measured with it
+    assert th.collectives == CPU_MEASURED_COMM["collectives"] and th.act_bytes == 4
+    assert th.link_bw_by_layout == CPU_MEASURED_COMM["link_bw_by_layout"]
     gpu, _ = load_or_default_theta(None, 4, cfg, "bf16", "cuda")
     assert gpu.source == "profile:h200" and gpu.ranks == 4 and gpu.act_bytes == 2
     cal = _true_theta()
