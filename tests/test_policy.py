@@ -153,7 +153,7 @@ def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
     ctl = SimpleNamespace(alloc=SimpleNamespace(layout="dop"), sched=SimpleNamespace(waiting=[object()]),
                           distinct_tokens=distinct.get, fits=lambda lay, live: True, _batch=batch,
                           sizes=SIZES, theta=th, policy_cfg=PolicyConfig(page_size=16, min_dwell=0),
-                          steps_since_switch=5, decisions=[])
+                          steps_since_switch=5, decisions=[], _last_eval=None)
     live = [SimpleNamespace(seq_id=i, owner=i % 2) for i in range(4)]
 
     def step(n, seqs=live):
@@ -169,3 +169,8 @@ def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
     assert priced == [1, 3, 11]
     rec = ctl.decisions[-1]
     assert set(rec.times_s) == {"tp", "dp", "cp", "dop"} and rec.chosen in rec.times_s
+    # Queued again, but DP now admits as much as DOP: a tie keeps it a candidate, so the Policy runs.
+    ctl.sched.waiting, distinct["dp"] = [object()], distinct["dop"]
+    step(12)
+    assert priced[-1] == 12 and ctl.decisions[-1].feasible in (["dop"], ["dop", "dp"])
+    assert "cp" in ctl.decisions[-1].reason and "tp" in ctl.decisions[-1].reason

@@ -228,6 +228,7 @@ class SwitchController:
         self._pending_event: SwitchEvent | None = None
         self._requested: tuple[str, str | None] | None = None
         self.steps_since_switch = 0
+        self._last_eval: tuple[Any, int] | None = None  # (running set key, step) the Policy last priced
         self.events: deque[SwitchEvent] = deque(maxlen=history)
         self.decisions: deque[LayoutDecision] = deque(maxlen=history)
         self.switches: dict[tuple[str, str], int] = {}
@@ -329,22 +330,24 @@ class SwitchController:
         if not live:
             return None
         queued = bool(self.sched.waiting)
-        if queued and all(self.distinct_tokens(lay) <= self.distinct_tokens(cur) for lay in LAYOUTS):
-            return None  # requests wait for KV and no layout admits more: nothing to weigh
+        cands = list(LAYOUTS)
+        if queued:  # requests wait for KV: never trade admission capacity for a faster step
+            here = self.distinct_tokens(cur)
+            cands = [lay for lay in LAYOUTS if lay == cur or self.distinct_tokens(lay) >= here]
+            if cands == [cur]:
+                return None  # no other layout admits as much: nothing to weigh
         # The verdict only moves when the batch does: re-evaluate when requests join or leave, the queue
         # empties or fills, a dwell ends, or every `recheck` steps as contexts grow - not every step,
         # where pricing four layouts would cost a few percent of a CPU step.
         recheck = 8  # steps
         key = (cur, queued, tuple(seq.seq_id for seq in live))
-        last = getattr(self, "_last_eval", None)
+        last = self._last_eval
         if (last is not None and last[0] == key and plan.step - last[1] < recheck
                 and self.steps_since_switch != self.policy_cfg.min_dwell):
             return None
         self._last_eval = (key, plan.step)
         batch = self._batch(plan, live)
-        ok = [lay for lay in LAYOUTS if lay == cur or self.fits(lay, live)]
-        if queued:  # requests wait for KV: never trade admission capacity for a faster step
-            ok = [lay for lay in ok if lay == cur or self.distinct_tokens(lay) >= self.distinct_tokens(cur)]
+        ok = [lay for lay in cands if lay == cur or self.fits(lay, live)]
         cfg = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in ok))
         d = decide(self.sizes, self.theta, batch, cur, self.steps_since_switch, cfg)
         chosen = d.layout.label.lower()
