@@ -87,14 +87,14 @@ def _branch_key(theta: Theta, sizes: AttentionSizes, obs: Sequence[Observation],
 
 
 PER_LAYOUT = ("latency", "inv_link_bw")  # communication terms fitted once per layout
+_SHARED = [i for i, n in enumerate(FIT_PARAMS) if n not in PER_LAYOUT]  # FIT_PARAMS fitted once for all
 
 
 def column_names(per_layout: bool) -> list[str]:
     """The fit's unknowns: FIT_PARAMS, with latency and 1/link_bw split by layout when `per_layout`."""
     if not per_layout:
         return list(FIT_PARAMS)
-    base = [n for n in FIT_PARAMS if n not in PER_LAYOUT]
-    return base + [f"{n}[{lay.label}]" for n in PER_LAYOUT for lay in LAYOUTS]
+    return [FIT_PARAMS[i] for i in _SHARED] + [f"{n}[{lay.label}]" for n in PER_LAYOUT for lay in LAYOUTS]
 
 
 def design_row(o: Observation, sizes: AttentionSizes, theta: Theta, page_size: int | None,
@@ -102,18 +102,16 @@ def design_row(o: Observation, sizes: AttentionSizes, theta: Theta, page_size: i
     """Eq 10's linear form for one observation (branches fixed by `theta`), in `column_names` order.
 
     Per layout: the latency column is L (one per attention layer, times the layout's effective count
-    folded into the parameter) and the link column is L * R bytes when communication is exposed."""
+    folded into the parameter; 0 on one rank) and the link column is L * R bytes when communication
+    is exposed."""
     x = step_features(o.layout, sizes, o.batch, theta, page_size)
     if not per_layout:
         return x
-    keep = [i for i, n in enumerate(FIT_PARAMS) if n not in PER_LAYOUT]
     split = np.zeros(2 * len(LAYOUTS))
     j = LAYOUTS.index(o.layout)
-    coll = theta.collectives_of(o.layout)
-    layers = sizes.layers if theta.ranks > 1 else 0
-    split[j] = x[FIT_PARAMS.index("latency")] / coll if coll > 0 else layers
+    split[j] = sizes.layers if theta.ranks > 1 else 0
     split[len(LAYOUTS) + j] = x[FIT_PARAMS.index("inv_link_bw")] * theta.link_bw_of(o.layout) / theta.link_bw
-    return np.concatenate([x[keep], split])
+    return np.concatenate([x[_SHARED], split])
 
 
 def column_values(theta: Theta, per_layout: bool) -> np.ndarray:
@@ -121,10 +119,9 @@ def column_values(theta: Theta, per_layout: bool) -> np.ndarray:
     p = theta_params(theta)
     if not per_layout:
         return p
-    keep = [i for i, n in enumerate(FIT_PARAMS) if n not in PER_LAYOUT]
     lat = [theta.latency * theta.collectives_of(lay) for lay in LAYOUTS]
     inv = [1 / theta.link_bw_of(lay) for lay in LAYOUTS]
-    return np.concatenate([p[keep], lat, inv])
+    return np.concatenate([p[_SHARED], lat, inv])
 
 
 def from_columns(theta: Theta, v: np.ndarray, per_layout: bool, counts: dict[str, float],
@@ -135,7 +132,7 @@ def from_columns(theta: Theta, v: np.ndarray, per_layout: bool, counts: dict[str
     (what a switch's bulk transfers are priced at)."""
     if not per_layout:
         return with_params(theta, v)
-    nb = len(FIT_PARAMS) - len(PER_LAYOUT)
+    nb = len(_SHARED)
     base, lat, inv = v[:nb], np.maximum(v[nb:nb + len(LAYOUTS)], 0), np.maximum(v[nb + len(LAYOUTS):], 0)
     per_coll = [lat[i] / counts[lay.label] for i, lay in enumerate(LAYOUTS)
                 if lat[i] > 0 and counts[lay.label] > 0]
@@ -146,7 +143,7 @@ def from_columns(theta: Theta, v: np.ndarray, per_layout: bool, counts: dict[str
     finite = [r for r in rates if r < max_rate]
     link = float(np.median(finite)) if finite else max_rate
     p = np.zeros(len(FIT_PARAMS))
-    p[[i for i, n in enumerate(FIT_PARAMS) if n not in PER_LAYOUT]] = base
+    p[_SHARED] = base
     p[FIT_PARAMS.index("latency")] = latency
     p[FIT_PARAMS.index("inv_link_bw")] = 1 / link
     d = with_params(theta, p).to_dict()
