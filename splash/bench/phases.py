@@ -33,7 +33,8 @@ def label(i: int) -> str:
 
 
 def split(timeline: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Wide/tail durations and steps of one run, and its tail steps' (bucket, seconds)."""
+    """Wide/tail durations, steps and tokens of one run, and its tail steps' (bucket, seconds, KV tokens
+    the batch must hold)."""
     t = np.array([x["t"] for x in timeline], dtype=float)
     if not len(t):
         return {"wide_s": 0.0, "wide_steps": 0, "tail_s": 0.0, "tail_steps": 0, "tail": []}
@@ -41,11 +42,11 @@ def split(timeline: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     waiting = [i for i, x in enumerate(timeline) if x["waiting"] > 0]
     n = waiting[-1] + 1 if waiting else 0  # the step that admitted the last request ends the wide phase
     wide = float(t[n - 1]) if n else 0.0
-    # A tail step decodes one token per running request, so its tokens are its batch size (the recorded
-    # `running` is counted after the step, when finished requests have already left).
     # The KV a layout must hold to take the batch over: the running requests at their limits when the
     # timeline has it (what auto's Eq 6 demands), else what they hold now.
     kv = [int(x.get("kv_final_tokens", x.get("kv_tokens", 0))) for x in timeline]
+    # A tail step decodes one token per running request, so its tokens are its batch size (the recorded
+    # `running` is counted after the step, when finished requests have already left).
     tail = [(bucket(max(1, int(timeline[i]["tokens"]))), float(dt[i]), kv[i]) for i in range(n, len(t))]
     return {"wide_s": wide, "wide_steps": n, "tail_s": float(t[-1]) - wide, "tail_steps": len(t) - n,
             "wide_tokens": int(sum(x["tokens"] for x in timeline[:n])),

@@ -97,7 +97,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from splash.engine.sampling import SamplingParams
 
     torch.set_num_threads(1)
-    dirs = getattr(args, "directions", None) or DIRECTIONS
+    dirs = args.directions or DIRECTIONS
     per_dir = 8  # engine steps per direction and repeat (timed and untimed)
     steps = (args.repeats + 1) * len(dirs) * per_dir + 16
     t_start = time.perf_counter()
