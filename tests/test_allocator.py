@@ -24,6 +24,12 @@ def test_placement_rule(world):
         assert page_ranks("dp", j, world - 1, world) == (world - 1,)
         assert page_ranks("dop", j, 0, world) == (0,)
         assert page_ranks("cp", j, 0, world) == (j % world,)
+    # The switch planner evaluates the rule for pages 0..T-1 and tiles it: every layout's placement
+    # must depend on the page index only through j % T.
+    for layout in ("tp", "dp", "cp", "dop"):
+        for owner in range(world):
+            for j in range(4 * world):
+                assert page_ranks(layout, j, owner, world) == page_ranks(layout, j % world, owner, world)
     with pytest.raises(ValueError, match="layout"):
         page_ranks("ep", 0, 0, world)
 
