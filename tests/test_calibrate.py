@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from splash.calibration.fidelity import evaluate, format_table, repeatability, summarize
+from splash.calibration.fidelity import evaluate, format_summary, format_table, repeatability, summarize
 from splash.calibration.fit import Observation, fit_theta, nnls
 from splash.calibration.grid import GridPoint, default_grid, parse_points, quick_grid, split_holdout
 from splash.calibration.measure import Timing, pages_needed
@@ -252,6 +252,8 @@ def test_points_within_two_standard_errors_are_tied_but_still_count():
     assert s.hit_rate == 0 and s.tied == 1 and np.isnan(s.hit_rate_decisive)
     assert json.loads(json.dumps(s.to_dict()))["hit_rate_decisive"] is None
     assert "tie" in format_table([row], list(pred))
+    text = format_summary(s)
+    assert "no decisive point" in text and "nan" not in text
 
 
 def test_repeatability_compares_the_two_halves_of_the_repetitions():

@@ -141,8 +141,9 @@ def format_summary(s: Summary, label: str = "") -> str:
     return (f"{tag}{s.points} held-out points: predicted best == measured best in {s.hit_rate:.0%} "
             f"(target >= 80%); chosen layout within 10% of the best in {s.within_10:.0%}; regret mean "
             f"{s.mean_regret:.1%}, max {s.max_regret:.1%}; step-time error (rel. RMSE) {s.rel_rmse:.1%}; "
-            f"best two layouts tied (gap < 2 standard errors) at {s.tied:.0%} of the points; hit rate on "
-            f"the {decisive} decisive ones {s.hit_rate_decisive:.0%}")
+            f"best two layouts tied (gap < 2 standard errors) at {s.tied:.0%} of the points; "
+            + (f"hit rate on the {decisive} decisive ones {s.hit_rate_decisive:.0%}" if decisive
+               else "no decisive point"))
 
 
 def repeatability(timings: Mapping[tuple[str, GridPoint], Timing], points: Sequence[GridPoint],
