@@ -74,9 +74,9 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            from splash.progress import progress_bar
 
-            bar = tqdm(total=len(items), desc="generating", unit="req")
+            bar = progress_bar(len(items), "generating", "req")
         try:
             for rid, (text, toks), p in zip(ids, items, params):
                 eng.add_request(rid, prompt=text, params=p, prompt_token_ids=toks)

@@ -490,3 +490,30 @@ def test_switch_executor_on_one_rank_is_a_noop_switch() -> None:
         ex.before_layer(i)
     assert ex.finish().freed == []
     assert set(WEIGHT_KEYS) == set(model.layers[0].self_attn.head_tensors())
+
+
+def test_corrupt_manifest_page_ids_give_the_clear_error_not_an_index_error() -> None:
+    """A move or free naming a page past the request's table is the core/placement disagreement
+    error (with the request named), never a bare IndexError from numpy."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from splash.manifest import PageFree, PageMove
+    from splash.switch.planner import _kv_pairs
+
+    live = [LiveRequest(req_id=7, context=32, owner=0, pages=[[0, 1], [-1, -1]])]
+    old = np.array([[0, 1], [-1, -1]])
+    new = np.array([[0, 1], [2, 3]])
+    fresh = [np.array([[0, 0], [1, 1]])]
+
+    def manifest(moves: list, frees: list) -> SimpleNamespace:
+        return SimpleNamespace(kv_moves=lambda: moves, kv_frees=lambda: frees)
+
+    ok = [PageMove(0, (0, 1), 0, 1, 32, 0.0)]
+    pairs = _kv_pairs(manifest(ok, []), live, [new], [old], fresh, 16)
+    assert pairs[(0, 1)].tolist() == [[0, 2, 16], [1, 3, 16]]
+    with pytest.raises(RuntimeError, match="request 7, outside its 2 pages"):
+        _kv_pairs(manifest([PageMove(0, (0, 5), 0, 1, 32, 0.0)], []), live, [new], [old], fresh, 16)
+    with pytest.raises(RuntimeError, match="request 7, outside its 2 pages"):
+        _kv_pairs(manifest(ok, [PageFree(0, 0, (9,), 16, 0.0)]), live, [new], [old], fresh, 16)

@@ -236,9 +236,9 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
         vocab = ModelConfig.from_hf(resolve_model_path(args.model)).vocab_size
         prompts, outs = wl.sample(vocab)
         if not args.quiet:
-            from tqdm.auto import tqdm
+            from splash.progress import progress_bar
 
-            bar = tqdm(total=len(runs) * args.repeats, desc="bench rollout", unit="run", file=sys.stderr)
+            bar = progress_bar(len(runs) * args.repeats, "bench rollout", "run")
         every: dict[str, list[dict[str, Any]]] = {lay: [] for lay in runs}
         for rep in range(args.repeats):  # rotate the order so no layout always runs first or last
             for lay in runs[rep % len(runs):] + runs[:rep % len(runs)]:

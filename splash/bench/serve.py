@@ -160,9 +160,9 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
             if math.isfinite(a.request_rate):
                 t += rng.expovariate(a.request_rate)
         sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
-        from tqdm import tqdm
+        from splash.progress import progress_bar
 
-        bar = tqdm(total=a.num_prompts, disable=a.disable_tqdm, file=sys.stderr, desc="requests")
+        bar = progress_bar(a.num_prompts, "requests", "req", disable=a.disable_tqdm)
         start = time.perf_counter()
 
         async def send(ids: list[int], delay: float) -> RequestResult:

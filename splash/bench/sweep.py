@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from typing import Any
 
@@ -112,9 +111,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     bar = None
     if not args.no_progress:
-        from tqdm.auto import tqdm
+        from splash.progress import progress_bar
 
-        bar = tqdm(total=len(args.layouts) * len(points), desc="sweep", unit="point", file=sys.stderr)
+        bar = progress_bar(len(args.layouts) * len(points), "sweep", "point")
     results: dict[tuple[int, int], dict[str, Any]] = {pt: {} for pt in points}
     pools: dict[str, Any] = {}
     try:

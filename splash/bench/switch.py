@@ -139,10 +139,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             return dt
 
         if not args.quiet:
-            from tqdm.auto import tqdm
+            from splash.progress import progress_bar
 
-            bar = tqdm(total=args.repeats * len(dirs), desc="bench switch", unit="dir",
-                       file=sys.stderr)
+            bar = progress_bar(args.repeats * len(dirs), "bench switch", "dir")
         for a, b in dirs:  # warm-up: every direction once in each mode (first uses of each path)
             go(a)
             go(b, "blocking")

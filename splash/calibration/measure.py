@@ -203,12 +203,10 @@ def measure(points: Sequence[GridPoint], layouts: Sequence[str], ranks: int, *, 
     out: dict[tuple[str, GridPoint], Timing] = {(lay, p): Timing(lay, p) for lay in layouts for p in points}
     bar = None
     if progress:
-        import sys
 
-        from tqdm.auto import tqdm
+        from splash.progress import progress_bar
 
-        bar = tqdm(total=rounds * len(points), desc=f"calibrate {'/'.join(layouts)}", unit="pt",
-                   file=sys.stderr)
+        bar = progress_bar(rounds * len(points), f"calibrate {'/'.join(layouts)}", "pt")
     ctx = mp.get_context("spawn")
     drivers: list[_Driver] = []
     try:

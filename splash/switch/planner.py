@@ -295,6 +295,10 @@ def _kv_pairs(man: Manifest, live: Sequence[LiveRequest], tables: list[np.ndarra
     for mv in man.kv_moves():
         req, table, old = live[mv.request], tables[mv.request], olds[mv.request]
         j = np.asarray(mv.pages, dtype=np.int64)
+        width = min(old.shape[1], table.shape[1])
+        if j.size and (j.min() < 0 or j.max() >= width):
+            raise RuntimeError(f"manifest moves pages {mv.pages[:4]} of request {req.req_id}, outside its "
+                               f"{width} pages (core and placement rule disagree)")
         sp, dp = old[mv.src, j], table[mv.dst, j]
         if (sp < 0).any() or (dp < 0).any() or (old[mv.dst, j] >= 0).any():
             raise RuntimeError(f"manifest moves pages {mv.pages[:4]} of request {req.req_id} "
@@ -311,7 +315,12 @@ def _kv_pairs(man: Manifest, live: Sequence[LiveRequest], tables: list[np.ndarra
                                "disagree)")
     dropped = [np.zeros_like(g) for g in got]
     for f in man.kv_frees():
-        np.add.at(dropped[f.request][f.rank], np.asarray(f.pages, dtype=np.int64), 1)
+        j = np.asarray(f.pages, dtype=np.int64)
+        width = dropped[f.request].shape[1]
+        if j.size and (j.min() < 0 or j.max() >= width):
+            raise RuntimeError(f"manifest frees pages {f.pages[:4]} of request {live[f.request].req_id}, "
+                               f"outside its {width} pages (core and placement rule disagree)")
+        np.add.at(dropped[f.request][f.rank], j, 1)
     for i, (req, old, table) in enumerate(zip(live, olds, tables)):
         nc = dropped[i].shape[1]
         mine = ((old[:, :nc] >= 0) & (table[:, :nc] < 0)).astype(np.int64)
