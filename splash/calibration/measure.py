@@ -184,7 +184,7 @@ def _driver_main(conn: Any, layout: str, ranks: int, engine_kw: dict[str, Any], 
 
 
 def measure(points: Sequence[GridPoint], layouts: Sequence[str], ranks: int, *, model: str = "tiny",
-            dtype: str = "float32", page_size: int = 16, reps: int = 8, warmup: int = 2, rounds: int = 2,
+            dtype: str = "float32", page_size: int = 16, reps: int = 16, warmup: int = 2, rounds: int = 2,
             device: str | None = None, seed: int = 0, progress: bool = True,
             timeout_s: float = 600.0) -> dict[tuple[str, GridPoint], Timing]:
     """Timings of one forward step per (layout, point) on `ranks` ranks (see the module docstring)."""

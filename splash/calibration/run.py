@@ -65,7 +65,7 @@ def fit_and_check(timings: Mapping[tuple[str, GridPoint], Timing], points: Seque
 
 
 def calibrate(ranks: int, points: Sequence[GridPoint], *, layouts: Sequence[str] = LAYOUT_NAMES,
-              model: str = "tiny", dtype: str = "float32", page_size: int = 16, reps: int = 8,
+              model: str = "tiny", dtype: str = "float32", page_size: int = 16, reps: int = 16,
               warmup: int = 2, rounds: int = 2, device: str | None = None, profile: str | None = None,
               holdout_every: int = 3, seed: int = 0, progress: bool = True) -> Calibration:
     """Time the grid on `ranks` ranks, fit theta on 2/3 of the points, report fidelity on the rest."""
