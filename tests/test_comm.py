@@ -9,6 +9,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
+from splash.dist import shm
 from splash.dist.comm import LocalCommunicator
 from splash.dist.launch import WorkerError, free_port, resolve_launch, spawn_workers, start_workers
 
@@ -53,15 +54,20 @@ def _comm_ops(grid) -> dict:
     out["objects"] = comm.all_gather_object(("rank", r))
     comm.barrier()
     out["bytes"] = dict(comm.stats.current)
+    out["type"] = type(comm).__name__
     return out
 
 
 @pytest.mark.slow
-def test_comm_ops_on_three_gloo_ranks() -> None:
+@pytest.mark.parametrize("plane", ["shm", "gloo"])
+def test_comm_ops_on_three_ranks(plane: str, monkeypatch) -> None:
+    """The same ops and byte counts through the shared-memory data plane (the CPU default) and gloo."""
+    monkeypatch.setenv(shm.ENV, plane)  # spawned ranks inherit it
     res = run_ranks(W, _comm_ops, timeout=120)
     sizes = [2, 0, 3]
     gathered = torch.cat([_rows(j, sizes[j]) for j in range(W)])
     for r, out in enumerate(res):
+        assert out["type"] == ("ShmCommunicator" if plane == "shm" and shm.supported() else "Communicator")
         assert torch.equal(out["all_reduce"], torch.full((4, 3), 6.0, dtype=torch.float64))
         assert torch.equal(out["all_reduce_async"], torch.full((4, 3), 12.0, dtype=torch.float64))
         for k in ("gather_known", "gather_unknown", "gather_async"):
@@ -81,6 +87,53 @@ def test_comm_ops_on_three_gloo_ranks() -> None:
         sent_rows = sum(c for j, c in enumerate(_send_counts(r, W)) if j != r)
         assert b[("all_to_all", 2)] == 3 * sent_rows * 2 * 2 * 8
         assert (("broadcast_object", None) in b) == (r == 0)
+
+
+def _seeded(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    small = torch.randn(4, 3, dtype=torch.float64, generator=g)
+    return small, torch.randn(40, 3, dtype=torch.float64, generator=g)
+
+
+def _small_slots(grid) -> dict:
+    """Shared-memory collectives with 256-byte slots: messages over a slot on *any* rank go to gloo on
+    every rank (each sees every header), the rest stay in shared memory; results are the same."""
+    c = shm.attach(grid.group, grid.rank, grid.world, grid.control, timeout_s=60, slot_bytes=256)
+    r, w = grid.rank, grid.world
+    out: dict = {"none": c is None}
+    if c is None:
+        return out
+    small, big = _seeded(r)
+    out["small_sum"] = c.all_reduce(small.clone())
+    out["big_sum"] = c.all_reduce(big.clone())
+    out["after_small"] = c.fallbacks
+    rows = _rows(r, 20 if r == 0 else 1)  # 320 bytes on rank 0 only
+    out["gather"] = c.all_gather_var(rows)
+    send = [1, 12][:w] if r == 1 else [1, 1][:w]  # rank 1 sends 13 x 32 bytes
+    out["a2a"] = c.all_to_all_var(torch.cat([torch.full((n, 2, 2), 10.0 * r + j, dtype=torch.float64)
+                                             for j, n in enumerate(send)]), send)
+    out["fallbacks"] = c.fallbacks
+    c.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shm.supported(), reason="shared-memory collectives need x86-64 Linux")
+def test_shm_messages_over_a_slot_fall_back_to_gloo_on_every_rank() -> None:
+    res = run_ranks(2, _small_slots, timeout=120)
+    sums = [_seeded(r) for r in range(2)]
+    for r, out in enumerate(res):
+        assert not out["none"]
+        assert torch.equal(out["small_sum"], sums[0][0] + sums[1][0])
+        assert torch.allclose(out["big_sum"], sums[0][1] + sums[1][1], rtol=0, atol=1e-12)
+        assert out["after_small"] == 1  # the 960-byte all_reduce went to gloo, the 96-byte one did not
+        assert torch.equal(out["gather"], torch.cat([_rows(0, 20), _rows(1, 1)]))
+        expect = [torch.full(([1, 1][r] if j == 0 else [1, 12][r], 2, 2), 10.0 * j + r, dtype=torch.float64)
+                  for j in range(2)]
+        assert torch.equal(out["a2a"], torch.cat(expect))
+        assert out["fallbacks"] == 3
+    assert torch.equal(res[0]["small_sum"], res[1]["small_sum"])  # bit-identical on every rank
+    assert torch.equal(res[0]["big_sum"], res[1]["big_sum"])
 
 
 def test_local_communicator_is_identity() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from splash.dist import shm
 from splash.dist.comm import BaseCommunicator, Communicator, LocalCommunicator
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -61,6 +62,10 @@ class RankGrid:
         """Tear the groups down (safe to call twice, and on a world of one)."""
         if self._owns_pg:
             import torch.distributed as dist
+
+            close = getattr(self.comm, "close", None)
+            if close is not None:
+                close()
 
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -118,7 +123,11 @@ def init_distributed(rank: int, world: int, init_method: str | None = None,
         raise DistError(f"rank {rank}/{world}: could not join the group at {init_method}: {e}") from e
     group = dist.group.WORLD
     control = dist.new_group(backend="gloo", timeout=_td(control_timeout_s))
-    comm = Communicator(group, rank, world, device, control_group=control)
+    comm: BaseCommunicator | None = None
+    if backend == "gloo" and shm.supported():  # one host's CPU ranks: collectives through shared memory
+        comm = shm.attach(group, rank, world, control, timeout_s)
+    if comm is None:
+        comm = Communicator(group, rank, world, device, control_group=control)
     switch = None
     if switch_group:
         sw = dist.new_group(backend=backend, timeout=_td(timeout_s))

@@ -123,6 +123,8 @@ def set_data_timeout(grid: Any, timeout_s: float | None, control: bool = False) 
     """
     if timeout_s is None or grid.world == 1:
         return
+    if hasattr(grid.comm, "timeout_s"):  # the shared-memory data plane keeps its own deadline
+        grid.comm.timeout_s = float(timeout_s)
     import datetime
 
     from torch.distributed import distributed_c10d as c10d
