@@ -136,6 +136,50 @@ def test_shm_messages_over_a_slot_fall_back_to_gloo_on_every_rank() -> None:
     assert torch.equal(res[0]["big_sum"], res[1]["big_sum"])
 
 
+def _shm_edges(grid) -> dict:
+    r = grid.rank
+    out: dict = {}
+    # one rank unwilling (SPLASH_COMM=gloo there, or another host): every rank keeps gloo, nobody hangs
+    out["mixed"] = shm.attach(grid.group, r, grid.world, grid.control, timeout_s=30, enabled=(r == 0))
+    c = shm.attach(grid.group, r, grid.world, grid.control, timeout_s=30, slot_bytes=256)
+    for rows in (8, 64):  # 64 B in shared memory; 512 B through gloo's fallback
+        buf = torch.arange(2 * rows, dtype=torch.float64).reshape(rows, 2) * (r + 1)
+        col = buf[:, 0]  # a strided view: only its own elements may change
+        c.all_reduce(col)
+        out[f"strided{rows}"] = buf
+    out["int64"] = c.all_gather_var(torch.full((r + 1, 3), 7 * r, dtype=torch.int64))
+    out["bf16"] = c.all_to_all_var(torch.full((2, 4), r + 0.5, dtype=torch.bfloat16), [1, 1])
+    try:  # ranks disagree on the size: both must fail, not read each other's stale bytes
+        c.all_reduce(torch.ones(4 if r == 0 else 8, dtype=torch.float64))
+        out["mismatch"] = "no error"
+    except RuntimeError as e:
+        out["mismatch"] = str(e)
+    try:
+        c.all_reduce(torch.ones(4, dtype=torch.float64))
+        out["after"] = "no error"
+    except RuntimeError as e:
+        out["after"] = str(e)
+    c.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shm.supported(), reason="shared-memory collectives need x86-64 Linux")
+def test_shm_edges_strided_dtypes_mismatch_and_mixed_ranks() -> None:
+    res = run_ranks(2, _shm_edges, timeout=120)
+    for r, out in enumerate(res):
+        assert out["mixed"] is None
+        for rows in (8, 64):
+            base = torch.arange(2 * rows, dtype=torch.float64).reshape(rows, 2)
+            want = base * (r + 1)
+            want[:, 0] = base[:, 0] * 3  # summed over ranks 1x and 2x; column 1 untouched
+            assert torch.equal(out[f"strided{rows}"], want), rows
+        assert torch.equal(out["int64"], torch.tensor([[0] * 3, [7] * 3, [7] * 3]))
+        assert torch.equal(out["bf16"], torch.tensor([[0.5] * 4, [1.5] * 4], dtype=torch.bfloat16))
+        assert "different calls" in out["mismatch"]
+        assert "unusable" in out["after"]
+
+
 def test_local_communicator_is_identity() -> None:
     comm = LocalCommunicator()
     x = torch.randn(3, 2)

@@ -175,8 +175,9 @@ class Communicator(BaseCommunicator):
         self.stats.record("all_reduce", tag, 2 * (self.world - 1) * nbytes // self.world)
         if self.world == 1:
             return _done(t)
-        work = self._dist.all_reduce(t, group=self.group, async_op=True)
-        return Handle(work, lambda: t)
+        buf = t if t.is_contiguous() else t.contiguous()  # gloo reduces numel elements from data_ptr
+        work = self._dist.all_reduce(buf, group=self.group, async_op=True)
+        return Handle(work, lambda: t if buf is t else t.copy_(buf))
 
     def all_gather_var_async(self, t: torch.Tensor, tag: Tag = None,
                              sizes: Sequence[int] | None = None) -> Handle:

@@ -124,7 +124,7 @@ def init_distributed(rank: int, world: int, init_method: str | None = None,
     group = dist.group.WORLD
     control = dist.new_group(backend="gloo", timeout=_td(control_timeout_s))
     comm: BaseCommunicator | None = None
-    if backend == "gloo" and shm.supported():  # one host's CPU ranks: collectives through shared memory
+    if backend == "gloo":  # one host's CPU ranks: collectives through shared memory (every rank asks)
         comm = shm.attach(group, rank, world, control, timeout_s)
     if comm is None:
         comm = Communicator(group, rank, world, device, control_group=control)

@@ -28,9 +28,9 @@ import mmap
 import os
 import platform
 import sys
-import tempfile
 import time
 import uuid
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +43,7 @@ from splash.dist.stats import Tag
 SLOT_BYTES = 4 << 20  # payload bytes per rank and buffer set; larger messages go to gloo
 ENV = "SPLASH_COMM"  # "gloo" turns the shared-memory data plane off (e.g. to compare)
 _LINE = 64  # one cache line per rank flag, so flags never share a line
-_SPIN, _YIELD = 64, 4096  # busy polls, then sched_yield polls, then 20 us sleeps
+_SPIN_S, _YIELD_S = 5e-5, 1e-3  # busy-poll this long, then yield the core until this long, then sleep
 
 
 def supported() -> bool:
@@ -62,12 +62,39 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+_HDR = 5  # header words before the per-rank counts
+_OPS = {"all_reduce": 1, "all_gather": 2, "all_to_all": 3}
+
+
+def _hdr_bytes(world: int) -> int:
+    return _LINE * -(-8 * (_HDR + world) // _LINE)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode())
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return -1
+
+
 class _Segment:
     """The mapped file: flags and pids (one line per rank), then 2 buffer sets of `world` slots."""
 
     def __init__(self, fd: int, world: int, slot: int) -> None:
         self.world, self.slot = world, slot
-        self.hdr = _LINE * -(-8 * (2 + world) // _LINE)  # [payload bytes, rows, counts[world]]
+        self.hdr = _hdr_bytes(world)  # [payload bytes, rows, op, dtype, shape key, counts[world]]
         self.ctrl = _LINE * (2 * world + 2)
         self.mm = mmap.mmap(fd, self.nbytes(world, slot))
         self.words = np.frombuffer(self.mm, dtype=np.int64, count=self.ctrl // 8)
@@ -79,14 +106,14 @@ class _Segment:
 
         # Views made once: building a numpy or dtype view costs microseconds, a collective makes several.
         offs = [[self.ctrl + (par * world + r) * (self.hdr + slot) for r in range(world)] for par in (0, 1)]
-        self.headers = [[np.frombuffer(self.mm, dtype=np.int64, count=2 + world, offset=o) for o in row]
+        self.headers = [[np.frombuffer(self.mm, dtype=np.int64, count=_HDR + world, offset=o) for o in row]
                         for row in offs]
         self.slots = [[self.bytes[o + self.hdr:o + self.hdr + slot] for o in row] for row in offs]
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     @staticmethod
     def nbytes(world: int, slot: int) -> int:
-        return _LINE * (2 * world + 2) + 2 * world * (_LINE * -(-8 * (2 + world) // _LINE) + slot)
+        return _LINE * (2 * world + 2) + 2 * world * (_hdr_bytes(world) + slot)
 
     def typed(self, par: int, r: int, dtype: torch.dtype) -> torch.Tensor:
         """Rank r's whole slot of buffer set `par` as a flat tensor of `dtype`."""
@@ -97,13 +124,11 @@ class _Segment:
         return v
 
     def close(self) -> None:
+        """Drop this object's views. The mapping itself is never closed by hand: torch views keep the
+        mmap alive, and unmapping under a live view would crash a reader; it goes with the last view."""
         self.words = self.flags = self.pids = self.token = None  # type: ignore[assignment]
         self.bytes = self.headers = self.slots = None  # type: ignore[assignment]
         self._typed.clear()
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
-            pass
 
 
 class ShmCommunicator(Communicator):
@@ -114,56 +139,75 @@ class ShmCommunicator(Communicator):
         super().__init__(group, rank, world, "cpu", control_group=control_group, stats=stats)
         self.seg, self.timeout_s, self._k = seg, float(timeout_s), 0
         self.fallbacks = 0  # collectives that went to gloo because a message exceeded a slot
+        self.check_pids = True  # off when a peer lives in another PID namespace (its pid means nothing here)
+        self._broken: str | None = None  # after a timeout, dead peer or mismatch: call numbers no longer pair
 
     # ---- the protocol ---------------------------------------------------------------------------
-    def _publish(self, t: torch.Tensor, rows: int, counts: Sequence[int] | None) -> tuple[int, bool]:
-        """Write header + payload (if it fits) for the next call, raise the flag, wait for everyone.
-        Returns (buffer set, whether every rank's payload fit)."""
+    def _publish(self, op: str, t: torch.Tensor, rows: int, counts: Sequence[int] | None) -> tuple[int, bool]:
+        """Write header + payload (if it fits) for the next call, raise the flag, wait for everyone,
+        check that every rank made the same call. Returns (buffer set, whether every payload fit)."""
+        if self._broken is not None:
+            raise RuntimeError(f"rank {self.rank}: the shared-memory group is unusable after: {self._broken}")
         self._k += 1
         k, par, seg = self._k, self._k & 1, self.seg
         n = t.numel()
         nbytes = n * t.element_size()
         hdr = seg.headers[par][self.rank]
-        hdr[0], hdr[1] = nbytes, rows
+        # what every rank must agree on: the op, the dtype, and the shape (all_reduce) or row size
+        key = n if op == "all_reduce" else _row_bytes(t)
+        hdr[0], hdr[1], hdr[2], hdr[3], hdr[4] = nbytes, rows, _OPS[op], _dtype_code(t.dtype), key
         if counts is not None:
-            hdr[2:] = counts
+            hdr[_HDR:] = counts
         if nbytes <= seg.slot and n:
             seg.typed(par, self.rank, t.dtype)[:n].view(t.shape).copy_(t)
         seg.flags[self.rank] = k
         self._wait(k)
-        fits = max(int(h[0]) for h in seg.headers[par]) <= seg.slot
+        heads = seg.headers[par]
+        if any(int(h[2]) != _OPS[op] or int(h[3]) != hdr[3] or int(h[4]) != key for h in heads):
+            seen = [(int(h[2]), int(h[4])) for h in heads]
+            self._broken = (f"collective #{k}: ranks made different calls (op code, size per rank: {seen}; "
+                            f"this rank: {op} of {tuple(t.shape)} {t.dtype})")
+            raise RuntimeError(f"rank {self.rank}: {self._broken}")
+        fits = max(int(h[0]) for h in heads) <= seg.slot
         if not fits:
             self.fallbacks += 1
         return par, fits
 
     def _wait(self, k: int) -> None:
+        """Until every flag reaches k: poll the first lagging rank (one scalar read), spinning for
+        ~50 us, then yielding the core until ~1 ms, then sleeping 50 us doubling to 0.5 ms - so a rank
+        waiting out a long prefill on another rank costs little CPU on a 2-core machine."""
         flags = self.seg.flags
-        if (flags >= k).all():
-            return
-        t0 = time.monotonic()
-        check = t0 + 0.5
-        n = 0
-        while not (flags >= k).all():
-            n += 1
-            if n > _YIELD:
-                time.sleep(2e-5)
-            elif n > _SPIN:
-                os.sched_yield()
-            if n % 256 == 0:
+        t0 = check = 0.0
+        nap = 5e-5
+        for r in range(self.world):
+            while flags[r] < k:
                 now = time.monotonic()
+                if not t0:
+                    t0, check = now, now + 0.5
+                waited = now - t0
+                if waited < _SPIN_S:
+                    continue
+                if waited < _YIELD_S:
+                    os.sched_yield()
+                    continue
+                time.sleep(nap)
+                nap = min(2 * nap, 5e-4)
                 if now >= check:
                     check = now + 0.5
                     self._check_peers(k)
-                if now - t0 > self.timeout_s:
-                    late = [r for r in range(self.world) if flags[r] < k]
-                    raise RuntimeError(f"rank {self.rank}: ranks {late} did not reach collective #{k} in "
-                                       f"{self.timeout_s:g} s (a rank hung or left the step)")
+                if waited > self.timeout_s:
+                    late = [j for j in range(self.world) if flags[j] < k]
+                    self._broken = f"ranks {late} did not reach collective #{k} in {self.timeout_s:g} s"
+                    raise RuntimeError(f"rank {self.rank}: {self._broken} (a rank hung or left the step)")
 
     def _check_peers(self, k: int) -> None:
+        if not self.check_pids:
+            return
         for r in range(self.world):
             if r != self.rank and self.seg.flags[r] < k and not _alive(int(self.seg.pids[r])):
-                raise RuntimeError(f"rank {self.rank}: rank {r} (pid {int(self.seg.pids[r])}) exited while "
-                                   f"this rank waited in collective #{k}")
+                self._broken = f"rank {r} (pid {int(self.seg.pids[r])}) exited during collective #{k}"
+                raise RuntimeError(f"rank {self.rank}: {self._broken}")
 
     def _rows(self, par: int, r: int, like: torch.Tensor, rows: int, first: int = 0) -> torch.Tensor:
         """Rows [first, first + rows) of rank r's payload, shaped like `like`'s rows (a view)."""
@@ -174,7 +218,7 @@ class ShmCommunicator(Communicator):
     # ---- tensors --------------------------------------------------------------------------------
     def all_reduce_async(self, t: torch.Tensor, tag: Tag = None) -> Handle:
         nbytes = t.numel() * t.element_size()
-        par, fits = self._publish(t, 0, None)
+        par, fits = self._publish("all_reduce", t, 0, None)
         if not fits:
             return super().all_reduce_async(t, tag)
         self.stats.record("all_reduce", tag, 2 * (self.world - 1) * nbytes // self.world)
@@ -193,7 +237,7 @@ class ShmCommunicator(Communicator):
             sizes = self._check_counts(sizes, "sizes")
             if sizes[self.rank] != n:
                 raise ValueError(f"rank {self.rank}: sizes say {sizes[self.rank]} rows, tensor has {n}")
-        par, fits = self._publish(t, n, None)
+        par, fits = self._publish("all_gather", t, n, None)
         got = [int(h[1]) for h in self.seg.headers[par]]
         if sizes is not None and got != sizes:
             raise ValueError(f"sizes {sizes} disagree with the rows the ranks sent, {got}")
@@ -208,8 +252,8 @@ class ShmCommunicator(Communicator):
         send = self._check_counts(send_counts, "send_counts")
         if sum(send) != t.shape[0]:
             raise ValueError(f"send_counts {send} sum to {sum(send)}, tensor has {t.shape[0]} rows")
-        par, fits = self._publish(t, int(t.shape[0]), send)
-        every = [h[2:].tolist() for h in self.seg.headers[par]]
+        par, fits = self._publish("all_to_all", t, int(t.shape[0]), send)
+        every = [h[_HDR:].tolist() for h in self.seg.headers[par]]
         recv = [every[j][self.rank] for j in range(self.world)]
         if recv_counts is not None and self._check_counts(recv_counts, "recv_counts") != recv:
             raise ValueError(f"rank {self.rank}: recv_counts {list(recv_counts)} disagree with what the "
@@ -221,59 +265,70 @@ class ShmCommunicator(Communicator):
         return _done(torch.cat(parts))
 
     def close(self) -> None:
+        self._broken = "the communicator was closed"
         self.seg.close()
 
 
 def attach(group: Any, rank: int, world: int, control_group: Any, timeout_s: float,
-           slot_bytes: int = SLOT_BYTES) -> ShmCommunicator | None:
-    """Every rank calls this once, at start-up: rank 0 creates the segment file (in /dev/shm), the
-    others map it and check a random token, all agree, and rank 0 unlinks the file (the mappings stay,
-    so nothing is left behind even if a rank dies later). None on every rank if any rank cannot map
-    it - e.g. ranks on different hosts - and the caller keeps gloo."""
+           slot_bytes: int = SLOT_BYTES, enabled: bool | None = None) -> ShmCommunicator | None:
+    """Every gloo rank calls this once, at start-up, whether or not it can use shared memory (so the
+    two control-plane collectives here always pair up): rank 0 creates the segment file in /dev/shm
+    and reserves its pages (a full /dev/shm fails here, not with SIGBUS mid-run), the others map it and
+    check a random token and the host's boot id, all agree, and rank 0 unlinks the file (the mappings
+    stay, so nothing is left behind even if a rank dies later). None on every rank if any rank cannot
+    or will not use it (other host, SPLASH_COMM=gloo, not x86-64 Linux): the caller keeps gloo."""
     import torch.distributed as dist
 
+    if slot_bytes <= 0 or slot_bytes % _LINE:
+        raise ValueError(f"slot_bytes must be a positive multiple of {_LINE}, got {slot_bytes}")
+    enabled = supported() if enabled is None else enabled
     seg: _Segment | None = None
     ok, path, msg = False, None, None
-    if rank == 0:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = os.path.join(base, f"splash-comm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        if rank == 0 and enabled and os.path.isdir("/dev/shm"):
+            path = os.path.join("/dev/shm", f"splash-comm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
             try:
-                os.ftruncate(fd, _Segment.nbytes(world, slot_bytes))
-                seg = _Segment(fd, world, slot_bytes)
-            finally:
-                os.close(fd)
-            token = np.frombuffer(os.urandom(16), dtype=np.int64)
-            seg.token[:] = token
-            msg: Any = (path, token.tolist())
-        except OSError:
-            msg = None
-    out = [msg]
-    dist.broadcast_object_list(out, src=0, group=control_group)
-    msg = out[0]
-    if msg is not None and rank != 0:
-        try:
-            fd = os.open(msg[0], os.O_RDWR)
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, _Segment.nbytes(world, slot_bytes))
+                    os.posix_fallocate(fd, 0, _Segment.nbytes(world, slot_bytes))
+                    seg = _Segment(fd, world, slot_bytes)
+                finally:
+                    os.close(fd)
+                token = np.frombuffer(os.urandom(16), dtype=np.int64)
+                seg.token[:] = token
+                msg = (path, token.tolist(), slot_bytes, _boot_id())
+            except OSError:
+                seg, msg = None, None
+        out = [msg]
+        dist.broadcast_object_list(out, src=0, group=control_group)
+        msg = out[0]
+        if enabled and msg is not None and rank != 0 and msg[2] == slot_bytes and msg[3] == _boot_id():
             try:
-                seg = _Segment(fd, world, slot_bytes)
-            finally:
-                os.close(fd)
-        except (OSError, ValueError):
-            seg = None
-    if seg is not None and msg is not None:
-        ok = seg.token.tolist() == msg[1]
-        if ok:
-            seg.pids[rank] = os.getpid()
-    oks: list[Any] = [None] * world
-    dist.all_gather_object(oks, ok, group=control_group)
-    if rank == 0 and path is not None:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    if not all(oks):
+                fd = os.open(msg[0], os.O_RDWR)
+                try:
+                    seg = _Segment(fd, world, slot_bytes)
+                finally:
+                    os.close(fd)
+            except (OSError, ValueError):
+                seg = None
+        if seg is not None and msg is not None:
+            ok = seg.token.tolist() == msg[1]
+            if ok:
+                seg.pids[rank] = os.getpid()
+        mine = (ok, _pid_ns())
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine, group=control_group)
+    finally:
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if not all(e[0] for e in every):
         if seg is not None:
             seg.close()
         return None
-    return ShmCommunicator(seg, group, rank, world, control_group, timeout_s)
+    comm = ShmCommunicator(seg, group, rank, world, control_group, timeout_s)
+    comm.check_pids = len({e[1] for e in every}) == 1  # pids are comparable within one PID namespace
+    return comm
