@@ -14,8 +14,8 @@ Noise control (the machine may be shared): the layouts take turns *step by step*
 each layout, in an order that rotates every repetition - so a burst of load from another process
 lands on all layouts alike instead of on whichever was being measured. Untimed warm-up steps per
 layout and point come first; `rounds` passes repeat the grid. The statistic is the median over all
-timings of a (layout, point): one step of a 2-rank CPU engine varies by 15-40% (interquartile range /
-median) on a shared VM, mostly in the wake-ups of its gloo collectives, so the estimate needs many
+timings of a (layout, point): one step of a 2-rank CPU engine varies by 10-40% (interquartile range /
+median) on a shared VM (other processes take turns on its cores), so the estimate needs many
 steps; its standard error (`Timing.se`) says how decisive a comparison between layouts is.
 """
 

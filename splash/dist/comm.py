@@ -1,7 +1,8 @@
 """The one place layers talk to other ranks.
 
 Layouts call a `Communicator`, never torch.distributed: the same layer code then runs on one rank
-(`LocalCommunicator`, no torch.distributed at all), on gloo (CPU) or on NCCL (CUDA), and every byte
+(`LocalCommunicator`, no torch.distributed at all), on gloo (CPU; `ShmCommunicator` in shm.py moves the
+step's tensors through shared memory when the ranks share a host) or on NCCL (CUDA), and every byte
 sent is counted per (op, layer tag) in a `CommStats` (see stats.py for the counting convention).
 
 Tensors exchanged are split along dim 0 ("rows"); trailing dims must agree on every rank.
