@@ -2,8 +2,9 @@
 
 The asyncio side never takes a lock the engine thread holds during a step: requests and aborts are
 posted as commands, results come back through `loop.call_soon_threadsafe`. So a slow step never
-stalls the HTTP event loop, and a slow client never stalls the engine (snapshots are cumulative, a
-lagging consumer simply reads several in a row).
+stalls the HTTP event loop, and a slow client never stalls the engine nor grows its memory: snapshots
+are cumulative, so each request keeps only its newest unread one (a lagging consumer gets the tokens
+of several steps at once, as vLLM merges outputs when the consumer falls behind).
 """
 
 from __future__ import annotations
@@ -31,7 +32,30 @@ class EngineDeadError(EngineError):
     """The engine was shut down; no request can run any more."""
 
 
-_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+class _Mailbox:
+    """One request's newest unread snapshot, or the error that ended it (lives on the consumer's loop).
+
+    A new snapshot replaces an unread one - it contains it - so a client that stops reading holds one
+    snapshot, not one per step. An error is never replaced: it is what the consumer must see next."""
+
+    def __init__(self) -> None:
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self._item, BaseException):
+            self._item = item
+            self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._item = self._item, None
+        assert item is not None
+        return item
+
+
+_Stream = tuple[asyncio.AbstractEventLoop, _Mailbox]
 
 
 class AsyncEngine:
@@ -130,7 +154,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running; use a unique id")
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        q = _Mailbox()
         self._streams[request_id] = (loop, q)
         self._cmds.put(("add", (request_id, list(prompt_token_ids), params)))
         finished = False
@@ -164,7 +188,7 @@ class AsyncEngine:
             return
         loop, q = stream
         try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            loop.call_soon_threadsafe(q.put, item)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening
             self._streams.pop(request_id, None)
 

@@ -235,7 +235,9 @@ class Serving:
                 async for out in g:
                     yield 0, out
             return
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        # Bounded: when the client stops reading, the pumps stop too and each request's mailbox in the
+        # engine keeps only its newest snapshot (an unbounded queue here would keep every step's).
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(len(prompts))
 
         async def pump(i: int) -> None:
             try:
