@@ -67,10 +67,6 @@ class Headroom:
     weight_headroom_bytes: list[float] | None = None  # free device bytes outside the pool, if known
 
     @property
-    def free_pages(self) -> list[int]:
-        return [t - u for t, u in zip(self.total_pages, self.used_pages)]
-
-    @property
     def peak_pages(self) -> list[int]:
         return [u + n for u, n in zip(self.used_pages, self.new_pages)]
 
