@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import pytest
@@ -51,6 +52,9 @@ def _comm_ops(grid) -> dict:
     out["a2a_async"] = comm.all_to_all_var_async(t, send, tag=2, recv_counts=recv).wait()
     plan = {"step": 7, "rows": list(range(r + 5))} if r == 0 else None
     out["bcast"] = comm.broadcast_object(plan, src=0)
+    big = {"rows": list(range(20000))} if r == 1 else None  # > OBJ_INLINE: needs the second broadcast
+    out["bcast_big"] = comm.broadcast_object(big, src=1)
+    out["bcast_after"] = comm.broadcast_object(("small", r) if r == 2 else None, src=2)
     out["objects"] = comm.all_gather_object(("rank", r))
     comm.barrier()
     out["bytes"] = dict(comm.stats.current)
@@ -79,6 +83,7 @@ def test_comm_ops_on_three_ranks(plane: str, monkeypatch) -> None:
         for k in ("a2a_known", "a2a_unknown", "a2a_async"):
             assert torch.equal(out[k], expect), k
         assert out["bcast"] == {"step": 7, "rows": [0, 1, 2, 3, 4]}
+        assert out["bcast_big"] == {"rows": list(range(20000))} and out["bcast_after"] == ("small", 2)
         assert out["objects"] == [("rank", j) for j in range(W)]
         # Bytes: counted by the convention in splash/dist/stats.py, recomputed here by hand.
         b = out["bytes"]
@@ -86,7 +91,9 @@ def test_comm_ops_on_three_ranks(plane: str, monkeypatch) -> None:
         assert b[("all_gather", 1)] == 3 * sizes[r] * 2 * 8 * (W - 1) + 2 * 2 * 4 * (W - 1)
         sent_rows = sum(c for j, c in enumerate(_send_counts(r, W)) if j != r)
         assert b[("all_to_all", 2)] == 3 * sent_rows * 2 * 2 * 8
-        assert (("broadcast_object", None) in b) == (r == 0)
+        sent = [{"step": 7, "rows": [0, 1, 2, 3, 4]}, {"rows": list(range(20000))}, ("small", 2)][r]
+        nbytes = len(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+        assert b[("broadcast_object", None)] == nbytes * (W - 1)
 
 
 def _seeded(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

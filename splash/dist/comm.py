@@ -20,6 +20,8 @@ import torch
 
 from splash.dist.stats import CommStats, Tag
 
+OBJ_INLINE = 16 << 10  # broadcast_object bytes that travel in its first (and usually only) broadcast
+
 
 class Handle:
     """An in-flight collective; `wait()` blocks until it is done and returns its result."""
@@ -169,6 +171,7 @@ class Communicator(BaseCommunicator):
         self.rank, self.world = int(rank), int(world)
         self.device = torch.device(device)
         self.stats = stats if stats is not None else CommStats()
+        self._obj_head = torch.zeros(8 + OBJ_INLINE, dtype=torch.uint8)  # broadcast_object's buffer
 
     # ---- tensors --------------------------------------------------------------------------------
     def all_reduce_async(self, t: torch.Tensor, tag: Tag = None) -> Handle:
@@ -244,22 +247,34 @@ class Communicator(BaseCommunicator):
 
     # ---- control plane --------------------------------------------------------------------------
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        """Send a picklable object from `src` to every rank (e.g. the step plan); returns it."""
+        """Send a picklable object from `src` to every rank (e.g. the step plan); returns it.
+
+        One broadcast of a fixed buffer (length + the first OBJ_INLINE bytes) carries a typical step
+        plan whole; only a larger object needs a second broadcast for the rest. On gloo every
+        collective costs a fixed ~0.5 ms whatever its size, so this halves the per-step control cost."""
         dist = self._dist
+        head = self._obj_head
         if self.rank == src:
             payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            size = torch.tensor([len(payload)], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, group=self.control_group, group_src=src)
-        n = int(size.item())
-        if self.rank == src:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            n = len(payload)
+            head[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+            k = min(n, OBJ_INLINE)
+            head[8:8 + k] = torch.frombuffer(bytearray(payload[:k]), dtype=torch.uint8)
             self.stats.record("broadcast_object", None, n * (self.world - 1))
-        else:
-            data = torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(data, group=self.control_group, group_src=src)
-        return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
+        dist.broadcast(head, group=self.control_group, group_src=src)
+        n = int(head[:8].view(torch.int64).item())
+        if n > OBJ_INLINE:
+            if self.rank == src:
+                rest = torch.frombuffer(bytearray(payload[OBJ_INLINE:]), dtype=torch.uint8)
+            else:
+                rest = torch.empty(n - OBJ_INLINE, dtype=torch.uint8)
+            dist.broadcast(rest, group=self.control_group, group_src=src)
+        if self.rank == src:
+            return obj
+        data = head[8:8 + min(n, OBJ_INLINE)].numpy().tobytes()
+        if n > OBJ_INLINE:
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order (diagnostics and tests; pickles over gloo)."""
