@@ -16,6 +16,7 @@ from splash.dist.launch import WorkerError, free_port, resolve_launch, spawn_wor
 
 pytestmark = pytest.mark.timeout(180)
 
+SHM = shm.supported() and os.path.isdir("/dev/shm")  # where attach can map a segment
 W = 3  # odd world: catches code that silently assumes powers of two
 
 
@@ -71,7 +72,7 @@ def test_comm_ops_on_three_ranks(plane: str, monkeypatch) -> None:
     sizes = [2, 0, 3]
     gathered = torch.cat([_rows(j, sizes[j]) for j in range(W)])
     for r, out in enumerate(res):
-        usable = plane == "shm" and shm.supported() and os.path.isdir("/dev/shm")
+        usable = plane == "shm" and SHM
         assert out["type"] == ("ShmCommunicator" if usable else "Communicator")
         assert torch.equal(out["all_reduce"], torch.full((4, 3), 6.0, dtype=torch.float64))
         assert torch.equal(out["all_reduce_async"], torch.full((4, 3), 12.0, dtype=torch.float64))
@@ -126,7 +127,7 @@ def _small_slots(grid) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not shm.supported(), reason="shared-memory collectives need x86-64 Linux")
+@pytest.mark.skipif(not SHM, reason="shared-memory collectives need x86-64 Linux and /dev/shm")
 def test_shm_messages_over_a_slot_fall_back_to_gloo_on_every_rank() -> None:
     res = run_ranks(2, _small_slots, timeout=120)
     sums = [_seeded(r) for r in range(2)]
@@ -172,7 +173,7 @@ def _shm_edges(grid) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not shm.supported(), reason="shared-memory collectives need x86-64 Linux")
+@pytest.mark.skipif(not SHM, reason="shared-memory collectives need x86-64 Linux and /dev/shm")
 def test_shm_edges_strided_dtypes_mismatch_and_mixed_ranks() -> None:
     res = run_ranks(2, _shm_edges, timeout=120)
     for r, out in enumerate(res):
