@@ -17,6 +17,7 @@ from splash.dist.launch import WorkerError, free_port, resolve_launch, spawn_wor
 pytestmark = pytest.mark.timeout(180)
 
 SHM = shm.supported() and os.path.isdir("/dev/shm")  # where attach can map a segment
+needs_shm = pytest.mark.skipif(not SHM, reason="shared-memory collectives need x86-64 Linux and /dev/shm")
 W = 3  # odd world: catches code that silently assumes powers of two
 
 
@@ -127,7 +128,7 @@ def _small_slots(grid) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SHM, reason="shared-memory collectives need x86-64 Linux and /dev/shm")
+@needs_shm
 def test_shm_messages_over_a_slot_fall_back_to_gloo_on_every_rank() -> None:
     res = run_ranks(2, _small_slots, timeout=120)
     sums = [_seeded(r) for r in range(2)]
@@ -173,7 +174,7 @@ def _shm_edges(grid) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SHM, reason="shared-memory collectives need x86-64 Linux and /dev/shm")
+@needs_shm
 def test_shm_edges_strided_dtypes_mismatch_and_mixed_ranks() -> None:
     res = run_ranks(2, _shm_edges, timeout=120)
     for r, out in enumerate(res):

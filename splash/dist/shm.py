@@ -24,6 +24,7 @@ are alive (a dead peer raises at once) and gives up after the group's collective
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import platform
@@ -70,6 +71,7 @@ def _hdr_bytes(world: int) -> int:
     return _LINE * -(-8 * (_HDR + world) // _LINE)
 
 
+@functools.cache
 def _dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode())
 
@@ -217,12 +219,11 @@ class ShmCommunicator(Communicator):
 
     # ---- tensors --------------------------------------------------------------------------------
     def all_reduce_async(self, t: torch.Tensor, tag: Tag = None) -> Handle:
-        nbytes = t.numel() * t.element_size()
+        n = t.numel()
         par, fits = self._publish("all_reduce", t, 0, None)
         if not fits:
             return super().all_reduce_async(t, tag)
-        self.stats.record("all_reduce", tag, 2 * (self.world - 1) * nbytes // self.world)
-        n = t.numel()
+        self.stats.record("all_reduce", tag, 2 * (self.world - 1) * n * t.element_size() // self.world)
         if n:
             views = [self.seg.typed(par, r, t.dtype)[:n].view(t.shape) for r in range(self.world)]
             t.copy_(views[0])  # the same order on every rank: bit-identical sums everywhere
@@ -245,7 +246,7 @@ class ShmCommunicator(Communicator):
             return super().all_gather_var_async(t, tag, got)
         self.stats.record("all_gather", tag, n * _row_bytes(t) * (self.world - 1))
         parts = [self._rows(par, r, t, got[r]) for r in range(self.world)]
-        return _done(torch.cat(parts) if parts else t)
+        return _done(torch.cat(parts))
 
     def all_to_all_var_async(self, t: torch.Tensor, send_counts: Sequence[int], tag: Tag = None,
                              recv_counts: Sequence[int] | None = None) -> Handle:
