@@ -55,6 +55,9 @@ class Theta:
     collectives: dict[str, float] | None = None  # collectives per attention layer, per layout
     #                     (None: COLLECTIVES; calibration fits them as effective counts in `latency` units,
     #                     since an all-to-all and an all-reduce do not cost one latency alike)
+    t_req: float = 0.0  # seconds per request with rows this step, outside attention and layout-independent
+    #                     (per-request step work: positions, page tables, sampling; 0 in the paper's
+    #                     profiles, measured by `splash calibrate` on this runtime)
     link_bw_by_layout: dict[str, float] | None = None  # bytes/s of each layout's collectives (None:
     #                     link_bw for all; calibration fits one per layout: all-reduce, all-gather and
     #                     all-to-all move their bytes at different rates)
@@ -68,7 +71,7 @@ class Theta:
                 raise ConfigError(f"theta: {f} must be > 0, got {getattr(self, f)}")
         if not 0 <= float(self.expert_frac) <= 1:
             raise ConfigError(f"theta: expert_frac must be in [0, 1], got {self.expert_frac}")
-        for f in ("latency", "t0", "t_row", "t_experts", "reserve_bytes"):
+        for f in ("latency", "t0", "t_row", "t_experts", "reserve_bytes", "t_req"):
             if float(getattr(self, f)) < 0:
                 raise ConfigError(f"theta: {f} must be >= 0, got {getattr(self, f)}")
         eta = {Layout.parse(k).label: float(v) for k, v in dict(self.eta).items()}
@@ -283,7 +286,7 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
     comm = ld.comm_bytes / theta.link_bw_of(layout)
     delta = theta.latency * ld.collectives
     exposed = max(0.0, comm - theta.eta_of(layout) * t_att)
-    total = outside_attention(theta, batch.n_rows) + L * (t_proj + t_att + delta + exposed)
+    total = outside_attention(theta, batch) + L * (t_proj + t_att + delta + exposed)
     return StepCost(layout, total, t_proj, t_att, comm, delta, exposed, L)
 
 
@@ -292,13 +295,14 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
 # rank and the [.]+ of exposed communication fixed by `theta`: least squares on measured step times
 # then fits these parameters (all >= 0) for the branches the data sit in.
 FIT_PARAMS = ("t0", "t_row", "t_experts", "inv_flops_proj", "inv_bw_weights", "inv_flops_att",
-              "inv_bw_kv", "inv_link_bw", "latency", "t_seq")
+              "inv_bw_kv", "inv_link_bw", "latency", "t_seq", "t_req")
 
 
 def theta_params(theta: Theta) -> np.ndarray:
     """Theta's linear parameters in FIT_PARAMS order (rates inverted: seconds per FLOP or byte)."""
     return np.array([theta.t0, theta.t_row, theta.t_experts, 1 / theta.flops_proj, 1 / theta.bw_weights,
-                     1 / theta.flops_att, 1 / theta.bw_kv, 1 / theta.link_bw, theta.latency, theta.t_seq])
+                     1 / theta.flops_att, 1 / theta.bw_kv, 1 / theta.link_bw, theta.latency, theta.t_seq,
+                     theta.t_req])
 
 
 def with_params(theta: Theta, params: np.ndarray, max_rate: float = 1e30) -> Theta:
@@ -312,7 +316,8 @@ def with_params(theta: Theta, params: np.ndarray, max_rate: float = 1e30) -> The
 
     d = theta.to_dict()
     d.update(t0=p[0], t_row=p[1], t_experts=p[2], flops_proj=rate(p[3]), bw_weights=rate(p[4]),
-             flops_att=rate(p[5]), bw_kv=rate(p[6]), link_bw=rate(p[7]), latency=p[8], t_seq=p[9])
+             flops_att=rate(p[5]), bw_kv=rate(p[6]), link_bw=rate(p[7]), latency=p[8], t_seq=p[9],
+             t_req=p[10])
     return Theta.from_dict({k: (float(v) if isinstance(v, np.floating) else v) for k, v in d.items()})
 
 
@@ -329,6 +334,7 @@ def step_features(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Th
     x[0] = 1.0
     x[1] = rows
     x[2] = 1.0 - (1.0 - theta.expert_frac) ** rows if rows > 0 else 0.0
+    x[10] = _active(batch)
     att = np.zeros(len(FIT_PARAMS))  # t_att of the busiest rank, per layer
     if ld.f_proj[b] / theta.flops_proj >= ld.w_read[b] / theta.bw_weights:
         x[3] += L * ld.f_proj[b]
@@ -349,10 +355,17 @@ def step_features(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Th
     return x
 
 
-def outside_attention(theta: Theta, rows: int) -> float:
-    """Layout-independent part of a step: t0, per-row dense/MoE work, experts the rows touch."""
+def _active(batch: Batch) -> int:
+    """Requests with rows this step."""
+    return int((batch.rows > 0).sum())
+
+
+def outside_attention(theta: Theta, batch: Batch) -> float:
+    """Layout-independent part of a step: t0, per-row dense/MoE work, experts the rows touch, and
+    per-request work outside attention."""
+    rows = batch.n_rows
     touched = 1.0 - (1.0 - theta.expert_frac) ** rows if rows > 0 else 0.0
-    return theta.t0 + theta.t_row * rows + theta.t_experts * touched
+    return theta.t0 + theta.t_row * rows + theta.t_experts * touched + theta.t_req * _active(batch)
 
 
 def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: float,

@@ -29,7 +29,7 @@ PAGE = 16
 
 def _true_theta(ranks=2):
     """A CPU-like theta whose regimes differ across the grid (latency-, slice- and compute-bound)."""
-    p = [8e-3, 1e-4, 5e-3, 1 / 2e9, 1 / 5e8, 1 / 1e9, 1 / 3e9, 1 / 2e8, 1.5e-3, 2e-4]
+    p = [8e-3, 1e-4, 5e-3, 1 / 2e9, 1 / 5e8, 1 / 1e9, 1 / 3e9, 1 / 2e8, 1.5e-3, 2e-4, 3e-4]
     return with_params(runtime_prior(ranks, SIZES), np.array(p))
 
 
@@ -70,10 +70,11 @@ def test_theta_new_fields_round_trip(tmp_path):
     th.save(tmp_path / "t.json")
     assert Theta.load(tmp_path / "t.json") == th
     d = th.to_dict()
-    for k in ("t_seq", "collectives", "link_bw_by_layout"):  # files written before these fields load
+    for k in ("t_seq", "t_req", "collectives", "link_bw_by_layout"):  # files written before these load
         d.pop(k)
     old = Theta.from_dict(d)
-    assert old.t_seq == 0 and old.collectives is None and old.collectives_of(Layout.CP) == 1
+    assert old.t_seq == 0 and old.t_req == 0
+    assert old.collectives is None and old.collectives_of(Layout.CP) == 1
     assert old.link_bw_by_layout is None and old.link_bw_of(Layout.DOP) == old.link_bw
     per = Theta.from_dict({**d, "link_bw_by_layout": {"dop": 1e6}})  # unnamed layouts: link_bw
     assert per.link_bw_of(Layout.DOP) == 1e6 and per.link_bw_of(Layout.TP) == old.link_bw
@@ -86,6 +87,8 @@ def test_theta_new_fields_round_trip(tmp_path):
         Theta.from_dict({**d, "link_bw_by_layout": {"tp": 0}})
     with pytest.raises(ConfigError, match="t_seq"):
         Theta.from_dict({**d, "t_seq": -1})
+    with pytest.raises(ConfigError, match="t_req"):
+        Theta.from_dict({**d, "t_req": -1})
     with pytest.raises(ConfigError, match="collectives"):
         Theta.from_dict({**d, "collectives": {"tp": -1}})
     # t_seq prices the requests a rank attends: DP's owners split them, TP's ranks each see all
@@ -95,6 +98,15 @@ def test_theta_new_fields_round_trip(tmp_path):
     L = SIZES.layers
     assert dt[Layout.TP] == pytest.approx(L * 64 * th.t_seq, rel=0.2)
     assert dt[Layout.DP] == pytest.approx(L * 32 * th.t_seq, rel=0.2)
+    # t_req prices every request with rows this step once, whatever the layout (requests without rows
+    # cost nothing)
+    d = th.to_dict()
+    d["t_req"] = 0.0
+    no_req = Theta.from_dict(d)
+    b = Batch.make([64, 64, 64], [1, 0, 1], ranks=2)
+    for lay in LAYOUTS:
+        got = step_cost(lay, SIZES, b, th, PAGE).total - step_cost(lay, SIZES, b, no_req, PAGE).total
+        assert got == pytest.approx(2 * th.t_req)
 
 
 def old_like(th):
@@ -151,7 +163,7 @@ def test_fit_recovers_known_theta_from_noisy_synthetic_timings():
     fit = fit_theta(_synthetic(true, train, rng), SIZES, runtime_prior(2, SIZES), PAGE, per_layout_comm=False)
     assert fit.rel_rmse < 0.05
     got, want = theta_params(fit.theta), theta_params(true)
-    for name in ("t0", "latency", "t_seq", "inv_flops_att", "inv_flops_proj"):
+    for name in ("t0", "latency", "t_seq", "t_req", "inv_flops_att", "inv_flops_proj"):
         i = FIT_PARAMS.index(name)
         assert got[i] == pytest.approx(want[i], rel=0.25), name
     _check_picks(fit.theta, true, held)

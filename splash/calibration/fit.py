@@ -190,8 +190,13 @@ def _common_latency_to_t0(p: np.ndarray, names: list[str], free: np.ndarray, lay
 def starts(prior: Theta) -> list[tuple[str, Theta]]:
     """The prior, and variants whose memory (or compute) terms dominate every stage at first."""
     big = 1e30
-    mem = with_params(prior, theta_params(prior) * np.array([1, 1, 1, 1 / big, 1, 1 / big, 1, 1, 1, 1]))
-    comp = with_params(prior, theta_params(prior) * np.array([1, 1, 1, 1, 1 / big, 1, 1 / big, 1, 1, 1]))
+
+    def scaled(names: tuple[str, ...]) -> Theta:
+        factor = np.array([1 / big if n in names else 1.0 for n in FIT_PARAMS])
+        return with_params(prior, theta_params(prior) * factor)
+
+    mem = scaled(("inv_flops_proj", "inv_flops_att"))
+    comp = scaled(("inv_bw_weights", "inv_bw_kv"))
     return [("prior", prior), ("memory-bound", mem), ("compute-bound", comp)]
 
 

@@ -32,7 +32,7 @@ RUNTIME_ETA = {lay.label: 0.0 for lay in LAYOUTS}
 # default, not a measurement of *this* machine: calibrate for that.
 CPU_MEASURED = {"t0": 9.57e-3, "t_row": 0.0, "t_experts": 6.48e-3, "inv_flops_proj": 1.13e-10,
                 "inv_bw_weights": 0.0, "inv_flops_att": 5.65e-11, "inv_bw_kv": 1.15e-9,
-                "inv_link_bw": 5.83e-9, "latency": 4.4e-4, "t_seq": 2.6e-4}
+                "inv_link_bw": 5.83e-9, "latency": 4.4e-4, "t_seq": 2.6e-4, "t_req": 0.0}
 # Each layout's collectives cost differently per call and per byte (TP's all-reduce, DP's all-gather,
 # CP/DOP's all-to-alls): effective collectives per layer (TP's latency sits in t0) and link rates,
 # fitted per layout in the same runs (CP's bytes cost nothing beyond its latency).
