@@ -19,9 +19,9 @@ import pytest
 import torch
 from test_layouts_dist import LAYER, P, build_plan, full_mla, inputs
 
+import splash.attention.batched as batched_mod
 import splash.model.context as context_mod
-from splash.attention.batched import BatchedLocalLayout
-from splash.attention.local import LocalLayout
+from splash.attention.local import BatchedLocalLayout, LocalLayout
 from splash.config import PRESETS
 from splash.engine.plan import SeqSlice
 from splash.model.context import ForwardContext
@@ -136,20 +136,47 @@ def test_context_build_paths_agree(holes: bool, monkeypatch) -> None:
             row += s.num_new
 
 
+@pytest.mark.parametrize("budget", [None, 1])
 @pytest.mark.parametrize("kind,rank", [("all", 0), ("owner", 1), ("position", 0)])
-def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int) -> None:
-    # decode rows, two pairs of equal prefill chunks (batched), a lone chunk (per-slice kernel)
+def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int, budget: int | None,
+                                                   monkeypatch) -> None:
+    # decode rows (contexts 3 to 14: more than one length bucket), two pairs of equal prefill chunks, a
+    # lone chunk; CP's position shards leave holes the groups compact away. budget=1: every group is cut
+    # to single slices by the score budget.
+    if budget is not None:
+        monkeypatch.setattr(batched_mod, "_MAX_SCORES", budget)
+    groups = batched_mod.SliceBatches.__init__
+    sizes: list[list[int]] = []
+
+    def spy(self, ctx, idx, heads):
+        groups(self, ctx, idx, heads)
+        sizes.append(sorted(g.size for g in self.groups))
+
+    monkeypatch.setattr(batched_mod.SliceBatches, "__init__", spy)
     case = [(0, 6, 0), (9, 1, 1), (5, 4, 1), (13, 1, 1), (2, 1, 1), (0, 6, 1), (3, 4, 1), (1, 3, 1)]
     q_in, latent_new, hist = inputs(case, seed=3)
     mla = full_mla()
     outs, pools = [], []
     for layout in (BatchedLocalLayout(), LocalLayout()):
         seqs, pool = build_plan(case, hist, kind, 2, rank, seed=9)
+        # Every slot that is not one of this step's keys is NaN (as a freed, poisoned page would be):
+        # page padding, the tail of a slice's last page and pages the table does not name.
+        flat = pool.flat_layer(LAYER)
+        keep = torch.zeros(flat.shape[0], dtype=torch.bool)
+        for s in seqs:
+            for p in range(s.start + s.num_new):
+                page = s.pages[rank][p // P]
+                if page >= 0:
+                    keep[page * P + p % P] = True
+        flat[~keep] = float("nan")
         ctx = ForwardContext.build(seqs, kv=pool, layout=layout, rank=rank, world=2, page_size=P)
         outs.append(layout.attention(LAYER, mla, q_in, latent_new, ctx))
         pools.append(pool.data)
+    assert torch.isfinite(outs[0]).all() and torch.isfinite(outs[1]).all()
     assert (outs[0] - outs[1]).abs().max().item() < 1e-12
-    assert torch.equal(pools[0], pools[1])
+    assert torch.equal(pools[0].nan_to_num(), pools[1].nan_to_num())
+    # decodes at contexts 14, 10 | 3 (> 2x apart), chunk pairs of 6 and 4 rows, the lone 3-row chunk
+    assert sizes == ([[1] * 8] if budget == 1 else [[1, 1, 2, 2, 2]])
 
 
 def test_fused_projections_equal_separate_ones() -> None:

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from splash.attention.batched import BatchCache
 from splash.attention.kernel import attend
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.mla import MLA
@@ -22,6 +23,7 @@ class Layout(ABC):
     name: ClassVar[str]
     shards_projections: ClassVar[bool]  # True: each rank holds H/T heads' q_b/W_UK/W_UV/o_proj (TP, DOP)
     kv_ownership: ClassVar[str]  # "all" (TP), "owner" (DP, DOP) or "position" (CP: page j on rank j % T)
+    batch_slices: ClassVar[bool] = True  # attend the step's slices in batched groups (False: one by one)
 
     @abstractmethod
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
@@ -41,15 +43,38 @@ class Layout(ABC):
         slots, pos = s.key_slots()
         return ctx.kv.flat_layer(layer_idx)[slots], pos
 
+    def attend_slices(self, layer_idx: int, idx: list[int] | None, key: str, q_lat: torch.Tensor,
+                      q_pe: torch.Tensor, ctx: ForwardContext, scale: float, lse: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of the slices `idx` (positions in ctx.seqs, batch order; None: all) over the pages
+        this rank holds -> (out [n, h, d_c], lse [n, h] or None). The query rows q_lat [n, h, d_c] and
+        q_pe [n, h, d_r] are laid out slice after slice in that order; `key` names the subset for the
+        per-step cache of batched groups."""
+        if self.batch_slices:
+            cache = self.__dict__.get("_batches")
+            if cache is None:
+                cache = self.__dict__["_batches"] = BatchCache()
+            return cache.get(ctx, key, idx, q_lat.shape[1]).attend(layer_idx, q_lat, q_pe, ctx, scale, lse)
+        out = torch.empty_like(q_lat)
+        total = None
+        if lse:
+            acc = torch.float32 if q_lat.dtype in (torch.bfloat16, torch.float16) else q_lat.dtype
+            total = torch.empty(q_lat.shape[:2], dtype=acc, device=q_lat.device)
+        at = 0
+        for s in (ctx.seqs if idx is None else [ctx.seqs[k] for k in idx]):
+            keys, pos = self.keys(layer_idx, s, ctx)
+            r = slice(at, at + s.num_new)
+            o, t = attend(q_lat[r], q_pe[r], keys, pos, ctx.positions[s.rows], scale, lse=lse)
+            out[r] = o
+            if total is not None:
+                total[r] = t
+            at += s.num_new
+        return out, total
+
     def attend_held(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                     ctx: ForwardContext) -> torch.Tensor:
         """Store the step's latent, then attend every slice over the pages this rank holds, for the heads
         it holds -> [N, h, d_c]. TP and the one-rank layout are exactly this plus their output step."""
         self.write_kv(layer_idx, latent_new, ctx)
         q_lat, q_pe = mla.q_heads(q_in, ctx.positions)
-        out = torch.empty_like(q_lat)
-        for s in ctx.seqs:
-            keys, pos = self.keys(layer_idx, s, ctx)
-            r = s.rows
-            out[r] = attend(q_lat[r], q_pe[r], keys, pos, ctx.positions[r], mla.softmax_scale, lse=False)[0]
-        return out
+        return self.attend_slices(layer_idx, None, "all", q_lat, q_pe, ctx, mla.softmax_scale)[0]

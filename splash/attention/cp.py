@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from splash.attention.base import Layout
-from splash.attention.kernel import attend, merge
+from splash.attention.kernel import merge
 from splash.attention.tp import check_heads
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
@@ -36,14 +36,9 @@ class CPLayout(Layout):
         check_heads(mla, ctx, False, self.name)
         self.write_kv(layer_idx, latent_new, ctx)
         q_lat, q_pe = mla.q_heads(q_in, ctx.positions)
-        out = torch.empty_like(q_lat)
         # The kernel keeps the lse in float32 for bf16/fp16 models; so does the wire.
-        lse_dtype = torch.float32 if q_lat.dtype in (torch.bfloat16, torch.float16) else q_lat.dtype
-        lse = torch.empty(q_lat.shape[:2], dtype=lse_dtype, device=q_lat.device)
-        for s in ctx.seqs:
-            keys, pos = self.keys(layer_idx, s, ctx)
-            r = s.rows
-            out[r], lse[r] = attend(q_lat[r], q_pe[r], keys, pos, ctx.positions[r], mla.softmax_scale)
+        out, lse = self.attend_slices(layer_idx, None, "all", q_lat, q_pe, ctx, mla.softmax_scale, lse=True)
+        assert lse is not None
         world = ctx.world
         if world == 1:
             return mla.out_heads(out)

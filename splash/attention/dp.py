@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from splash.attention.base import Layout
-from splash.attention.kernel import attend
 from splash.attention.tp import check_heads
-from splash.model.context import ForwardContext, SliceCtx
+from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 
 
@@ -24,7 +23,7 @@ class OwnerRows:
 
     counts: list[int]          # counts[r] = rows owned by rank r
     order: torch.Tensor        # [N] row ids, owner 0's rows first, then owner 1's, ...
-    mine: list[SliceCtx]       # this rank's slices, batch order
+    mine: list[int]            # this rank's slices (positions in ctx.seqs), batch order
     mine_rows: torch.Tensor    # [counts[rank]] row ids of this rank's slices
 
     @classmethod
@@ -40,8 +39,9 @@ class OwnerRows:
         def lt(v: list[int]) -> torch.Tensor:
             return torch.tensor(v, dtype=torch.long, device=dev)
 
-        return cls(counts=[len(g) for g in groups], order=lt([i for g in groups for i in g]),
-                   mine=[s for s in ctx.seqs if s.owner == ctx.rank], mine_rows=lt(groups[ctx.rank]))
+        mine = [k for k, s in enumerate(ctx.seqs) if s.owner == ctx.rank]
+        return cls(counts=[len(g) for g in groups], order=lt([i for g in groups for i in g]), mine=mine,
+                   mine_rows=lt(groups[ctx.rank]))
 
 
 class OwnerRowsCache:
@@ -60,14 +60,7 @@ class OwnerRowsCache:
 def attend_owned(layer_idx: int, layout: Layout, q_lat: torch.Tensor, q_pe: torch.Tensor,
                  own: OwnerRows, ctx: ForwardContext, scale: float) -> torch.Tensor:
     """Attention of this rank's owned rows (q_* rows in `own.mine_rows` order) over its pages."""
-    out = torch.empty_like(q_lat)
-    at = 0
-    for s in own.mine:
-        keys, pos = layout.keys(layer_idx, s, ctx)
-        r = slice(at, at + s.num_new)
-        out[r] = attend(q_lat[r], q_pe[r], keys, pos, ctx.positions[s.rows], scale)[0]
-        at += s.num_new
-    return out
+    return layout.attend_slices(layer_idx, own.mine, "mine", q_lat, q_pe, ctx, scale)[0]
 
 
 class DPLayout(Layout):

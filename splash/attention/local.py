@@ -14,9 +14,12 @@ from splash.model.mla import MLA
 
 
 class LocalLayout(Layout):
+    """Slice by slice through the shared kernel: the reference every batched path is checked against."""
+
     name = "local"
     shards_projections = False
     kv_ownership = "all"
+    batch_slices = False
 
     @staticmethod
     def write_kv(layer_idx: int, latent_new: torch.Tensor, ctx: ForwardContext) -> None:
@@ -28,3 +31,10 @@ class LocalLayout(Layout):
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
         return mla.out_heads(self.attend_held(layer_idx, mla, q_in, latent_new, ctx))
+
+
+class BatchedLocalLayout(LocalLayout):
+    """The one-rank layout with its slices batched (`splash.attention.batched`): what the engine runs at
+    T = 1."""
+
+    batch_slices = True

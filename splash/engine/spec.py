@@ -73,7 +73,7 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
     if spec.world > 1:
         cfg.check_ranks(spec.world)
     if spec.world == 1:
-        from splash.attention.batched import BatchedLocalLayout
+        from splash.attention.local import BatchedLocalLayout
 
         layout = BatchedLocalLayout()  # one rank: all decode rows attended in one batched kernel
     else:
