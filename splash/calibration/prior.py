@@ -26,18 +26,19 @@ RUNTIME_COLLECTIVES = {"TP": 1.0, "DP": 1.0, "CP": 3.0, "DOP": 3.0}
 RUNTIME_ETA = {lay.label: 0.0 for lay in LAYOUTS}
 
 # The built-in CPU default: per-parameter medians of three `splash calibrate --tp 2` runs (tiny model,
-# float32, shared-memory data plane, 32 timed steps per point, per-layout communication terms) on the
-# 2-core development VM, 2026-11-29. Per-rank rates and latencies, so they carry over to other T
-# roughly; t0 / t_row / t_experts are the tiny model's and never change which layout wins. A stated
-# default, not a measurement of *this* machine: calibrate for that.
-CPU_MEASURED = {"t0": 9.57e-3, "t_row": 0.0, "t_experts": 6.48e-3, "inv_flops_proj": 1.13e-10,
-                "inv_bw_weights": 0.0, "inv_flops_att": 5.65e-11, "inv_bw_kv": 1.15e-9,
-                "inv_link_bw": 5.83e-9, "latency": 4.4e-4, "t_seq": 2.6e-4, "t_req": 0.0}
+# float32, shared-memory data plane, batched slices, 32 timed steps per point, per-layout communication
+# terms) on the 2-core development VM, 2026-11-29 (each run picked the measured best layout at 11 of 11
+# held-out points). Per-rank rates and latencies, so they carry over to other T roughly; t0 / t_row /
+# t_experts / t_req are the tiny model's and never change which layout wins. A stated default, not a
+# measurement of *this* machine: calibrate for that.
+CPU_MEASURED = {"t0": 9.0e-3, "t_row": 1.37e-5, "t_experts": 3.28e-3, "inv_flops_proj": 1.05e-10,
+                "inv_bw_weights": 0.0, "inv_flops_att": 5.48e-11, "inv_bw_kv": 1.07e-9,
+                "inv_link_bw": 3.41e-9, "latency": 4.9e-4, "t_seq": 0.0, "t_req": 3.88e-5}
 # Each layout's collectives cost differently per call and per byte (TP's all-reduce, DP's all-gather,
 # CP/DOP's all-to-alls): effective collectives per layer (TP's latency sits in t0) and link rates,
-# fitted per layout in the same runs (CP's bytes cost nothing beyond its latency).
-CPU_MEASURED_COMM = {"collectives": {"TP": 0.0, "DP": 1.06, "CP": 3.0, "DOP": 2.2},
-                     "link_bw_by_layout": {"TP": 5.55e8, "DP": 6.73e7, "CP": 1e30, "DOP": 1.72e8}}
+# fitted per layout in the same runs (CP's bytes cost almost nothing beyond its latency).
+CPU_MEASURED_COMM = {"collectives": {"TP": 0.0, "DP": 1.35, "CP": 3.0, "DOP": 2.29},
+                     "link_bw_by_layout": {"TP": 1e30, "DP": 1.81e8, "CP": 7.33e9, "DOP": 2.45e8}}
 
 
 def default_profile(device: str | None) -> str:
