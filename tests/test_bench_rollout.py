@@ -34,6 +34,19 @@ def test_workload_is_deterministic_and_heavy_tailed():
     assert sorted(o1)[len(o1) // 2] < max(o1) / 10, "most outputs short, a few long: the batch narrows"
     assert all(4 <= len(p) <= Workload().prompt_max for p in p1)
     assert QUICK.requests < Workload().requests and QUICK.longest < Workload().longest
+    # decode-heavy by default: more tokens generated than prompted, no output below the Pareto scale
+    assert sum(o1) > sum(map(len, p1)) and min(o1) >= Workload().output_scale
+
+
+def test_workload_shape_flags_and_their_errors():
+    from splash.config import ConfigError
+
+    short = Workload(output_scale=3.0, output_max=192)
+    _, o = short.sample(320)
+    assert max(o) == 192 and min(o) >= 3 and sorted(o)[len(o) // 2] < sorted(Workload().sample(320)[1])[80]
+    for bad in ({"output_scale": 0.0}, {"output_alpha": -1.0}, {"prompt_max": 3}, {"output_max": 1}):
+        with pytest.raises(ConfigError):
+            Workload(**bad)
 
 
 def test_split_wide_and_tail():

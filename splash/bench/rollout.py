@@ -13,14 +13,14 @@ and waiting requests, tokens, live KV tokens); then the phases (`splash.bench.ph
 phase while requests wait for KV, the tail after, each layout's tail step time by batch size, and
 the per-phase oracle bound that says how much any switching policy could gain on this run.
 
-The default workload is sized so both phases carry weight on a 2-core CPU at T=2 (measured,
-docs/analytics.md): a decode step there is mostly fixed overhead (~30 ms at B=1, ~1 ms more per
-request), so holding twice the requests nearly doubles the wide phase's throughput and DOP, with the
-most distinct KV, finishes it soonest; in the narrow tail DOP's two all-to-alls per layer make it
-~30-40% slower per step than DP or TP. 160 requests with outputs up to 192 tokens, and a budget whose DP
-pool holds two of the longest request per rank (DOP then holds 2.1x DP's distinct tokens, TP 1.05x),
-balance the two, so DOP, TP and DP end within a few percent of each other and only a layout change
-can win both.
+The default workload is decode-heavy, as rollouts are (more generated than prompt tokens): 160
+requests, prompts of median 48 tokens, outputs Pareto from 16 tokens with tail index 1 up to 512 (median
+~34), and a budget whose DP pool holds two of the longest request per rank (DOP then holds 1.6x DP's
+distinct tokens, TP 0.8x). On a 2-core CPU at T=2 (measured, docs/analytics.md) a decode step is mostly
+fixed overhead (~12 ms at B=1, well under 1 ms more per request), so holding more requests speeds the
+wide phase and DOP, with the most distinct KV, finishes it in about half TP's time; in the narrow tail
+DOP's all-to-alls make each step ~40% slower than TP's. Only a layout change can win both phases.
+`--quick` is a small, prefill-heavy batch for tests and smoke runs.
 """
 
 from __future__ import annotations
@@ -43,10 +43,20 @@ class Workload:
     requests: int = 160
     prompt_median: int = 48
     prompt_max: int = 192
-    output_scale: float = 3.0  # Pareto x_m: most outputs are short
+    output_scale: float = 16.0  # Pareto x_m: most outputs are short
     output_alpha: float = 1.0  # tail index: heavy
-    output_max: int = 192
+    output_max: int = 512
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        from splash.config import ConfigError
+
+        if not (self.output_scale > 0 and self.output_alpha > 0):
+            raise ConfigError(f"--output-scale and --output-alpha must be > 0, got {self.output_scale:g} "
+                              f"and {self.output_alpha:g}")
+        if self.prompt_max < 4 or self.output_max < 2:
+            raise ConfigError(f"prompts need --prompt-max >= 4 and outputs --output-max >= 2, got "
+                              f"{self.prompt_max} and {self.output_max}")
 
     def sample(self, vocab: int) -> tuple[list[list[int]], list[int]]:
         rng = np.random.default_rng(self.seed)
@@ -78,7 +88,19 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths")
     p.add_argument("--quick", action="store_true", help="a smaller workload (about a minute at T=2)")
     p.add_argument("--output-max", type=positive_int, default=None,
-                   help="cap on generated tokens per request (the tail; default 192, quick 128)")
+                   help=f"cap on generated tokens per request (the tail; default {Workload.output_max}, "
+                        f"quick {QUICK.output_max})")
+    p.add_argument("--output-scale", type=float, default=None,
+                   help=f"Pareto x_m of the output lengths: the typical short output (default "
+                        f"{Workload.output_scale:g}, quick {QUICK.output_scale:g})")
+    p.add_argument("--output-alpha", type=float, default=None,
+                   help=f"Pareto tail index of the output lengths; smaller is heavier (default "
+                        f"{Workload.output_alpha:g})")
+    p.add_argument("--prompt-median", type=positive_int, default=None,
+                   help=f"median prompt length, log-normal (default {Workload.prompt_median}, "
+                        f"quick {QUICK.prompt_median})")
+    p.add_argument("--prompt-max", type=positive_int, default=None,
+                   help=f"cap on prompt length (default {Workload.prompt_max}, quick {QUICK.prompt_max})")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="runs per layout, interleaved in rotating order; the median run counts (default 1)")
     p.add_argument("--runs", default=",".join(RUNS), help="which of tp,dp,cp,dop,auto to run")
@@ -213,11 +235,9 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
     if bad or not runs:
         raise ConfigError(f"--runs: unknown {bad}; choose from {','.join(RUNS)}")
     wl = QUICK if args.quick else Workload()
-    if args.requests is not None:
-        wl = Workload(**{**wl.__dict__, "requests": args.requests})
-    if args.output_max is not None:
-        wl = Workload(**{**wl.__dict__, "output_max": args.output_max})
-    wl = Workload(**{**wl.__dict__, "seed": args.seed})
+    given = {k: getattr(args, k, None) for k in ("requests", "output_max", "output_scale", "output_alpha",
+                                                 "prompt_median", "prompt_max")}
+    wl = Workload(**{**wl.__dict__, **{k: v for k, v in given.items() if v is not None}, "seed": args.seed})
     kv_tokens = args.kv_tokens or KV_LONGEST * wl.longest
     if kv_tokens < wl.longest:
         raise ConfigError(f"--kv-tokens {kv_tokens} cannot hold the longest request ({wl.longest} tokens) "
