@@ -142,9 +142,10 @@ def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int, budget:
                                                    monkeypatch) -> None:
     # decode rows (contexts 3 to 14: more than one length bucket), two pairs of equal prefill chunks, a
     # lone chunk; CP's position shards leave holes the groups compact away. budget=1: every group is cut
-    # to single slices by the score budget.
+    # to single slices by the score budget, and chunk masks are added per head view instead of fused.
     if budget is not None:
         monkeypatch.setattr(batched_mod, "_MAX_SCORES", budget)
+        monkeypatch.setattr(batched_mod, "_MAX_BIAS", 0)
     groups = batched_mod.SliceBatches.__init__
     sizes: list[list[int]] = []
 

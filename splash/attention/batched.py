@@ -18,6 +18,7 @@ import torch
 from splash.model.context import ForwardContext, SliceCtx
 
 _MAX_SCORES = 1 << 24  # elements of one group's [B, L*h, M] scores (a lone slice may exceed it)
+_MAX_BIAS = 1 << 22  # elements up to which a chunk group's mask is expanded over the heads (fused add)
 _MAX_PAD = 2  # a group's longest context is at most this many times its shortest
 
 
@@ -34,7 +35,7 @@ class _Group:
         dev = ctx.positions.device
         members = [seqs[k] for k in idx]
         self.size, self.q_len = len(members), members[0].num_new
-        P = ctx.page_size
+        P = members[0].page_size  # the slices' own (a hand-built context may leave ctx.page_size default)
         width = -(-max(s.end for s in members) // P)
         table = ctx.page_table
         if table is None:  # a context built by hand: tables from the plan's lists
@@ -82,11 +83,17 @@ class _Group:
         dtype = ctx.kv.dtype if ctx.kv is not None else torch.float32
         zero = torch.zeros((), dtype=dtype, device=dev)
         bias = torch.where(visible, zero, zero - float("inf"))  # additive mask: 0 visible, -inf not
+        # [B, 1, M] for decode rows (broadcast over the heads by baddbmm). Chunks: [B, L*h, M], one row per
+        # (query row, head) as the queries are laid out, fused into baddbmm while that copy is small;
+        # else [B, L, 1, M], added to the scores viewed [B, L, h, M] (an expanded copy would be as large
+        # as the scores and live for the whole step)
+        B, L, M = bias.shape
         if self.q_len == 1:
-            self.bias = bias  # [B, 1, M], broadcast over the heads
-        else:  # [B, L*h, M]: one row per (query row, head), as the queries are laid out
-            B, L, M = bias.shape
+            self.bias = bias
+        elif B * L * heads * M <= _MAX_BIAS:
             self.bias = bias[:, :, None, :].expand(B, L, heads, M).reshape(B, L * heads, M)
+        else:
+            self.bias = bias[:, :, None, :]
 
     def attend(self, layer_idx: int, q: torch.Tensor, ctx: ForwardContext, scale: float, d_c: int,
                lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -100,7 +107,12 @@ class _Group:
         if self.rows is not None:
             q = q[self.rows]
         q = q.reshape(self.size, self.q_len * h, D)
-        s = torch.baddbmm(self.bias, q, keys.transpose(1, 2), alpha=scale)  # scale * q.k + mask, [B, L*h, M]
+        if self.bias.dim() == 3:
+            s = torch.baddbmm(self.bias, q, keys.transpose(1, 2), alpha=scale)  # scale * q.k + mask
+        else:
+            s = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
+            M = s.shape[-1]
+            s = s.view(self.size, self.q_len, h, M).add_(self.bias).view(self.size, self.q_len * h, M)
         if s.dtype in (torch.bfloat16, torch.float16):
             s = s.float()
         total = torch.logsumexp(s, dim=-1).view(self.size * self.q_len, h) if lse else None
@@ -128,8 +140,8 @@ class SliceBatches:
         self.groups = []
         for n, ks in by_len.items():
             for part in _split(ks, seqs, n, heads):
-                self.groups.append(_Group(ctx, part, [local[k] for k in part], heads,
-                                          whole and len(part) == len(seqs)))
+                in_order = whole and len(part) == len(seqs)
+                self.groups.append(_Group(ctx, part, [local[k] for k in part], heads, in_order))
         self.heads = heads
 
     def attend(self, layer_idx: int, q_lat: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext,
@@ -157,12 +169,13 @@ def _split(ks: list[int], seqs: list[SliceCtx], q_len: int, heads: int) -> list[
     """Slices with `q_len` new rows, cut into groups: sorted by context, each group's longest context at
     most `_MAX_PAD` times its shortest, and its scores under `_MAX_SCORES` (kept in order if one group)."""
     order = sorted(ks, key=lambda k: seqs[k].end)
+    page = seqs[ks[0]].page_size
     parts: list[list[int]] = []
     cur: list[int] = []
     for k in order:
         end = seqs[k].end
         if cur and (end > _MAX_PAD * max(seqs[cur[0]].end, 1)
-                    or (len(cur) + 1) * q_len * heads * end > _MAX_SCORES):
+                    or (len(cur) + 1) * q_len * heads * (-(-end // page) * page) > _MAX_SCORES):
             parts.append(cur)
             cur = []
         cur.append(k)
