@@ -74,6 +74,12 @@ class Workload:
 KV_LONGEST = 2  # default budget: DP's KV per rank holds this many of the longest request
 
 QUICK = Workload(requests=48, prompt_median=32, prompt_max=96, output_scale=2.0, output_max=128)
+SHAPE_FLAGS = (("requests", int, "requests started together"),
+               ("prompt_median", int, "median prompt length, log-normal"),
+               ("prompt_max", int, "cap on prompt length"),
+               ("output_scale", float, "Pareto x_m of the output lengths: the typical short output"),
+               ("output_alpha", float, "Pareto tail index of the output lengths; smaller is heavier"),
+               ("output_max", int, "cap on generated tokens per request: the tail"))
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -83,24 +89,12 @@ def register(kinds: argparse._SubParsersAction) -> None:
                          description="Run one rollout batch under tp, dp, cp, dop and auto on the same "
                                      "ranks, requests and memory budget; compare makespan and throughput.")
     p.add_argument("--tp", type=positive_int, default=2, help="ranks T (default 2)")
-    p.add_argument("--requests", type=positive_int, default=None,
-                   help="requests started together (default 160)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and lengths")
     p.add_argument("--quick", action="store_true", help="a smaller workload (about a minute at T=2)")
-    p.add_argument("--output-max", type=positive_int, default=None,
-                   help=f"cap on generated tokens per request (the tail; default {Workload.output_max}, "
-                        f"quick {QUICK.output_max})")
-    p.add_argument("--output-scale", type=float, default=None,
-                   help=f"Pareto x_m of the output lengths: the typical short output (default "
-                        f"{Workload.output_scale:g}, quick {QUICK.output_scale:g})")
-    p.add_argument("--output-alpha", type=float, default=None,
-                   help=f"Pareto tail index of the output lengths; smaller is heavier (default "
-                        f"{Workload.output_alpha:g})")
-    p.add_argument("--prompt-median", type=positive_int, default=None,
-                   help=f"median prompt length, log-normal (default {Workload.prompt_median}, "
-                        f"quick {QUICK.prompt_median})")
-    p.add_argument("--prompt-max", type=positive_int, default=None,
-                   help=f"cap on prompt length (default {Workload.prompt_max}, quick {QUICK.prompt_max})")
+    for field, kind, what in SHAPE_FLAGS:  # the workload's shape; unset: the default or quick workload's
+        p.add_argument("--" + field.replace("_", "-"), type=positive_int if kind is int else float,
+                       default=None,
+                       help=f"{what} (default {getattr(Workload, field):g}, quick {getattr(QUICK, field):g})")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="runs per layout, interleaved in rotating order; the median run counts (default 1)")
     p.add_argument("--runs", default=",".join(RUNS), help="which of tp,dp,cp,dop,auto to run")
@@ -235,8 +229,7 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
     if bad or not runs:
         raise ConfigError(f"--runs: unknown {bad}; choose from {','.join(RUNS)}")
     wl = QUICK if args.quick else Workload()
-    given = {k: getattr(args, k, None) for k in ("requests", "output_max", "output_scale", "output_alpha",
-                                                 "prompt_median", "prompt_max")}
+    given = {k: getattr(args, k, None) for k, _, _ in SHAPE_FLAGS}
     wl = Workload(**{**wl.__dict__, **{k: v for k, v in given.items() if v is not None}, "seed": args.seed})
     kv_tokens = args.kv_tokens or KV_LONGEST * wl.longest
     if kv_tokens < wl.longest:
