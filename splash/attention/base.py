@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from splash.attention.batched import BatchCache
-from splash.attention.kernel import attend
+from splash.attention.kernel import acc_dtype, attend
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.mla import MLA
 
@@ -58,8 +58,7 @@ class Layout(ABC):
         out = torch.empty_like(q_lat)
         total = None
         if lse:
-            acc = torch.float32 if q_lat.dtype in (torch.bfloat16, torch.float16) else q_lat.dtype
-            total = torch.empty(q_lat.shape[:2], dtype=acc, device=q_lat.device)
+            total = torch.empty(q_lat.shape[:2], dtype=acc_dtype(q_lat.dtype), device=q_lat.device)
         at = 0
         for s in (ctx.seqs if idx is None else [ctx.seqs[k] for k in idx]):
             keys, pos = self.keys(layer_idx, s, ctx)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from splash.attention.kernel import acc_dtype
 from splash.model.context import ForwardContext, SliceCtx
 
 _MAX_SCORES = 1 << 24  # elements of one group's [B, L*h, M] scores (a lone slice may exceed it)
@@ -113,8 +114,7 @@ class _Group:
             s = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
             M = s.shape[-1]
             s = s.view(self.size, self.q_len, h, M).add_(self.bias).view(self.size, self.q_len * h, M)
-        if s.dtype in (torch.bfloat16, torch.float16):
-            s = s.float()
+        s = s.to(acc_dtype(s.dtype))
         total = torch.logsumexp(s, dim=-1).view(self.size * self.q_len, h) if lse else None
         p = torch.softmax(s, dim=-1).to(keys.dtype)
         o = torch.bmm(p, keys[..., :d_c]).view(self.size * self.q_len, h, d_c)
@@ -154,8 +154,7 @@ class SliceBatches:
         out = q_lat.new_empty(n, h, d_c)
         total = None
         if lse:
-            acc = torch.float32 if q_lat.dtype in (torch.bfloat16, torch.float16) else q_lat.dtype
-            total = torch.empty(n, h, dtype=acc, device=q_lat.device)
+            total = torch.empty(n, h, dtype=acc_dtype(q_lat.dtype), device=q_lat.device)
         for g in self.groups:
             o, t = g.attend(layer_idx, q, ctx, scale, d_c, lse)
             rows = g.rows if g.rows is not None else slice(None)

@@ -41,7 +41,7 @@ def attend(q_lat: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor, key_pos:
     returned in its place): only a merge of partial results (CP) needs it, and it costs a reduction
     over the scores as large as the softmax's."""
     n, h, d_c = q_lat.shape
-    acc = _acc(q_lat.dtype)
+    acc = acc_dtype(q_lat.dtype)
     if keys.shape[0] == 0:
         none = torch.full((n, h), float("-inf"), device=q_lat.device, dtype=acc) if lse else None
         return q_lat.new_zeros(n, h, d_c), none
@@ -65,5 +65,6 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
     return sum(o * wi[..., None].to(o.dtype) for o, wi in zip(outs, w))
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores, softmax and log-sum-exp are kept in: float32 for bf16/fp16, else the input's."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
