@@ -383,9 +383,13 @@ def test_planner_tables_bytes_and_accounting(world: int) -> None:
         assert isinstance(plan, SwitchPlan), plan
         man = switch_manifest(cfg, src, dst, plan.batch, world, P, "bf16")
         per_tok = cfg.latent_dim * 2
+        wire = plan.for_ranks()  # what the switching step carries: the executor's part, none of rank 0's
         for r in range(world):
             assert sum(plan.kv_send_tokens(r)) * per_tok == man.kv.send_bytes[r]
-            assert sum(plan.kv_recv_tokens(r)) * per_tok == man.kv.recv_bytes[r]
+            assert sum(wire.kv_recv_tokens(r)) * per_tok == man.kv.recv_bytes[r]
+        assert (wire.frees, wire.src_heads, wire.dst_heads, wire.weight_op) == \
+            (plan.frees, plan.src_heads, plan.dst_heads, plan.weight_op)
+        assert wire.tables == {} and wire.headroom is None and plan.tables and plan.headroom is not None
         for q in live:
             t = plan.tables[q.req_id]
             for j in range(len(t[0])):

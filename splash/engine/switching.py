@@ -412,7 +412,7 @@ class SwitchController:
             self.steps_since_switch = 0  # do not re-plan the same refused move every step
             return
         new = sw.restep(plan)
-        st.plan = dataclasses.replace(new, kind="switch", payload=sw)
+        st.plan = dataclasses.replace(new, kind="switch", payload=sw.for_ranks())
         self.pending = sw
         lay = sw.layers[0] if sw.layers else None
         per_layer = (sum(lay.weight_send_bytes) + sum(lay.kv_send_bytes)) if lay else 0.0

@@ -164,6 +164,13 @@ class SwitchPlan:
         pairs = self.kv_pairs.get((src, dst))
         return int(pairs[:, 2].sum()) if pairs is not None else 0
 
+    def for_ranks(self) -> SwitchPlan:
+        """The plan as the switching step carries it to every rank: what `SwitchExecutor` needs, without
+        rank 0's bookkeeping (tables and owners, already in the step's slices; allocations, the
+        manifest's input, headroom). It is pickled onto the step's critical path, and the tables alone
+        were two thirds of it."""
+        return dataclasses.replace(self, tables={}, owners={}, allocated=[], batch=[], headroom=None)
+
     def restep(self, plan: StepPlan) -> StepPlan:
         """The switching step's plan in the destination layout: same rows, new tables and owners."""
         seqs = []
