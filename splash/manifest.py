@@ -248,12 +248,19 @@ class Manifest:
         return StateManifest("weights", prim, tuple(recv), tuple(send), tuple(freed))
 
     # -- KV ----------------------------------------------------------------------------------------
+    @cached_property
+    def _kv_holdings(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per request: tokens per page, and which rank holds which page before and after (computed
+        once: moves, frees and the byte totals all read them, and a switch plan asks for all three)."""
+        out = []
+        for req in self.requests:
+            tok = page_tokens(req.context, self.page_size)
+            out.append((tok, held_pages(self.src.ownership, req.owner_src, len(tok), self.ranks),
+                        held_pages(self.dst.ownership, req.dst_owner, len(tok), self.ranks)))
+        return out
+
     def _kv_sets(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        req = self.requests[i]
-        tok = page_tokens(req.context, self.page_size)
-        a = held_pages(self.src.ownership, req.owner_src, len(tok), self.ranks)
-        b = held_pages(self.dst.ownership, req.dst_owner, len(tok), self.ranks)
-        return tok, a, b
+        return self._kv_holdings[i]
 
     def _source_of(self, i: int, page: np.ndarray, receiver: int) -> np.ndarray:
         """Rank that sends page(s) to `receiver`: the unique holder, or the next one cyclically."""
