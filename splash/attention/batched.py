@@ -132,7 +132,6 @@ class SliceBatches:
         for k in idx:
             local[k] = at
             at += seqs[k].num_new
-        self.rows = at
         whole = len(idx) == len(seqs) and all(local[k] == seqs[k].row_start for k in idx)
         by_len: dict[int, list[int]] = {}
         for k in idx:
@@ -142,7 +141,6 @@ class SliceBatches:
             for part in _split(ks, seqs, n, heads):
                 in_order = whole and len(part) == len(seqs)
                 self.groups.append(_Group(ctx, part, [local[k] for k in part], heads, in_order))
-        self.heads = heads
 
     def attend(self, layer_idx: int, q_lat: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext,
                scale: float, lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
