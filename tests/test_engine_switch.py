@@ -169,6 +169,49 @@ def test_all_12_directions_through_the_engine(group, ckpt):
     close(logits, {(n, pos): ref_logits[(i, pos)] for n, i in enumerate(few) for pos in range(NEW)}, "few")
 
 
+def test_leaving_dp_counts_the_replica_pages_it_returns(group, ckpt):
+    """DP withholds its replicas' pages and a switch out of DP gives them back, so DP -> TP's Eq 6 has
+    them: a batch whose final KV fits TP's pool only with those pages switches (the engine's own
+    pre-check and the planner agree; the planner used to refuse it). A budget too small for DP's
+    replicas is a clear error, not a crash."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    path, ref, _ = ckpt
+    probe = build_engine(model=path, layout="dop", rank_group=group, num_kv_pages=4, **ENGINE)
+    st = probe.stats()
+    probe.shutdown()
+    base = max(st["weight_bytes_per_rank"]) + st["kv_reserve_bytes"]
+    with pytest.raises(ConfigError, match="replicated attention projections take"):
+        build_engine(model=path, layout="dp", rank_group=group, memory_per_rank=base + 32 * 1024,
+                     switch_schedule="3:tp", **ENGINE)
+    eng = build_engine(model=path, layout="dp", rank_group=group, memory_per_rank=base + 200 * 1024,
+                       switch_schedule="3:tp", **ENGINE)
+    try:
+        dp_pages, w = eng.allocator.num_total[0], eng.switcher.weight_pages[0]
+        want = dp_pages + (w + 1) // 2  # more than DP's pool, less than TP's (the replicas' pages back)
+        prompts = PROMPTS[:4]
+        finals = [want // 4 + (i < want % 4) for i in range(4)]  # pages per request at its limit
+        assert w > 1 and sum(finals) == want and all(f * P > len(p) + NEW for f, p in zip(finals, prompts))
+        for i, (p, f) in enumerate(zip(prompts, finals)):
+            limit = SamplingParams(temperature=0.0, max_tokens=f * P - len(p), ignore_eos=True)
+            eng.add_request(str(i), prompt_token_ids=p, params=limit)
+        done, errors, fits = {}, [], None
+        while eng.has_unfinished():
+            if eng.steps == 2:
+                fits = eng.switcher.fits("tp", [s for s in eng.scheduler.running if s.pages])
+            for o in eng.step():
+                if o.finished:
+                    done[int(o.request_id)] = o.outputs[0].token_ids
+            errors += [f"step {eng.steps}: {e}" for e in accounting_errors(eng)]
+        st = eng.stats()
+    finally:
+        eng.shutdown()
+    assert fits is True
+    assert st["switch_refusals"] == 0 and st["num_switches"] == 1 and st["layout"] == "tp", st
+    assert not errors, errors[:5]
+    assert sorted(done) == [0, 1, 2, 3] and [done[i][:NEW] for i in range(4)] == ref[:4]
+
+
 def test_refused_switch_keeps_serving(group, ckpt):
     """DP -> TP needs every history on every rank: in a tight pool it is refused (Eq 5), logged, and
     the engine finishes the batch in DP with the same answer."""

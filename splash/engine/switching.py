@@ -217,6 +217,15 @@ class SwitchController:
         self.weight_pages = list(weight_pages) if weight_pages is not None else [0] * self.world
         self.withheld: list[list[int]] = [[] for _ in range(self.world)]
         if self.alloc.layout in REPLICATED and any(self.weight_pages):
+            short = [(r, a.num_pages, w) for r, (a, w) in enumerate(zip(self.alloc.ranks, self.weight_pages))
+                     if w >= a.num_pages]
+            if short:
+                r, have, w = short[0]
+                raise ConfigError(f"--memory-per-rank leaves rank {r} {have} KV pages in a sharded layout; "
+                                  f"{self.alloc.layout}'s replicated attention projections take {w} of them, "
+                                  f"which leaves no KV cache; raise --memory-per-rank by at least "
+                                  f"{(w - have + 1) * self.planner.page_bytes / 2**20:.2f} MiB, or start in "
+                                  "tp or dop")
             self.withheld = withhold(self.alloc, self.weight_pages)
         self.auto = auto
         self.policy_cfg = None
@@ -430,11 +439,13 @@ class SwitchController:
                 for seq in live]
         src = self.alloc.layout
         extra = [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
-        self.planner.reserve = extra
+        # Leaving DP/CP gives the replicas' withheld pages back at commit: dst's Eq 6 has them.
+        back = [len(w) if dst not in REPLICATED else 0 for w in self.withheld]
+        self.planner.reserve, self.planner.returned = extra, back
         try:
             return self.planner.plan(dst, reqs, mode)
         finally:
-            self.planner.reserve = [0] * self.world
+            self.planner.reserve = self.planner.returned = [0] * self.world
 
     def _projected(self, seq: Any) -> int:
         """Expected final length: the request's own limit (prompt + max_tokens, capped by the context)."""

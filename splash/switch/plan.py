@@ -65,6 +65,9 @@ class Headroom:
     in_transit_bytes: list[float]  # Delta_layer_r: one layer's incoming weights + KV (manifest)
     weight_growth_bytes: list[float]  # W_r(b) - W_r(a) over all layers
     weight_headroom_bytes: list[float] | None = None  # free device bytes outside the pool, if known
+    # pages that come back to the pool when the switch commits (the replica pages a DP/CP source
+    # withholds): the destination's steady state (Eq 6) has them, the switch itself (Eq 5) does not
+    returned_pages: list[int] | None = None
 
     @property
     def peak_pages(self) -> list[int]:
@@ -77,9 +80,15 @@ class Headroom:
     def eq5_ok(self) -> list[bool]:
         return [p + r <= t for p, r, t in zip(self.peak_pages, self.reserve_pages, self.total_pages)]
 
+    @property
+    def after_total_pages(self) -> list[int]:
+        """The pool each rank has once the switch commits (its total plus the pages returned then)."""
+        back = self.returned_pages or [0] * len(self.total_pages)
+        return [t + b for t, b in zip(self.total_pages, back)]
+
     def eq6_ok(self) -> list[bool]:
         return [a + g + r <= t for a, g, r, t in
-                zip(self.after_pages, self.growth_pages, self.reserve_pages, self.total_pages)]
+                zip(self.after_pages, self.growth_pages, self.reserve_pages, self.after_total_pages)]
 
     def weights_ok(self) -> list[bool]:
         """Projection replicas fit beside the pool: growth + one layer in transit <= headroom."""

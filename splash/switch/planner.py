@@ -65,6 +65,7 @@ class SwitchPlanner:
             self.weight_headroom = None if weight_headroom_bytes is None else list(weight_headroom_bytes)
         else:
             self.weight_headroom = [float(weight_headroom_bytes)] * T  # type: ignore[arg-type]
+        self.returned = [0] * T  # pages the next switch returns at commit (a DP/CP source's replicas)
         self.pending: dict[int, SwitchPlan] = {}
 
     @property
@@ -130,7 +131,7 @@ class SwitchPlanner:
                         reserve_pages=list(self.reserve), page_bytes=self.page_bytes,
                         in_transit_bytes=[float(x) for x in man.in_transit_bytes()],
                         weight_growth_bytes=[float(x) for x in w_growth],
-                        weight_headroom_bytes=self.weight_headroom)
+                        weight_headroom_bytes=self.weight_headroom, returned_pages=list(self.returned))
         refusal = _check_headroom(src, dst, room)
         if refusal is not None:
             return refusal
@@ -258,7 +259,7 @@ def _check_headroom(src: str, dst: str, room: Headroom) -> SwitchRefusal | None:
                    f"{room.total_pages[r] * pb:.0f} B)")
         elif name == "eq6":
             msg = (f"rank {r} would hold {room.after_pages[r]} pages + {room.growth_pages[r]} for projected "
-                   f"growth (+{room.reserve_pages[r]} reserve) of {room.total_pages[r]} in {dst}")
+                   f"growth (+{room.reserve_pages[r]} reserve) of {room.after_total_pages[r]} in {dst}")
         else:
             want = max(0.0, room.weight_growth_bytes[r]) + room.in_transit_bytes[r]
             msg = (f"rank {r} needs {want:.0f} B for projection replicas, "
