@@ -54,13 +54,13 @@ def as_requests(batch: Iterable[BatchItem], ranks: int) -> list[Request]:
         elif isinstance(item, (int, np.integer)):
             r = Request(int(item), i % ranks, i % ranks)
         else:
-            t = tuple(int(x) for x in item)
+            t = tuple(map(int, item))
             r = Request(t[0], t[1] if len(t) > 1 else i % ranks, t[2] if len(t) > 2 else None)
         if r.context < 0:
             raise ConfigError(f"request {i}: context must be >= 0, got {r.context}")
-        for o in (r.owner_src, r.dst_owner):
-            if not 0 <= o < ranks:
-                raise ConfigError(f"request {i}: owner {o} is not a rank in [0, {ranks})")
+        if not (0 <= r.owner_src < ranks and 0 <= r.dst_owner < ranks):
+            o = r.dst_owner if 0 <= r.owner_src < ranks else r.owner_src
+            raise ConfigError(f"request {i}: owner {o} is not a rank in [0, {ranks})")
         out.append(r)
     return out
 
@@ -84,6 +84,18 @@ def held_pages(ownership: Ownership, owner: int, n_pages: int, ranks: int) -> np
     else:
         held[np.arange(n_pages) % ranks, np.arange(n_pages)] = True
     return held
+
+
+def held_columns(ownership: Ownership, owners: np.ndarray, req: np.ndarray, pages: np.ndarray,
+                 ranks: int) -> np.ndarray:
+    """[T, k] bool: which rank holds each of k columns (global page `pages[c]` of request `req[c]`, whose
+    owner is `owners[req[c]]`), any mix of requests: one numpy pass for a whole batch."""
+    rank = np.arange(ranks)[:, None]
+    if ownership is Ownership.REPLICATED:
+        return np.ones((ranks, len(pages)), dtype=bool)
+    if ownership is Ownership.OWNER:
+        return rank == owners[req][None, :]
+    return rank == (pages % ranks)[None, :]
 
 
 def page_tokens(context: int, page_size: int) -> np.ndarray:
@@ -139,6 +151,48 @@ class PageFree:
 
 
 @dataclass(frozen=True)
+class KVPages:
+    """One layer's page moves and frees as flat int64 arrays, one row per page, in the order of
+    `kv_moves()` / `kv_frees()`; `*_starts` are the rows where each PageMove / PageFree begins.
+
+    A switch moves thousands of pages and the runtime planner checks every one on the switching
+    step's critical path: arrays spare it a Python object per page.
+    """
+
+    moves: np.ndarray  # [k, 4]: request, global page, sender, receiver
+    move_starts: np.ndarray  # [number of PageMoves]
+    frees: np.ndarray  # [f, 3]: request, global page, rank
+    free_starts: np.ndarray  # [number of PageFrees]
+
+    @classmethod
+    def of(cls, moves: Sequence[PageMove], frees: Sequence[PageFree]) -> KVPages:
+        """From listed moves and frees (hand-made manifests in tests)."""
+        mv = [(m.request, p, m.src, m.dst) for m in moves for p in m.pages]
+        fr = [(f.request, p, f.rank) for f in frees for p in f.pages]
+        return cls(np.array(mv, dtype=np.int64).reshape(-1, 4), _starts([len(m.pages) for m in moves]),
+                   np.array(fr, dtype=np.int64).reshape(-1, 3), _starts([len(f.pages) for f in frees]))
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE.setflags(write=False)
+
+
+def _starts(lengths: Sequence[int]) -> np.ndarray:
+    return (np.cumsum(lengths, dtype=np.int64) - np.asarray(lengths, dtype=np.int64)).reshape(-1)
+
+
+def _grouped(keys: np.ndarray, columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of `columns` stably sorted by `keys`, and where each run of equal keys starts."""
+    order = np.argsort(keys, kind="stable")
+    k = keys[order]
+    starts = np.flatnonzero(np.concatenate(([True], k[1:] != k[:-1]))) if k.size else k
+    rows = np.empty((len(keys), len(columns)), dtype=np.int64)
+    for c, col in enumerate(columns):
+        rows[:, c] = col[order]
+    return rows, starts
+
+
+@dataclass(frozen=True)
 class StateManifest:
     """One state (weights or KV) of one layer: its primitive and per-rank byte counts."""
 
@@ -178,6 +232,22 @@ class LayerManifest:
         return np.asarray(self.weights.recv_bytes) + np.asarray(self.kv.recv_bytes)
 
 
+def _runs(pages: np.ndarray, tok: np.ndarray, starts: np.ndarray) -> tuple[list[list[int]], list[int]]:
+    """Pages and token totals of each run of rows (a PageMove or PageFree each)."""
+    bounds = np.append(starts, len(pages)).tolist()
+    flat = pages.tolist()
+    csum = np.concatenate(([0], np.cumsum(tok))).tolist()
+    return ([flat[a:b] for a, b in zip(bounds, bounds[1:])],
+            [csum[b] - csum[a] for a, b in zip(bounds, bounds[1:])])
+
+
+def _per_rank(rank: np.ndarray, tokens: np.ndarray, ranks: int) -> np.ndarray:
+    """Tokens summed per rank, as float64 (np.bincount of nothing is int64 even with weights)."""
+    if not len(rank):
+        return np.zeros(ranks)
+    return np.bincount(rank, weights=tokens, minlength=ranks).astype(np.float64)
+
+
 def _classify(recv_total: float, freed_total: float, same_layout: bool, gathered: bool) -> str:
     if recv_total == 0:
         return KEEP if same_layout and freed_total == 0 else DISCARD
@@ -205,37 +275,49 @@ class Manifest:
         """Per layer: head runs each rank receives, each from the one rank that holds it.
 
         When several ranks hold a head (replicated source) the first holder after the receiver,
-        cyclically, sends it, which spreads the load.
+        cyclically, sends it, which spreads the load. They depend on the layouts and T only, so they
+        are kept in `sizes` (a switch planner asks for them at every switch).
         """
-        H, T = self.sizes.heads, self.ranks
+        return list(self.sizes.memo(("weight_moves", self.src, self.dst, self.ranks), self._weight_moves))
+
+    def _weight_moves(self) -> tuple[WeightMove, ...]:
+        H, T, projections = self.sizes.heads, self.ranks, self.sizes.projections
         src_sets = [held_heads(self.src, r, T, H) for r in range(T)]
         moves: list[WeightMove] = []
         for r in range(T):
             need = held_heads(self.dst, r, T, H) - src_sets[r]
             by_src: dict[int, list[int]] = {}
-            for h in sorted(need):
-                holder = next(((r + d) % T for d in range(1, T) if h in src_sets[(r + d) % T]), None)
-                if holder is None:  # pragma: no cover - every head is held somewhere in any layout
-                    raise AssertionError(f"head {h} held by no rank")
-                by_src.setdefault(holder, []).append(h)
+            for d in range(1, T):  # each head from its first holder after r, cyclically
+                s = (r + d) % T
+                if need & src_sets[s]:
+                    by_src[s] = sorted(need & src_sets[s])
+                    need = need - src_sets[s]
+            if need:  # pragma: no cover - every head is held somewhere in any layout
+                raise AssertionError(f"head {min(need)} held by no rank")
             for s, hs in sorted(by_src.items()):
                 for a, b in head_runs(hs):
-                    for p in self.sizes.projections:
+                    for p in projections:
                         moves.append(WeightMove(p.name, a, b, s, r, self.sizes.slice_bytes(p, range(a, b))))
-        return moves
+        return tuple(moves)
 
     def weight_frees(self) -> list[WeightFree]:
-        H, T = self.sizes.heads, self.ranks
+        return list(self.sizes.memo(("weight_frees", self.src, self.dst, self.ranks), self._weight_frees))
+
+    def _weight_frees(self) -> tuple[WeightFree, ...]:
+        H, T, projections = self.sizes.heads, self.ranks, self.sizes.projections
         out = []
         for r in range(T):
             gone = held_heads(self.src, r, T, H) - held_heads(self.dst, r, T, H)
             for a, b in head_runs(gone):
-                for p in self.sizes.projections:
+                for p in projections:
                     out.append(WeightFree(r, p.name, a, b, self.sizes.slice_bytes(p, range(a, b))))
-        return out
+        return tuple(out)
 
     @cached_property
     def weights(self) -> StateManifest:
+        return self.sizes.memo(("weights", self.src, self.dst, self.ranks), self._weights)
+
+    def _weights(self) -> StateManifest:
         T = self.ranks
         recv, send, freed = np.zeros(T), np.zeros(T), np.zeros(T)
         for m in self.weight_moves():
@@ -249,73 +331,86 @@ class Manifest:
 
     # -- KV ----------------------------------------------------------------------------------------
     @cached_property
-    def _kv_holdings(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Per request: tokens per page, and which rank holds which page before and after (computed
-        once: moves, frees and the byte totals all read them, and a switch plan asks for all three)."""
-        out = []
-        for req in self.requests:
-            tok = page_tokens(req.context, self.page_size)
-            out.append((tok, held_pages(self.src.ownership, req.owner_src, len(tok), self.ranks),
-                        held_pages(self.dst.ownership, req.dst_owner, len(tok), self.ranks)))
-        return out
+    def _kv_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every request's pages side by side: request index and global page per column, which rank
+        holds each column before and after ([T, columns] masks), and [B, 3] (context, owner before,
+        owner after) per request. One pass of numpy over the whole batch: a switch plan on the critical
+        path asks for moves, frees and byte totals."""
+        T = self.ranks
+        per_req = np.array([(r.context, r.owner_src, r.dst_owner) for r in self.requests],
+                           dtype=np.int64).reshape(-1, 3)
+        n = -(-per_req[:, 0] // self.page_size)
+        req = np.repeat(np.arange(len(n)), n)
+        page = np.arange(req.size) - np.repeat(np.cumsum(n) - n, n)
+        return (req, page, held_columns(self.src.ownership, per_req[:, 1], req, page, T),
+                held_columns(self.dst.ownership, per_req[:, 2], req, page, T), per_req)
 
-    def _kv_sets(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self._kv_holdings[i]
+    def _tokens(self, req: np.ndarray, page: np.ndarray) -> np.ndarray:
+        """Tokens in each of these pages (the last page of a history may be partial)."""
+        P = self.page_size
+        return np.minimum(P, self._kv_columns[4][req, 0] - page * P)
 
-    def _source_of(self, i: int, page: np.ndarray, receiver: int) -> np.ndarray:
-        """Rank that sends page(s) to `receiver`: the unique holder, or the next one cyclically."""
+    def _senders(self, req: np.ndarray, page: np.ndarray, receiver: np.ndarray) -> np.ndarray:
+        """Rank that sends each page to its receiver: the unique holder, or the next one cyclically."""
         own = self.src.ownership
         if own is Ownership.OWNER:
-            return np.full_like(page, self.requests[i].owner_src)
+            return self._kv_columns[4][req, 1]
         if own is Ownership.POSITION:
             return page % self.ranks
-        return np.full_like(page, (receiver + 1) % self.ranks)  # replicated: never needed
+        return (receiver + 1) % self.ranks  # replicated: never needed
+
+    @cached_property
+    def _kv_arrays(self) -> tuple[KVPages, np.ndarray, np.ndarray, bool]:
+        """(moves and frees as arrays, tokens of each move row, of each free row, whether every moved
+        page ends up on every rank). Moves are grouped by (request, receiver, sender), frees by
+        (request, rank), pages ascending within a group."""
+        T = self.ranks
+        req, page, a, b, _ = self._kv_columns
+        need, gone = b & ~a, a & ~b
+        moves = move_starts = move_tok = _NONE
+        gathered = True
+        if need.any():  # (a discard moves nothing: skip the work)
+            r, col = np.nonzero(need)  # rank-major, pages ascending within a rank
+            i, j = req[col], page[col]
+            s = self._senders(i, j, r)
+            moves, move_starts = _grouped((i * T + r) * T + s, (i, j, s, r))
+            move_tok = self._tokens(moves[:, 0], moves[:, 1])
+            gathered = not (need.any(axis=0) & ~b.all(axis=0)).any()
+        frees = free_starts = free_tok = _NONE
+        if gone.any():
+            r, col = np.nonzero(gone)
+            i = req[col]
+            frees, free_starts = _grouped(i * T + r, (i, page[col], r))
+            free_tok = self._tokens(frees[:, 0], frees[:, 1])
+        pages = KVPages(moves.reshape(-1, 4), move_starts, frees.reshape(-1, 3), free_starts)
+        return pages, move_tok, free_tok, gathered
+
+    def kv_pages(self) -> KVPages:
+        """`kv_moves()` and `kv_frees()` as flat arrays (one row per page)."""
+        return self._kv_arrays[0]
 
     def kv_moves(self) -> list[PageMove]:
         """Per layer: pages each rank receives, grouped by (request, source, receiver)."""
-        per_tok = self.sizes.kv_token_layer
-        moves: list[PageMove] = []
-        for i in range(len(self.requests)):
-            tok, a, b = self._kv_sets(i)
-            need = b & ~a
-            for r in np.flatnonzero(need.any(axis=1)):
-                pages = np.flatnonzero(need[r])
-                srcs = self._source_of(i, pages, int(r))
-                for s in np.unique(srcs):
-                    sel = pages[srcs == s]
-                    t = int(tok[sel].sum())
-                    moves.append(PageMove(i, tuple(int(p) for p in sel), int(s), int(r), t, t * per_tok))
-        return moves
+        pages, tok, _, _ = self._kv_arrays
+        rows = pages.moves
+        heads = rows[pages.move_starts].tolist()
+        return [PageMove(i, tuple(p), s, r, t, t * self.sizes.kv_token_layer)
+                for (i, _, s, r), p, t in zip(heads, *_runs(rows[:, 1], tok, pages.move_starts))]
 
     def kv_frees(self) -> list[PageFree]:
-        per_tok = self.sizes.kv_token_layer
-        out: list[PageFree] = []
-        for i in range(len(self.requests)):
-            tok, a, b = self._kv_sets(i)
-            gone = a & ~b
-            for r in np.flatnonzero(gone.any(axis=1)):
-                sel = np.flatnonzero(gone[r])
-                t = int(tok[sel].sum())
-                out.append(PageFree(int(r), i, tuple(int(p) for p in sel), t, t * per_tok))
-        return out
+        pages, _, tok, _ = self._kv_arrays
+        rows = pages.frees
+        heads = rows[pages.free_starts].tolist()
+        return [PageFree(r, i, tuple(p), t, t * self.sizes.kv_token_layer)
+                for (i, _, r), p, t in zip(heads, *_runs(rows[:, 1], tok, pages.free_starts))]
 
     @cached_property
     def kv(self) -> StateManifest:
         T, per_tok = self.ranks, self.sizes.kv_token_layer
-        recv, send, freed = np.zeros(T), np.zeros(T), np.zeros(T)
-        gathered = True
-        for i in range(len(self.requests)):
-            tok, a, b = self._kv_sets(i)
-            need, gone = b & ~a, a & ~b
-            recv += need @ tok
-            freed += gone @ tok
-            moved = need.any(axis=0)
-            if moved.any():
-                gathered = gathered and bool(b[:, moved].all())
-                for r in np.flatnonzero(need.any(axis=1)):
-                    pages = np.flatnonzero(need[r])
-                    np.add.at(send, self._source_of(i, pages, int(r)), tok[pages])
-        recv, send, freed = recv * per_tok, send * per_tok, freed * per_tok
+        pages, move_tok, free_tok, gathered = self._kv_arrays
+        recv = _per_rank(pages.moves[:, 3], move_tok, T) * per_tok
+        send = _per_rank(pages.moves[:, 2], move_tok, T) * per_tok
+        freed = _per_rank(pages.frees[:, 2], free_tok, T) * per_tok
         prim = _classify(recv.sum(), freed.sum(), self.src is self.dst, gathered)
         return StateManifest("kv", prim, tuple(recv), tuple(send), tuple(freed))
 

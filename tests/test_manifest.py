@@ -11,6 +11,7 @@ from splash.manifest import (
     ALL_GATHER,
     ALL_TO_ALL,
     DISCARD,
+    KVPages,
     kv_transfer_tokens,
     switch_manifest,
     weights_report,
@@ -150,6 +151,22 @@ def test_concrete_moves_turn_source_holdings_into_destination_holdings(seed):
             state[f.rank][0].difference_update(range(f.start, f.stop))
         for r in range(T):
             assert state[r] == _held(b, r, T, H, list(zip(ctx, o_dst)), P), (a, b, r)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kv_pages_are_the_listed_moves_and_frees_row_by_row(seed):
+    """The arrays the runtime planner checks are exactly kv_moves() / kv_frees(), page by page and in
+    order (same grouping), so checking one checks the other."""
+    rng = np.random.default_rng(100 + seed)
+    sizes = AttentionSizes(PRESETS["tiny"])
+    T, P, B = int(rng.choice([2, 4, 8])), int(rng.integers(1, 6)), int(rng.integers(0, 6))
+    batch = [(int(rng.integers(0, 40)), int(rng.integers(0, T)), int(rng.integers(0, T))) for _ in range(B)]
+    for a in LAYOUTS:
+        for b in LAYOUTS:
+            m = switch_manifest(sizes, a, b, batch, T, P)
+            got, want = m.kv_pages(), KVPages.of(m.kv_moves(), m.kv_frees())
+            for field in ("moves", "move_starts", "frees", "free_starts"):
+                assert getattr(got, field).tolist() == getattr(want, field).tolist(), (a, b, field)
 
 
 def test_owner_rebalance_within_one_layout_is_all_to_all():

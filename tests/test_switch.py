@@ -499,25 +499,30 @@ def test_switch_executor_on_one_rank_is_a_noop_switch() -> None:
 def test_corrupt_manifest_page_ids_give_the_clear_error_not_an_index_error() -> None:
     """A move or free naming a page past the request's table is the core/placement disagreement
     error (with the request named), never a bare IndexError from numpy."""
-    from types import SimpleNamespace
-
     import numpy as np
 
-    from splash.manifest import PageFree, PageMove
-    from splash.switch.planner import _kv_pairs
+    from splash.manifest import KVPages, PageFree, PageMove
+    from splash.switch.planner import _Columns, _kv_pairs
 
     live = [LiveRequest(req_id=7, context=32, owner=0, pages=[[0, 1], [-1, -1]])]
-    old = np.array([[0, 1], [-1, -1]])
+    cols = _Columns.of(live, 2, 16)
     new = np.array([[0, 1], [2, 3]])
-    fresh = [np.array([[0, 0], [1, 1]])]
+    fresh = np.array([[0, 0], [1, 1]])
 
-    def manifest(moves: list, frees: list) -> SimpleNamespace:
-        return SimpleNamespace(kv_moves=lambda: moves, kv_frees=lambda: frees)
+    def pairs(moves: list, frees: list) -> dict:
+        return _kv_pairs(KVPages.of(moves, frees), live, cols, new, fresh, 16)
 
     ok = [PageMove(0, (0, 1), 0, 1, 32, 0.0)]
-    pairs = _kv_pairs(manifest(ok, []), live, [new], [old], fresh, 16)
-    assert pairs[(0, 1)].tolist() == [[0, 2, 16], [1, 3, 16]]
+    assert pairs(ok, [])[(0, 1)].tolist() == [[0, 2, 16], [1, 3, 16]]
     with pytest.raises(RuntimeError, match="request 7, outside its 2 pages"):
-        _kv_pairs(manifest([PageMove(0, (0, 5), 0, 1, 32, 0.0)], []), live, [new], [old], fresh, 16)
+        pairs([PageMove(0, (0, 5), 0, 1, 32, 0.0)], [])
     with pytest.raises(RuntimeError, match="request 7, outside its 2 pages"):
-        _kv_pairs(manifest(ok, [PageFree(0, 0, (9,), 16, 0.0)]), live, [new], [old], fresh, 16)
+        pairs(ok, [PageFree(0, 0, (9,), 16, 0.0)])
+    with pytest.raises(RuntimeError, match="1->0, which the page tables do not allow"):
+        pairs([PageMove(0, (0, 1), 1, 0, 32, 0.0)], [])
+    with pytest.raises(RuntimeError, match=r"moves \(rank, page\) \[\[1, 1\]\] of request 7 differ"):
+        pairs([PageMove(0, (0,), 0, 1, 16, 0.0)], [])
+    with pytest.raises(RuntimeError, match=r"frees \(rank, page\) \[\[0, 1\]\] of request 7 differ"):
+        pairs(ok, [PageFree(0, 0, (1,), 16, 0.0)])
+    with pytest.raises(RuntimeError, match="names a request or rank outside"):
+        pairs([PageMove(0, (0, 1), 0, 2, 32, 0.0)], [])

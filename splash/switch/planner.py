@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import numpy as np
 
 from splash.config import ModelConfig, dtype_bytes, normalize_dtype
 from splash.engine.plan import LAYOUTS
 from splash.kv.allocator import KVAllocator, page_ranks, pages_for
-from splash.manifest import Manifest, switch_manifest
+from splash.layouts import Layout
+from splash.manifest import KVPages, Manifest, switch_manifest
+from splash.sizes import AttentionSizes
 from splash.switch.plan import MODES, Headroom, LayerSwitch, LiveRequest, SwitchPlan, SwitchRefusal
 
 SHARDED = ("tp", "dop")
@@ -59,6 +63,8 @@ class SwitchPlanner:
         self.cfg, self.alloc = cfg, alloc
         self.dtype = dtype_name(dtype)
         self.kv_dtype = dtype_name(kv_dtype if kv_dtype is not None else dtype)
+        self.sizes = AttentionSizes(cfg, self.dtype, self.kv_dtype)  # one per planner: it memoises weights
+        self._weight_ops: dict[tuple[object, ...], str] = {}
         T = alloc.world
         self.reserve = [int(reserve_pages)] * T if isinstance(reserve_pages, int) else list(reserve_pages)
         if weight_headroom_bytes is None or isinstance(weight_headroom_bytes, (list, tuple)):
@@ -93,37 +99,27 @@ class SwitchPlanner:
             raise ValueError(f"already running {src}; a switch needs a different destination")
         if mode not in MODES:
             raise ValueError(f"unknown switch mode {mode!r}; choose one of {', '.join(MODES)}")
-        self._check_live(live)
+        cols = self._check_live(live)
         free = self.alloc.num_free
-        owners = self._choose_owners(src, dst, live, free)
+        owners = self._choose_owners(src, dst, live, cols, free)
         if isinstance(owners, SwitchRefusal):
             return owners
 
         # Destination tables: keep what a rank already holds, mark what it must newly hold (-2).
-        # One [T, n] array per request (numpy: a switch covers thousands of pages, and planning sits
-        # on the switching step's critical path).
-        tables, olds, fresh, new = [], [], [], np.zeros(T, dtype=np.int64)
-        frees: list[list[int]] = [[] for _ in range(T)]
-        growth = np.zeros(T, dtype=np.int64)
-        for req, own in zip(live, owners):
-            n, m = pages_for(req.end, P), pages_for(req.final, P)
-            held = _holders(dst, m, own, T)
-            hold = held[:, :n]
-            old = _padded(req.pages, T, n)
-            mine = old >= 0
-            table = np.where(hold, np.where(mine, old, -2), -1)
-            want = hold & ~mine
-            new += want.sum(axis=1)
-            gone = mine & ~hold
-            for r in np.flatnonzero(gone.any(axis=1)):
-                frees[r].extend(old[r][gone[r]].tolist())
-            growth += held[:, n:].sum(axis=1)
-            tables.append(table)
-            olds.append(old)
-            fresh.append(want)
-        new_l, growth_l = new.tolist(), growth.tolist()
-        batch = [(req.context, req.owner if src in OWNED else 0, own) for req, own in zip(live, owners)]
-        man = switch_manifest(self.cfg, src, dst, batch, T, P, self.dtype, self.kv_dtype)
+        # Every request's table side by side in one [T, pages] array (see `_Columns`): a switch
+        # covers thousands of pages of up to hundreds of requests, on the switching step's critical path.
+        own = np.asarray(owners, dtype=np.int64)
+        old = cols.old
+        hold = _holders(dst, own[cols.req], cols.page, T)
+        mine = cols.mine
+        table = np.where(hold, np.where(mine, old, -2), -1)
+        fresh = hold & ~mine
+        gone = mine & ~hold
+        frees = [old[r, gone[r]].tolist() for r in range(T)]
+        new_l = fresh.sum(axis=1).tolist()
+        growth_l = _growth(dst, own, cols.n, cols.final, T).tolist()
+        batch = [(req.context, req.owner if src in OWNED else 0, o) for req, o in zip(live, owners)]
+        man = switch_manifest(self.sizes, Layout(src), Layout(dst), batch, T, P)
         L = self.cfg.num_hidden_layers
         w_growth = [(a - b) * L for a, b in zip(man.weights.recv_bytes, man.weights.freed_bytes)]
         room = Headroom(total_pages=self.alloc.num_total, used_pages=self.alloc.num_used, new_pages=new_l,
@@ -137,30 +133,27 @@ class SwitchPlanner:
             return refusal
 
         allocated = [self.alloc.ranks[r].alloc(new_l[r]) for r in range(T)]
-        taken = [0] * T
-        for table, want in zip(tables, fresh):
-            for r in range(T):
-                k = int(want[r].sum())
-                if k:
-                    table[r][want[r]] = allocated[r][taken[r]:taken[r] + k]
-                    taken[r] += k
+        for r in range(T):
+            if new_l[r]:
+                table[r, fresh[r]] = allocated[r]  # column order = request order, then page order
         try:
-            pairs = _kv_pairs(man, live, tables, olds, fresh, P)
-            weight_op = _weight_op(man, src, dst, T)
+            pairs = _kv_pairs(man.kv_pages(), live, cols, table, fresh, P)
+            weight_op = self._weight_op(man, src, dst)
         except Exception:
             for r in range(T):
                 self.alloc.ranks[r].free(allocated[r])
             raise
         H = self.cfg.num_attention_heads
         w, kv = man.weights, man.kv
-        layers = [LayerSwitch(lm.layer, w.primitive, kv.primitive, [float(x) for x in w.send_bytes],
-                              [float(x) for x in kv.send_bytes], [float(x) for x in w.recv_bytes],
-                              [float(x) for x in kv.recv_bytes]) for lm in man.layers]
+        # every layer moves the same bytes: its entries share one set of (read-only) lists
+        per_layer = [[float(x) for x in v] for v in (w.send_bytes, kv.send_bytes, w.recv_bytes,
+                                                    kv.recv_bytes)]
+        layers = [LayerSwitch(lm.layer, w.primitive, kv.primitive, *per_layer) for lm in man.layers]
         plan = SwitchPlan(
             plan_id=next(_ids), src=src, dst=dst, world=T, page_size=P, num_layers=L, num_heads=H, mode=mode,
             weight_op=weight_op, src_heads=[head_range(src, r, T, H) for r in range(T)],
             dst_heads=[head_range(dst, r, T, H) for r in range(T)], layers=layers, kv_pairs=pairs,
-            tables={req.req_id: t.tolist() for req, t in zip(live, tables)},
+            tables=_split(table, live, cols.off),
             owners={req.req_id: o for req, o in zip(live, owners)}, frees=frees, allocated=allocated,
             batch=batch, headroom=room)
         self.pending[plan.plan_id] = plan
@@ -190,59 +183,168 @@ class SwitchPlanner:
                                f"{self.alloc.layout}")
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _check_live(self, live: Sequence[LiveRequest]) -> None:
+    def _check_live(self, live: Sequence[LiveRequest]) -> _Columns:
+        """Raise ValueError for inconsistent requests (the first bad request, in order); return their
+        source tables side by side."""
         T, P = self.world, self.alloc.page_size
-        seen: set[int] = set()
-        count = np.zeros(T, dtype=np.int64)
-        for req in live:
-            if req.req_id in seen:
-                raise ValueError(f"request {req.req_id} listed twice")
-            seen.add(req.req_id)
-            if len(req.pages) != T or len({len(row) for row in req.pages}) != 1:
-                raise ValueError(f"request {req.req_id}: page table must have {T} rows of equal length")
-            if not 0 <= req.context <= req.end:
-                raise ValueError(f"request {req.req_id}: context {req.context} must be in "
-                                 f"[0, tokens={req.end}]")
-            have = len(req.pages[0])
-            if have < pages_for(req.context, P) or have > pages_for(req.end, P):
-                raise ValueError(f"request {req.req_id}: its table has {have} pages; it must cover the "
-                                 f"{req.context} cached tokens and not exceed {req.end} tokens")
-            if not 0 <= req.owner < T:
-                raise ValueError(f"request {req.req_id}: owner {req.owner} is not a rank in [0, {T})")
-            mine = np.asarray(req.pages, dtype=np.int64).reshape(T, have) >= 0
-            orphan = np.flatnonzero(~mine[:, :pages_for(req.context, P)].any(axis=0))
-            if orphan.size:
-                raise ValueError(f"request {req.req_id}: cached page {int(orphan[0])} is held by no rank")
-            count += mine.sum(axis=1)
-        held = count.tolist()
+        scalars = _scalars(live, P, T)
+        ok = _first_bad(live, scalars, T)
+        cols = _Columns.of(live[:ok], T, P, scalars[:ok])
+        orphan = cols.first_orphan()
+        if orphan is not None:  # an earlier request than the first bad one (only valid ones were laid out)
+            i, j = orphan
+            raise ValueError(f"request {live[i].req_id}: cached page {j} is held by no rank")
+        if ok < len(live):
+            raise ValueError(_request_error(live[ok], {req.req_id for req in live[:ok]}, T, P))
+        held = cols.mine.sum(axis=1).tolist()
         if held != self.alloc.num_used:
             raise ValueError(f"the live requests hold {held} pages per rank, the allocators have "
                              f"{self.alloc.num_used} in use; pass every request that holds pages")
+        return cols
 
-    def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest],
+    def _weight_op(self, man: Manifest, src: str, dst: str) -> str:
+        """`_weight_op`, checked once per direction: the core's weight moves and frees depend on nothing
+        but the layouts and T, and `self.sizes` memoises them, so every later manifest built on it
+        carries the very moves already checked (checking DeepSeek-V3's 128 heads on 8 ranks takes
+        1.5 ms, on the switching step's critical path)."""
+        if man.sizes is not self.sizes:
+            return _weight_op(man, src, dst, self.world)
+        key = (src, dst, man.src, man.dst, man.ranks)
+        if key not in self._weight_ops:
+            self._weight_ops[key] = _weight_op(man, src, dst, self.world)
+        return self._weight_ops[key]
+
+    def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest], cols: _Columns,
                        free: list[int]) -> list[int] | SwitchRefusal:
         """DP/DOP owners: kept from DP/DOP, else balanced by projected pages (LPT) where they fit."""
         if dst not in OWNED or src in OWNED:
             return [req.owner if src in OWNED else 0 for req in live]
-        T, P = self.world, self.alloc.page_size
+        T = self.world
         load = [0] * T
         avail = [f - r for f, r in zip(free, self.reserve)]
         owners = [0] * len(live)
-        order = sorted(range(len(live)), key=lambda i: (-pages_for(live[i].final, P), live[i].req_id))
+        final = cols.final.tolist()
+        # pages rank r lacks to own each request (everything beyond what it holds now)
+        lacks = (cols.n[:, None] - cols.held_per_request().T).tolist()
+        order = sorted(range(len(live)), key=lambda i: (-final[i], live[i].req_id))
         for i in order:
-            req = live[i]
-            n = pages_for(req.end, P)
-            # pages rank r lacks to own the request (everything beyond what it holds now)
-            need = (n - (_padded(req.pages, T, n) >= 0).sum(axis=1)).tolist()
+            req, need = live[i], lacks[i]
             fits = [r for r in range(T) if need[r] <= avail[r]]
             if not fits:
                 return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens) fits on "
                                      f"no rank as owner: free pages beyond the reserve {avail}")
             best = min(fits, key=lambda r: (load[r], -avail[r], r))
             owners[i] = best
-            load[best] += pages_for(req.final, P)
+            load[best] += final[i]
             avail[best] -= need[best]
         return owners
+
+
+# Columns of `_scalars`, and the bounds `_request_error` puts on them: _LO[k] <= _HI[k] for a valid request.
+_CONTEXT, _END, _FINAL, _OWNER, _HAVE, _CACHED_PAGES, _END_PAGES, _FINAL_PAGES, _ZERO, _LAST_RANK = range(10)
+_LO = [_ZERO, _CONTEXT, _CACHED_PAGES, _HAVE, _ZERO, _OWNER]
+_HI = [_CONTEXT, _END, _HAVE, _END_PAGES, _OWNER, _LAST_RANK]
+
+
+def _scalars(live: Sequence[LiveRequest], P: int, T: int) -> np.ndarray:
+    """[B, 10] int64 per request, the columns named above: tokens, owner, source table length, pages
+    (one numpy call: these are per-request numbers, and a numpy call costs more than a division)."""
+    rows = [(q.context, q.end, q.final, q.owner, len(q.pages[0]) if q.pages else 0, -(-q.context // P),
+             -(-q.end // P), -(-q.final // P), 0, T - 1) for q in live]
+    return np.array(rows, dtype=np.int64).reshape(len(rows), 10)
+
+
+def _first_bad(live: Sequence[LiveRequest], scalars: np.ndarray, T: int) -> int:
+    """Index of the first request `_request_error` rejects (len(live) if none), found for the whole
+    batch at once: exactly its checks, vectorised."""
+    bad = (scalars[:, _LO] > scalars[:, _HI]).any(axis=1)
+    first = int(bad.argmax()) if bad.any() else len(live)
+    seen: set[int] = set()
+    for i, q in enumerate(live[:first]):  # the checks numpy cannot do: ids seen before, table shape
+        if q.req_id in seen or len(q.pages) != T or len(set(map(len, q.pages))) != 1:
+            return i
+        seen.add(q.req_id)
+    return first
+
+
+def _request_error(req: LiveRequest, seen: set[int], T: int, P: int) -> str | None:
+    """What is wrong with one request on its own, given the ids before it (None: nothing)."""
+    if req.req_id in seen:
+        return f"request {req.req_id} listed twice"
+    seen.add(req.req_id)
+    if len(req.pages) != T or len({len(row) for row in req.pages}) != 1:
+        return f"request {req.req_id}: page table must have {T} rows of equal length"
+    if not 0 <= req.context <= req.end:
+        return f"request {req.req_id}: context {req.context} must be in [0, tokens={req.end}]"
+    have = len(req.pages[0])
+    if have < pages_for(req.context, P) or have > pages_for(req.end, P):
+        return (f"request {req.req_id}: its table has {have} pages; it must cover the "
+                f"{req.context} cached tokens and not exceed {req.end} tokens")
+    if not 0 <= req.owner < T:
+        return f"request {req.req_id}: owner {req.owner} is not a rank in [0, {T})"
+    return None
+
+
+@dataclass
+class _Columns:
+    """A batch's page tables side by side: request i has columns off[i] .. off[i+1] of every [T, pages]
+    array, one per page of its destination table (`n[i]` = pages for its `end`). Planning is then a
+    few numpy calls over the whole batch instead of dozens per request."""
+
+    context: np.ndarray  # [B] cached tokens
+    cached: np.ndarray  # [B] pages holding them
+    n: np.ndarray  # [B] pages the destination table covers (for `end` tokens)
+    final: np.ndarray  # [B] pages for the projected length (Eq 6)
+    off: np.ndarray  # [B + 1] first column of each request
+    req: np.ndarray  # [pages] request of each column
+    page: np.ndarray  # [pages] global page index of each column within its request
+    old: np.ndarray  # [T, pages] source local page ids (-1: not held, or beyond the pages it has now)
+
+    @classmethod
+    def of(cls, live: Sequence[LiveRequest], T: int, P: int, scalars: np.ndarray | None = None) -> _Columns:
+        """`live` must have passed `_request_error`; `scalars` is its `_scalars` if known."""
+        scalars = _scalars(live, P, T) if scalars is None else scalars
+        cols = [_CONTEXT, _HAVE, _CACHED_PAGES, _END_PAGES, _FINAL_PAGES]
+        context, have, cached, n, final = scalars[:, cols].T
+        off = np.zeros(len(live) + 1, dtype=np.int64)
+        np.cumsum(n, out=off[1:])
+        req = np.repeat(np.arange(len(live)), n)
+        page = np.arange(req.size) - off[req]
+        old = np.full((T, req.size), -1, dtype=np.int64)
+        # where each request's source pages go: all its columns, unless a table is shorter than `end`
+        held = int(have.sum())
+        at = slice(None) if held == req.size else (  # (have <= n request by request)
+            np.arange(held) + np.repeat(off[:-1] - (np.cumsum(have) - have), have))
+        for r in range(T):
+            old[r, at] = np.fromiter(itertools.chain.from_iterable(q.pages[r] for q in live),
+                                     dtype=np.int64, count=held)
+        return cls(context, cached, n, final, off, req, page, old)
+
+    @cached_property
+    def mine(self) -> np.ndarray:
+        """[T, pages] whether a rank holds a column's page now."""
+        return self.old >= 0
+
+    @cached_property
+    def is_cached(self) -> np.ndarray:
+        """[pages] whether a column holds cached history (the pages the manifest knows about)."""
+        return self.page < self.cached[self.req]
+
+    def first_orphan(self) -> tuple[int, int] | None:
+        """(request, page) of the first cached page no rank holds."""
+        orphan = ~self.mine.any(axis=0)
+        if orphan.any():  # (a column no rank holds is rare: a table shorter than `end`, or a corrupt one)
+            orphan &= self.is_cached
+        if not orphan.any():
+            return None
+        c = int(orphan.argmax())
+        return int(self.req[c]), int(self.page[c])
+
+    def held_per_request(self) -> np.ndarray:
+        """[T, B] source pages each rank holds of each request."""
+        held = np.zeros((self.old.shape[0], self.old.shape[1] + 1), dtype=np.int64)
+        np.cumsum(self.mine, axis=1, out=held[:, 1:])
+        return held[:, self.off[1:]] - held[:, self.off[:-1]]
 
 
 def _check_headroom(src: str, dst: str, room: Headroom) -> SwitchRefusal | None:
@@ -268,68 +370,129 @@ def _check_headroom(src: str, dst: str, room: Headroom) -> SwitchRefusal | None:
     return None
 
 
-def _holders(layout: str, n: int, owner: int, T: int) -> np.ndarray:
-    """`page_ranks` of pages 0..n-1 as a [T, n] mask (every layout's rule depends on the page index
-    only through j % T, so T columns are asked and tiled)."""
-    base = np.zeros((T, T), dtype=bool)
-    for j in range(T):
-        base[list(page_ranks(layout, j, owner, T)), j] = True
-    return np.tile(base, (1, -(-n // T)))[:, :n]
+@lru_cache(maxsize=64)
+def _placement(layout: str, T: int) -> np.ndarray:
+    """[rank, owner, j % T] bool: `page_ranks` of page j for each owner. Every layout's rule depends on
+    the page index only through j % T, so T pages per owner are asked once and reused."""
+    base = np.zeros((T, T, T), dtype=bool)
+    for owner in range(T):
+        for j in range(T):
+            base[list(page_ranks(layout, j, owner, T)), owner, j] = True
+    base.setflags(write=False)
+    return base
 
 
-def _padded(pages: list[list[int]], T: int, n: int) -> np.ndarray:
-    """A [T, n] page table (-1 beyond the pages the request has now)."""
-    out = np.full((T, n), -1, dtype=np.int64)
-    have = len(pages[0]) if pages else 0
-    if have:
-        out[:, :have] = np.asarray(pages, dtype=np.int64).reshape(T, have)[:, :n]
-    return out
+def _holders(layout: str, owners: np.ndarray, pages: np.ndarray, T: int) -> np.ndarray:
+    """`page_ranks` of (owner, page) columns as a [T, columns] mask."""
+    return _placement(layout, T).reshape(T, T * T)[:, owners * T + pages % T]
 
 
-def _kv_pairs(man: Manifest, live: Sequence[LiveRequest], tables: list[np.ndarray], olds: list[np.ndarray],
-              fresh: list[np.ndarray], P: int) -> dict[tuple[int, int], np.ndarray]:
+def _growth(layout: str, owners: np.ndarray, n: np.ndarray, final: np.ndarray, T: int) -> np.ndarray:
+    """[T] pages each rank will add for pages n .. final-1 of every request (Eq 6's projected growth),
+    counted per residue j % T without listing the pages."""
+    k = np.arange(T)
+    per_residue = (final[:, None] - k + T - 1) // T - (n[:, None] - k + T - 1) // T  # [B, j % T]
+    return (_placement(layout, T)[:, owners, :] * per_residue).sum(axis=(1, 2))
+
+
+def _split(table: np.ndarray, live: Sequence[LiveRequest], off: np.ndarray) -> dict[int, list[list[int]]]:
+    """req_id -> its [T][n] destination table, cut from the side-by-side array."""
+    rows, at = table.tolist(), off.tolist()
+    return {req.req_id: [row[a:b] for row in rows] for req, a, b in zip(live, at, at[1:])}
+
+
+def _kv_pairs(kv: KVPages, live: Sequence[LiveRequest], cols: _Columns, table: np.ndarray,
+              fresh: np.ndarray, P: int) -> dict[tuple[int, int], np.ndarray]:
     """The core's page moves in local page ids; checks them (and its frees) against the tables:
     every page a rank newly holds must arrive exactly once, from a rank that holds it, and the core's
-    frees must be exactly the pages the tables drop."""
-    parts: dict[tuple[int, int], list[np.ndarray]] = {}
-    got = [np.zeros((t.shape[0], pages_for(req.context, P)), dtype=np.int64) for req, t in zip(live, tables)]
-    for mv in man.kv_moves():
-        req, table, old = live[mv.request], tables[mv.request], olds[mv.request]
-        j = np.asarray(mv.pages, dtype=np.int64)
-        width = min(old.shape[1], table.shape[1])
-        if j.size and (j.min() < 0 or j.max() >= width):
-            raise RuntimeError(f"manifest moves pages {mv.pages[:4]} of request {req.req_id}, outside its "
-                               f"{width} pages (core and placement rule disagree)")
-        sp, dp = old[mv.src, j], table[mv.dst, j]
-        if (sp < 0).any() or (dp < 0).any() or (old[mv.dst, j] >= 0).any():
-            raise RuntimeError(f"manifest moves pages {mv.pages[:4]} of request {req.req_id} "
-                               f"{mv.src}->{mv.dst}, which the page tables do not allow (core and placement "
-                               "rule disagree)")
-        np.add.at(got[mv.request][mv.dst], j, 1)
-        n = np.minimum(P, req.context - j * P)
-        parts.setdefault((mv.src, mv.dst), []).append(np.stack([sp, dp, n], axis=1))
-    for i, (req, want) in enumerate(zip(live, fresh)):
-        bad = np.argwhere(got[i] != want[:, :got[i].shape[1]])
-        if bad.size:
-            raise RuntimeError(f"manifest moves (rank, page) {bad[:4].tolist()} of request {req.req_id} "
-                               "differ from the pages the destination tables need (core and placement rule "
-                               "disagree)")
-    dropped = [np.zeros_like(g) for g in got]
-    for f in man.kv_frees():
-        j = np.asarray(f.pages, dtype=np.int64)
-        width = dropped[f.request].shape[1]
-        if j.size and (j.min() < 0 or j.max() >= width):
-            raise RuntimeError(f"manifest frees pages {f.pages[:4]} of request {live[f.request].req_id}, "
-                               f"outside its {width} pages (core and placement rule disagree)")
-        np.add.at(dropped[f.request][f.rank], j, 1)
-    for i, (req, old, table) in enumerate(zip(live, olds, tables)):
-        nc = dropped[i].shape[1]
-        mine = ((old[:, :nc] >= 0) & (table[:, :nc] < 0)).astype(np.int64)
-        bad = np.argwhere(dropped[i] != mine)
-        if bad.size:
-            raise RuntimeError(f"manifest frees (rank, page) {bad[:4].tolist()} of request {req.req_id} "
-                               "differ from the tables' (core and placement rule disagree)")
-    return {k: np.concatenate(v) for k, v in parts.items()}
+    frees must be exactly the pages the tables drop. `table` and `fresh` are [T, pages] laid out as
+    `cols` (the destination table, and the pages a rank newly holds)."""
+    ids, T = [req.req_id for req in live], table.shape[0]
+    i, j, s, r = _checked_rows(kv.moves, (2, 3), ids, T, "moves")
+    col = _check_moves(kv, ids, cols, table, i, j, s, r)
+    _check_counts(r, col, fresh, cols, ids, "moves", "the pages the destination tables need")
+    fi, fj, fr = _checked_rows(kv.frees, (2,), ids, T, "frees")
+    out = (fj < 0) | (fj >= cols.cached[fi]) if len(fj) else fj
+    if out.any():
+        a, b = _run(kv.free_starts, len(fj), int(out.argmax()))
+        raise RuntimeError(f"manifest frees pages {tuple(fj[a:b][:4].tolist())} of request {ids[fi[a]]}, "
+                           f"outside its {cols.cached[fi[a]]} pages (core and placement rule disagree)")
+    _check_counts(fr, cols.off[fi] + fj, cols.mine & (table < 0), cols, ids, "frees", "the tables'")
+    if not len(col):
+        return {}
+    rows = np.stack([cols.old[s, col], table[r, col], np.minimum(P, cols.context[i] - j * P)], axis=1)
+    key = s * T + r
+    keys, first = np.unique(key, return_index=True)
+    return {(int(k) // T, int(k) % T): rows[key == k] for k in keys[np.argsort(first)]}
+
+
+def _checked_rows(rows: np.ndarray, ranks: tuple[int, ...], ids: list[int], T: int,
+                  what: str) -> list[np.ndarray]:
+    """The columns of the core's move / free rows, after checking they name requests and ranks that
+    exist (a corrupt manifest must give the clear error, not an IndexError or numpy's wrap-around)."""
+    if not len(rows):
+        return list(rows.T)
+    named = rows[:, [0, *ranks]]
+    bad = ((named < 0) | (named >= np.array([len(ids)] + [T] * len(ranks)))).any(axis=1)
+    if bad.any():
+        raise RuntimeError(f"manifest {what} row {rows[int(bad.argmax())].tolist()} names a request or rank "
+                           f"outside the {len(ids)} requests on {T} ranks (core and placement rule disagree)")
+    return list(rows.T)
+
+
+def _check_moves(kv: KVPages, ids: list[int], cols: _Columns, table: np.ndarray, i: np.ndarray, j: np.ndarray,
+                 s: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Each move (a run of rows) must stay inside its request's table, come from a rank that holds the
+    page, go to one that newly holds it, and carry cached history. Returns the moved columns."""
+    if not len(j):
+        return j
+    width = cols.n[i]
+    out = (j < 0) | (j >= width)
+    col = np.where(out, 0, cols.off[i] + j)
+    old = cols.old
+    if old.shape[1]:
+        deny = (old[s, col] < 0) | (table[r, col] < 0) | (old[r, col] >= 0)
+    else:
+        deny = np.zeros_like(out)
+    uncached = ~out & (j >= cols.cached[i])
+    bad = out | deny | uncached
+    if not bad.any():
+        return col
+    a, b = _run(kv.move_starts, len(j), int(bad.argmax()))
+    pages, rid = tuple(j[a:b][:4].tolist()), ids[i[a]]
+    if out[a:b].any():
+        raise RuntimeError(f"manifest moves pages {pages} of request {rid}, outside its {width[a]} pages "
+                           "(core and placement rule disagree)")
+    if deny[a:b].any():
+        raise RuntimeError(f"manifest moves pages {pages} of request {rid} {s[a]}->{r[a]}, which the page "
+                           "tables do not allow (core and placement rule disagree)")
+    raise RuntimeError(f"manifest moves pages {pages} of request {rid}, beyond its {cols.cached[i[a]]} "
+                       "cached pages (core and placement rule disagree)")
+
+
+def _run(starts: np.ndarray, rows: int, row: int) -> tuple[int, int]:
+    """[first, last + 1) rows of the move / free that `row` belongs to."""
+    g = int(np.searchsorted(starts, row, side="right")) - 1
+    return int(starts[g]), int(starts[g + 1]) if g + 1 < len(starts) else rows
+
+
+def _check_counts(rank: np.ndarray, col: np.ndarray, want: np.ndarray, cols: _Columns, ids: list[int],
+                  what: str, than: str) -> None:
+    """Per request, over its cached pages: how many of the core's rows name each (rank, column) equals
+    the tables' `want` [T, pages]."""
+    if len(rank):
+        T, N = want.shape
+        got = np.bincount(rank * N + col, minlength=T * N).reshape(T, N)
+        diff = (got != want) & cols.is_cached
+    else:
+        diff = want & cols.is_cached
+    if not diff.any():
+        return
+    i = int(cols.req[int(diff.any(axis=0).argmax())])
+    a = int(cols.off[i])
+    bad = np.argwhere(diff[:, a:a + int(cols.cached[i])])
+    raise RuntimeError(f"manifest {what} (rank, page) {bad[:4].tolist()} of request {ids[i]} differ from "
+                       f"{than} (core and placement rule disagree)")
 
 
 def _weight_op(man: Manifest, src: str, dst: str, T: int) -> str:
