@@ -298,19 +298,24 @@ class SwitchController:
         """Whether a switch to `dst` passes the planner's memory checks on the real per-rank pools:
         Eq 6 (the live batch grown to each request's limit fits `dst`, replica pages withheld in
         DP/CP) and Eq 5 (during the switch a rank holds its current pages, the new ones and, into
-        DP/CP, the replicas). Owners as the planner picks them (kept from DP/DOP, else longest first)."""
+        DP/CP, the replicas). Owners as the planner picks them (`balanced_owners`)."""
         from splash.kv.allocator import page_ranks, pages_for
+        from splash.switch.planner import balanced_owners
 
         T, P, src = self.world, self.alloc.page_size, self.alloc.layout
         cap = self.capacity(dst)
         pages = [pages_for(self._projected(seq), P) for seq in live]
+        extra = [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
         if dst in ("dp", "dop") and src in ("dp", "dop"):
             owners = [seq.owner for seq in live]
         elif dst in ("dp", "dop"):
-            owners, load = [0] * len(live), [0] * T
-            for i in sorted(range(len(live)), key=lambda i: -pages[i]):
-                r = min(range(T), key=lambda r: (load[r], r))
-                owners[i], load[r] = r, load[r] + pages[i]
+            held = [[sum(p >= 0 for p in row) for row in seq.pages] for seq in live]
+            lacks = [[len(seq.pages[0]) - h for h in hs] for seq, hs in zip(live, held)]
+            avail = [f - e for f, e in zip(self.alloc.num_free, extra)]
+            chosen = balanced_owners(pages, lacks, avail, [seq.seq_id for seq in live])
+            if isinstance(chosen, int):
+                return False
+            owners = chosen
         else:
             owners = [0] * len(live)
         need, new = [0] * T, [0] * T
@@ -323,7 +328,6 @@ class SwitchController:
                         new[r] += 1
         if any(n > c for n, c in zip(need, cap)):
             return False
-        extra = [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
         used, total = self.alloc.num_used, self.alloc.num_total
         return all(u + n + e <= t for u, n, e, t in zip(used, new, extra, total))
 

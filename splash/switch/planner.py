@@ -219,25 +219,35 @@ class SwitchPlanner:
         """DP/DOP owners: kept from DP/DOP, else balanced by projected pages (LPT) where they fit."""
         if dst not in OWNED or src in OWNED:
             return [req.owner if src in OWNED else 0 for req in live]
-        T = self.world
-        load = [0] * T
         avail = [f - r for f, r in zip(free, self.reserve)]
-        owners = [0] * len(live)
-        final = cols.final.tolist()
         # pages rank r lacks to own each request (everything beyond what it holds now)
         lacks = (cols.n[:, None] - cols.held_per_request().T).tolist()
-        order = sorted(range(len(live)), key=lambda i: (-final[i], live[i].req_id))
-        for i in order:
-            req, need = live[i], lacks[i]
-            fits = [r for r in range(T) if need[r] <= avail[r]]
-            if not fits:
-                return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens) fits on "
-                                     f"no rank as owner: free pages beyond the reserve {avail}")
-            best = min(fits, key=lambda r: (load[r], -avail[r], r))
-            owners[i] = best
-            load[best] += final[i]
-            avail[best] -= need[best]
+        owners = balanced_owners(cols.final.tolist(), lacks, avail, [req.req_id for req in live])
+        if isinstance(owners, int):
+            req = live[owners]
+            return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens) fits on "
+                                 f"no rank as owner: free pages beyond the reserve {avail}")
         return owners
+
+
+def balanced_owners(final: Sequence[int], lacks: Sequence[Sequence[int]], avail: Sequence[int],
+                    ids: Sequence[int]) -> list[int] | int:
+    """Owners for a switch into DP/DOP: longest projected (`final`) first, each onto the least-loaded
+    rank (by projected size) among those with the free pages it `lacks` there (`avail`: free pages per
+    rank). Returns the owners, or the index of the first request that fits on no rank. One rule, shared
+    by the planner and the engine's pre-check (`SwitchController.fits`), so they never disagree."""
+    T = len(avail)
+    load, avail, owners = [0] * T, list(avail), [0] * len(final)
+    for i in sorted(range(len(final)), key=lambda i: (-final[i], ids[i])):
+        need = lacks[i]
+        fits = [r for r in range(T) if need[r] <= avail[r]]
+        if not fits:
+            return i
+        best = min(fits, key=lambda r: (load[r], -avail[r], r))
+        owners[i] = best
+        load[best] += final[i]
+        avail[best] -= need[best]
+    return owners
 
 
 # Columns of `_scalars`, and the bounds `_request_error` puts on them: _LO[k] <= _HI[k] for a valid request.

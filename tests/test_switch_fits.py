@@ -1,0 +1,73 @@
+"""The engine's memory pre-check of a switch (`SwitchController.fits`, what `auto` asks before it
+proposes a layout) against the planner's own verdict (`SwitchPlanner.plan`: Eq 5, Eq 6, owners).
+
+Random live batches on real page allocators (T = 2 and 4, tight pools, DP/CP replica pages withheld
+under a budget): for every direction, `fits` says yes exactly when the planner plans the switch. A
+disagreement either wastes a plan on the switching step's critical path (the planner refuses what
+`fits` let through: leaving DP/CP without counting the replica pages that come back did this) or
+keeps `auto` out of a layout it could run.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from splash.config import PRESETS
+from splash.engine.switching import SwitchController
+from splash.kv.allocator import KVAllocator, OutOfPages
+from splash.switch.plan import SwitchRefusal
+
+LAYOUTS = ("tp", "dp", "cp", "dop")
+
+
+def live_batch(rng: random.Random, alloc: KVAllocator, src: str) -> list[SimpleNamespace]:
+    """Requests grown on `alloc` in `src`, each with a prompt and a max_tokens limit (its projection)."""
+    live = []
+    for i in range(rng.randint(1, 10)):
+        prompt = rng.randint(1, 40)
+        ctx = rng.randint(1, prompt + 20)
+        owner = rng.randrange(alloc.world) if src in ("dp", "dop") else 0
+        table = alloc.empty_table()
+        try:
+            alloc.grow(table, ctx, owner)
+        except OutOfPages:
+            break
+        live.append(SimpleNamespace(seq_id=i, num_computed=ctx, num_tokens=ctx, owner=owner, pages=table,
+                                    params=SimpleNamespace(max_tokens=rng.randint(1, 60)),
+                                    prompt_token_ids=[0] * prompt))
+    return live
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fits_agrees_with_the_planner(seed):
+    rng = random.Random(seed)
+    verdicts: set[tuple[bool, str | None]] = set()
+    for _ in range(300):
+        T, src = rng.choice([2, 4]), rng.choice(LAYOUTS)
+        alloc = KVAllocator(rng.randint(8, 60), rng.choice([4, 16]), world=T, layout=src)
+        engine = SimpleNamespace(allocator=alloc, scheduler=SimpleNamespace(
+            running=[], waiting=[], cfg=SimpleNamespace(max_model_len=4096)))
+        withheld = rng.choice([0, 0, rng.randint(1, 6)])  # replica pages per rank under a budget
+        ctl = SwitchController(engine, PRESETS["tiny"], "float32", weight_pages=[withheld] * T)
+        live = live_batch(rng, alloc, src)
+        if not live:
+            continue
+        for dst in LAYOUTS:
+            if dst == src:
+                continue
+            pre = ctl.fits(dst, live)
+            plan = ctl._plan(dst, SimpleNamespace(seqs=[]), live, "overlapped")
+            planned = not isinstance(plan, SwitchRefusal)
+            if planned:
+                ctl.planner.abort(plan)
+            assert pre == planned, (f"{src}->{dst} T={T}: fits says {pre}, the planner "
+                                    f"{'planned it' if planned else plan}")
+            verdicts.add((planned, None if planned else plan.reason))
+        # (withheld replica pages leave the pool's count: `withhold`)
+        assert alloc.num_used == [sum(p >= 0 for s in live for p in s.pages[r]) for r in range(T)], \
+            "planning and aborting leaked pages"
+    # the random batches reach every verdict, so the agreement above means something
+    assert verdicts >= {(True, None), (False, "eq5"), (False, "eq6"), (False, "owners")}, verdicts
