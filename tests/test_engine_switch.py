@@ -169,6 +169,14 @@ def test_all_12_directions_through_the_engine(group, ckpt):
     close(logits, {(n, pos): ref_logits[(i, pos)] for n, i in enumerate(few) for pos in range(NEW)}, "few")
 
 
+def fixed_bytes(path, group) -> int:
+    """A rank's weights and step workspace (DOP, sharded projections): a budget beyond this is KV."""
+    probe = build_engine(model=path, layout="dop", rank_group=group, num_kv_pages=4, **ENGINE)
+    st = probe.stats()
+    probe.shutdown()
+    return max(st["weight_bytes_per_rank"]) + st["kv_reserve_bytes"]
+
+
 def test_leaving_dp_counts_the_replica_pages_it_returns(group, ckpt):
     """DP withholds its replicas' pages and a switch out of DP gives them back, so DP -> TP's Eq 6 has
     them: a batch whose final KV fits TP's pool only with those pages switches (the engine's own
@@ -177,10 +185,7 @@ def test_leaving_dp_counts_the_replica_pages_it_returns(group, ckpt):
     if group.world != 2:
         pytest.skip("once, at T = 2")
     path, ref, _ = ckpt
-    probe = build_engine(model=path, layout="dop", rank_group=group, num_kv_pages=4, **ENGINE)
-    st = probe.stats()
-    probe.shutdown()
-    base = max(st["weight_bytes_per_rank"]) + st["kv_reserve_bytes"]
+    base = fixed_bytes(path, group)
     with pytest.raises(ConfigError, match="replicated attention projections take"):
         build_engine(model=path, layout="dp", rank_group=group, memory_per_rank=base + 32 * 1024,
                      switch_schedule="3:tp", **ENGINE)
@@ -283,10 +288,7 @@ def test_budget_withholds_replica_pages(group, ckpt):
     if group.world != 2:
         pytest.skip("once, at T = 2")
     path, ref, ref_logits = ckpt
-    probe = build_engine(model=path, layout="dop", rank_group=group, num_kv_pages=4, **ENGINE)
-    st = probe.stats()
-    probe.shutdown()
-    memory = max(st["weight_bytes_per_rank"]) + st["kv_reserve_bytes"] + 200 * 1024
+    memory = fixed_bytes(path, group) + 200 * 1024
     eng = build_engine(model=path, layout="dop", rank_group=group, memory_per_rank=memory,
                        switch_schedule="2:dp,4:tp,6:cp,8:dop", **ENGINE)
     seen = {}
