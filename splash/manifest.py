@@ -383,6 +383,8 @@ class Manifest:
             frees, free_starts = _grouped(i * T + r, (i, page[col], r))
             free_tok = self._tokens(frees[:, 0], frees[:, 1])
         pages = KVPages(moves.reshape(-1, 4), move_starts, frees.reshape(-1, 3), free_starts)
+        for a in (pages.moves, pages.move_starts, pages.frees, pages.free_starts, move_tok, free_tok):
+            a.setflags(write=False)  # cached on a frozen manifest: kv_moves()/kv are derived from them
         return pages, move_tok, free_tok, gathered
 
     def kv_pages(self) -> KVPages:

@@ -151,13 +151,13 @@ def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
 
     th = _theta(ranks=2, memory_bytes=1e18)
     ctl = SimpleNamespace(alloc=SimpleNamespace(layout="dop"), sched=SimpleNamespace(waiting=[object()]),
-                          distinct_tokens=distinct.get, fits=lambda lay, live: True, _batch=batch,
+                          distinct_tokens=distinct.get, fits=lambda lay, live, rows=None: True, _batch=batch,
                           sizes=SIZES, theta=th, policy_cfg=PolicyConfig(page_size=16, min_dwell=0),
                           steps_since_switch=5, decisions=[], _last_eval=None)
     live = [SimpleNamespace(seq_id=i, owner=i % 2) for i in range(4)]
 
     def step(n, seqs=live):
-        return SwitchController._decide(ctl, SimpleNamespace(step=n), seqs)
+        return SwitchController._decide(ctl, SimpleNamespace(step=n, seqs=[]), seqs)
 
     assert step(0) is None and priced == [], "queued in the largest-capacity layout: nothing to weigh"
     ctl.sched.waiting = []

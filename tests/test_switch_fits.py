@@ -23,25 +23,29 @@ from splash.switch.plan import SwitchRefusal
 LAYOUTS = ("tp", "dp", "cp", "dop")
 
 
-def live_batch(rng: random.Random, alloc: KVAllocator, src: str) -> list[SimpleNamespace]:
-    """Requests grown on `alloc` in `src`, each with a prompt and a max_tokens limit (its projection)."""
-    live = []
+def live_batch(rng: random.Random, alloc: KVAllocator, src: str) -> tuple[list[SimpleNamespace], dict]:
+    """Requests grown on `alloc` in `src`, each with a prompt and a max_tokens limit (its projection),
+    and this step's rows per request: some tables already cover them (as the scheduler grows them),
+    some do not (the planner then counts those pages as new)."""
+    live, rows = [], {}
     for i in range(rng.randint(1, 10)):
         prompt = rng.randint(1, 40)
         ctx = rng.randint(1, prompt + 20)
+        new = rng.choice([0, 0, rng.randint(1, 6)])
         owner = rng.randrange(alloc.world) if src in ("dp", "dop") else 0
         table = alloc.empty_table()
         try:
-            alloc.grow(table, ctx, owner)
+            alloc.grow(table, ctx + rng.choice([0, new]), owner)
         except OutOfPages:
             break
-        live.append(SimpleNamespace(seq_id=i, num_computed=ctx, num_tokens=ctx, owner=owner, pages=table,
-                                    params=SimpleNamespace(max_tokens=rng.randint(1, 60)),
+        live.append(SimpleNamespace(seq_id=i, num_computed=ctx, num_tokens=ctx + new, owner=owner,
+                                    pages=table, params=SimpleNamespace(max_tokens=rng.randint(1, 60)),
                                     prompt_token_ids=[0] * prompt))
-    return live
+        rows[i] = new
+    return live, rows
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fits_agrees_with_the_planner(seed):
     rng = random.Random(seed)
     verdicts: set[tuple[bool, str | None]] = set()
@@ -52,14 +56,15 @@ def test_fits_agrees_with_the_planner(seed):
             running=[], waiting=[], cfg=SimpleNamespace(max_model_len=4096)))
         withheld = rng.choice([0, 0, rng.randint(1, 6)])  # replica pages per rank under a budget
         ctl = SwitchController(engine, PRESETS["tiny"], "float32", weight_pages=[withheld] * T)
-        live = live_batch(rng, alloc, src)
+        live, rows = live_batch(rng, alloc, src)
         if not live:
             continue
+        step = SimpleNamespace(seqs=[SimpleNamespace(req_id=i, num_new=n) for i, n in rows.items() if n])
         for dst in LAYOUTS:
             if dst == src:
                 continue
-            pre = ctl.fits(dst, live)
-            plan = ctl._plan(dst, SimpleNamespace(seqs=[]), live, "overlapped")
+            pre = ctl.fits(dst, live, rows)
+            plan = ctl._plan(dst, step, live, "overlapped")
             planned = not isinstance(plan, SwitchRefusal)
             if planned:
                 ctl.planner.abort(plan)
@@ -71,3 +76,23 @@ def test_fits_agrees_with_the_planner(seed):
             "planning and aborting leaked pages"
     # the random batches reach every verdict, so the agreement above means something
     assert verdicts >= {(True, None), (False, "eq5"), (False, "eq6"), (False, "owners")}, verdicts
+
+
+def test_owners_refusal_names_the_pages_left():
+    """Three CP requests of two one-token pages (one per rank) into DP, 4 pages per rank: the third
+    fits nowhere once the first two own theirs, and the refusal shows the free pages left then
+    (none), not those at the start."""
+    alloc = KVAllocator(4, 1, world=2, layout="cp")
+    engine = SimpleNamespace(allocator=alloc, scheduler=SimpleNamespace(
+        running=[], waiting=[], cfg=SimpleNamespace(max_model_len=64)))
+    ctl = SwitchController(engine, PRESETS["tiny"], "float32")
+    live = []
+    for i in range(3):
+        table = alloc.empty_table()
+        alloc.grow(table, 2, 0)
+        live.append(SimpleNamespace(seq_id=i, num_computed=2, num_tokens=2, owner=0, pages=table,
+                                    params=SimpleNamespace(max_tokens=None), prompt_token_ids=[0, 0]))
+    assert alloc.num_free == [1, 1] and not ctl.fits("dp", live)
+    refusal = ctl._plan("dp", SimpleNamespace(seqs=[]), live, "overlapped")
+    assert isinstance(refusal, SwitchRefusal) and refusal.reason == "owners"
+    assert refusal.message.endswith("free pages beyond the reserve [0, 0]"), refusal.message

@@ -294,37 +294,40 @@ class SwitchController:
         cap = self.capacity(dst)
         return (min(cap) if dst == "tp" else sum(cap)) * self.alloc.page_size
 
-    def fits(self, dst: str, live: list[Any]) -> bool:
+    def fits(self, dst: str, live: list[Any], rows: dict[int, int] | None = None) -> bool:
         """Whether a switch to `dst` passes the planner's memory checks on the real per-rank pools:
         Eq 6 (the live batch grown to each request's limit fits `dst`, replica pages withheld in
         DP/CP) and Eq 5 (during the switch a rank holds its current pages, the new ones and, into
-        DP/CP, the replicas). Owners as the planner picks them (`balanced_owners`)."""
+        DP/CP, the replicas). Owners as the planner picks them (`balanced_owners`). `rows`: this step's
+        new rows per request (their pages are new wherever a table does not cover them yet)."""
         from splash.kv.allocator import page_ranks, pages_for
         from splash.switch.planner import balanced_owners
 
         T, P, src = self.world, self.alloc.page_size, self.alloc.layout
+        rows = rows or {}
         cap = self.capacity(dst)
-        pages = [pages_for(self._projected(seq), P) for seq in live]
+        ends = [max(len(seq.pages[0]), pages_for(seq.num_computed + rows.get(seq.seq_id, 0), P))
+                for seq in live]  # pages the destination table covers now (the planner's `n`)
+        pages = [max(pages_for(self._projected(seq), P), n) for seq, n in zip(live, ends)]
         extra = [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
         if dst in ("dp", "dop") and src in ("dp", "dop"):
             owners = [seq.owner for seq in live]
         elif dst in ("dp", "dop"):
             held = [[sum(p >= 0 for p in row) for row in seq.pages] for seq in live]
-            lacks = [[len(seq.pages[0]) - h for h in hs] for seq, hs in zip(live, held)]
+            lacks = [[n - h for h in hs] for n, hs in zip(ends, held)]
             avail = [f - e for f, e in zip(self.alloc.num_free, extra)]
-            chosen = balanced_owners(pages, lacks, avail, [seq.seq_id for seq in live])
-            if isinstance(chosen, int):
+            owners, stuck, _ = balanced_owners(pages, lacks, avail, [seq.seq_id for seq in live])
+            if stuck is not None:
                 return False
-            owners = chosen
         else:
             owners = [0] * len(live)
         need, new = [0] * T, [0] * T
-        for seq, n, own in zip(live, pages, owners):
+        for seq, n, own, end in zip(live, pages, owners, ends):
             have = len(seq.pages[0])
             for j in range(n):
                 for r in page_ranks(dst, j, own, T):
                     need[r] += 1
-                    if j < have and seq.pages[r][j] < 0:
+                    if j < end and (j >= have or seq.pages[r][j] < 0):
                         new[r] += 1
         if any(n > c for n, c in zip(need, cap)):
             return False
@@ -360,7 +363,8 @@ class SwitchController:
             return None
         self._last_eval = (key, plan.step)
         batch = self._batch(plan, live)
-        ok = [lay for lay in cands if lay == cur or self.fits(lay, live)]
+        rows = {s.req_id: s.num_new for s in plan.seqs}
+        ok = [lay for lay in cands if lay == cur or self.fits(lay, live, rows)]
         cfg = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in ok))
         d = decide(self.sizes, self.theta, batch, cur, self.steps_since_switch, cfg)
         chosen = d.layout.label.lower()
@@ -449,7 +453,7 @@ class SwitchController:
         try:
             return self.planner.plan(dst, reqs, mode)
         finally:
-            self.planner.reserve = self.planner.returned = [0] * self.world
+            self.planner.reserve, self.planner.returned = [0] * self.world, [0] * self.world
 
     def _projected(self, seq: Any) -> int:
         """Expected final length: the request's own limit (prompt + max_tokens, capped by the context)."""

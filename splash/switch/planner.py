@@ -145,10 +145,10 @@ class SwitchPlanner:
             raise
         H = self.cfg.num_attention_heads
         w, kv = man.weights, man.kv
-        # every layer moves the same bytes: its entries share one set of (read-only) lists
         per_layer = [[float(x) for x in v] for v in (w.send_bytes, kv.send_bytes, w.recv_bytes,
-                                                    kv.recv_bytes)]
-        layers = [LayerSwitch(lm.layer, w.primitive, kv.primitive, *per_layer) for lm in man.layers]
+                                                    kv.recv_bytes)]  # every layer moves the same bytes
+        layers = [LayerSwitch(lm.layer, w.primitive, kv.primitive, *(list(v) for v in per_layer))
+                  for lm in man.layers]
         plan = SwitchPlan(
             plan_id=next(_ids), src=src, dst=dst, world=T, page_size=P, num_layers=L, num_heads=H, mode=mode,
             weight_op=weight_op, src_heads=[head_range(src, r, T, H) for r in range(T)],
@@ -222,32 +222,33 @@ class SwitchPlanner:
         avail = [f - r for f, r in zip(free, self.reserve)]
         # pages rank r lacks to own each request (everything beyond what it holds now)
         lacks = (cols.n[:, None] - cols.held_per_request().T).tolist()
-        owners = balanced_owners(cols.final.tolist(), lacks, avail, [req.req_id for req in live])
-        if isinstance(owners, int):
-            req = live[owners]
+        owners, stuck, left = balanced_owners(cols.final.tolist(), lacks, avail, [req.req_id for req in live])
+        if stuck is not None:
+            req = live[stuck]
             return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens) fits on "
-                                 f"no rank as owner: free pages beyond the reserve {avail}")
+                                 f"no rank as owner: free pages beyond the reserve {left}")
         return owners
 
 
 def balanced_owners(final: Sequence[int], lacks: Sequence[Sequence[int]], avail: Sequence[int],
-                    ids: Sequence[int]) -> list[int] | int:
+                    ids: Sequence[int]) -> tuple[list[int], int | None, list[int]]:
     """Owners for a switch into DP/DOP: longest projected (`final`) first, each onto the least-loaded
     rank (by projected size) among those with the free pages it `lacks` there (`avail`: free pages per
-    rank). Returns the owners, or the index of the first request that fits on no rank. One rule, shared
-    by the planner and the engine's pre-check (`SwitchController.fits`), so they never disagree."""
+    rank). Returns (owners, index of the first request that fits on no rank or None, free pages left
+    then). One rule, shared by the planner and the engine's pre-check (`SwitchController.fits`), so
+    they never disagree."""
     T = len(avail)
     load, avail, owners = [0] * T, list(avail), [0] * len(final)
     for i in sorted(range(len(final)), key=lambda i: (-final[i], ids[i])):
         need = lacks[i]
         fits = [r for r in range(T) if need[r] <= avail[r]]
         if not fits:
-            return i
+            return owners, i, avail
         best = min(fits, key=lambda r: (load[r], -avail[r], r))
         owners[i] = best
         load[best] += final[i]
         avail[best] -= need[best]
-    return owners
+    return owners, None, avail
 
 
 # Columns of `_scalars`, and the bounds `_request_error` puts on them: _LO[k] <= _HI[k] for a valid request.
