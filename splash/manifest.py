@@ -74,18 +74,6 @@ def held_heads(layout: Layout, rank: int, ranks: int, heads: int) -> frozenset[i
     return frozenset(range(rank * per, (rank + 1) * per))
 
 
-def held_pages(ownership: Ownership, owner: int, n_pages: int, ranks: int) -> np.ndarray:
-    """[T, n_pages] bool: which rank holds which global page of one request."""
-    held = np.zeros((ranks, n_pages), dtype=bool)
-    if ownership is Ownership.REPLICATED:
-        held[:] = True
-    elif ownership is Ownership.OWNER:
-        held[owner] = True
-    else:
-        held[np.arange(n_pages) % ranks, np.arange(n_pages)] = True
-    return held
-
-
 def held_columns(ownership: Ownership, owners: np.ndarray, req: np.ndarray, pages: np.ndarray,
                  ranks: int) -> np.ndarray:
     """[T, k] bool: which rank holds each of k columns (global page `pages[c]` of request `req[c]`, whose
@@ -96,15 +84,6 @@ def held_columns(ownership: Ownership, owners: np.ndarray, req: np.ndarray, page
     if ownership is Ownership.OWNER:
         return rank == owners[req][None, :]
     return rank == (pages % ranks)[None, :]
-
-
-def page_tokens(context: int, page_size: int) -> np.ndarray:
-    """Tokens in each global page of a history (the last page may be partial)."""
-    n = -(-context // page_size)
-    tok = np.full(n, page_size, dtype=np.int64)
-    if n:
-        tok[-1] = context - (n - 1) * page_size
-    return tok
 
 
 # ---- concrete moves -------------------------------------------------------------------------------
