@@ -294,6 +294,11 @@ class SwitchController:
         cap = self.capacity(dst)
         return (min(cap) if dst == "tp" else sum(cap)) * self.alloc.page_size
 
+    def _replica_pages(self, dst: str) -> list[int]:
+        """Pages per rank a switch into `dst` must find for projection replicas (entering DP/CP)."""
+        src = self.alloc.layout
+        return [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
+
     def fits(self, dst: str, live: list[Any], rows: dict[int, int] | None = None) -> bool:
         """Whether a switch to `dst` passes the planner's memory checks on the real per-rank pools:
         Eq 6 (the live batch grown to each request's limit fits `dst`, replica pages withheld in
@@ -309,7 +314,7 @@ class SwitchController:
         ends = [max(len(seq.pages[0]), pages_for(seq.num_computed + rows.get(seq.seq_id, 0), P))
                 for seq in live]  # pages the destination table covers now (the planner's `n`)
         pages = [max(pages_for(self._projected(seq), P), n) for seq, n in zip(live, ends)]
-        extra = [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
+        extra = self._replica_pages(dst)
         if dst in ("dp", "dop") and src in ("dp", "dop"):
             owners = [seq.owner for seq in live]
         elif dst in ("dp", "dop"):
@@ -445,11 +450,9 @@ class SwitchController:
                             tokens=seq.num_computed + rows.get(seq.seq_id, 0),
                             projected=self._projected(seq))
                 for seq in live]
-        src = self.alloc.layout
-        extra = [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
+        self.planner.reserve = self._replica_pages(dst)
         # Leaving DP/CP gives the replicas' withheld pages back at commit: dst's Eq 6 has them.
-        back = [len(w) if dst not in REPLICATED else 0 for w in self.withheld]
-        self.planner.reserve, self.planner.returned = extra, back
+        self.planner.returned = [len(w) if dst not in REPLICATED else 0 for w in self.withheld]
         try:
             return self.planner.plan(dst, reqs, mode)
         finally:
