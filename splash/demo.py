@@ -31,6 +31,13 @@ def _splash(*args: str, check: bool = True) -> int:
     return rc
 
 
+def _device(tp: int) -> list[str]:
+    """`--device cpu` where NCCL could not give each of the `tp` ranks its own GPU (e.g. one GPU)."""
+    import torch
+
+    return [] if torch.cuda.device_count() >= tp else ["--device", "cpu"]
+
+
 def stage_plan() -> None:
     _banner("1. Analytical core: which layout would DeepSeek-V3 run on 8 x H200, and a simulated RL rollout")
     _splash("plan", "weights", "--model", "deepseek-v3", "--ranks", "8", "--dtype", "bf16")
@@ -70,7 +77,7 @@ def stage_serve(tp: int = 1, layout: str | None = None) -> None:
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    args = ["serve", "--model", "tiny", "--port", str(port), "--tp", str(tp)]
+    args = ["serve", "--model", "tiny", "--port", str(port), "--tp", str(tp), *_device(tp)]
     if layout:
         args += ["--layout", layout]
     print("$ splash " + " ".join(args), flush=True)
@@ -105,14 +112,14 @@ def stage_serve(tp: int = 1, layout: str | None = None) -> None:
 
 def stage_sweep() -> None:
     _banner("3. The four layouts on 2 ranks: throughput over input lengths x batch sizes (Figure 4 protocol)")
-    _splash("bench", "sweep", "--model", "tiny", "--tp", "2", "--input-lens", "32,256", "--batch-sizes",
-            "1,8,32", "--output-len", "16", "--memory-per-rank", "21MiB", "--no-progress",
+    _splash("bench", "sweep", "--model", "tiny", "--tp", "2", *_device(2), "--input-lens", "32,256",
+            "--batch-sizes", "1,8,32", "--output-len", "16", "--memory-per-rank", "21MiB", "--no-progress",
             "--plot", f"{OUT}/sweep_tiny_t2.png")
 
 
 def stage_rollout() -> None:
     _banner("4. Live switching: an RL-rollout batch on 2 ranks, fixed layouts vs `auto`")
-    _splash("bench", "rollout", "--tp", "2", "--plot", f"{OUT}/rollout_tiny_t2.png")
+    _splash("bench", "rollout", "--tp", "2", *_device(2), "--plot", f"{OUT}/rollout_tiny_t2.png")
 
 
 STAGES: dict[str, Callable[[], None]] = {

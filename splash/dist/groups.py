@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from splash.config import ConfigError
 from splash.dist import shm
 from splash.dist.comm import BaseCommunicator, Communicator, LocalCommunicator
 
@@ -35,6 +36,18 @@ def pick_backend(device: str | None = None) -> str:
     if device is not None and torch.device(device).type == "cpu":
         return "gloo"
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+
+
+def check_devices(ranks_here: int, backend: str) -> None:
+    """NCCL needs one CUDA device per rank on a node (it refuses two ranks on one device, and only
+    after every rank has started): say so up front, with what to change."""
+    if backend != "nccl":
+        return
+    found = torch.cuda.device_count()
+    if ranks_here > found:
+        raise ConfigError(f"{ranks_here} ranks on this node need {ranks_here} CUDA devices (NCCL runs one "
+                          f"rank per device), but {found} {'is' if found == 1 else 'are'} visible; run at most "
+                          f"{found} ranks per node (--tp, or --nnodes to spread them) or use --device cpu (gloo)")
 
 
 @dataclass
@@ -100,6 +113,8 @@ def init_distributed(rank: int, world: int, init_method: str | None = None,
         raise DistError("backend nccl needs CUDA, which this machine lacks; use --device cpu (gloo)")
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if backend == "nccl" and "LOCAL_WORLD_SIZE" in os.environ:  # torchrun: this node's ranks, one each
+        check_devices(int(os.environ["LOCAL_WORLD_SIZE"]), backend)
     if backend == "nccl":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)

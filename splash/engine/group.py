@@ -24,7 +24,7 @@ import time
 import weakref
 from typing import Any
 
-from splash.dist.groups import DEFAULT_TIMEOUT_S, init_distributed, pick_backend
+from splash.dist.groups import DEFAULT_TIMEOUT_S, check_devices, init_distributed, pick_backend
 from splash.dist.launch import LaunchSpec, WorkerError, WorkerGroup, resolve_launch, start_workers
 from splash.engine.plan import StepPlan, control_plan
 from splash.engine.worker import (
@@ -89,6 +89,7 @@ class RankGroup:
             raise ValueError(f"node {launch.node_rank} runs ranks {list(launch.ranks)} only; rank 0 lives on "
                              "node 0 (start this node with run_worker_node)")
         backend = pick_backend(device)
+        check_devices(len(launch.ranks), backend)
         local = [r for r in launch.ranks if r != 0]
         if threads is None and backend == "gloo":
             threads = default_threads(len(launch.ranks))
@@ -282,6 +283,7 @@ def run_worker_node(launch: LaunchSpec, device: str | None = None, timeout_s: fl
     otherwise the node's ranks are spawned and watched. Returns 0 on a clean shutdown; raises
     WorkerError if a rank failed."""
     backend = pick_backend(device)
+    check_devices(len(launch.ranks), backend)
     if threads is None and backend == "gloo":
         threads = default_threads(len(launch.ranks))
     if len(launch.ranks) == 1:  # torchrun, or a node with one rank: this process is the rank

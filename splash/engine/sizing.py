@@ -71,8 +71,11 @@ def reserve_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: 
 
 def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: int, reserve: int,
              memory_per_rank: int | str | None, num_kv_pages: int | None, max_num_seqs: int,
-             max_model_len: int, device: torch.device) -> int:
-    """Pages of one rank's KV pool: an explicit count, what the budget leaves, or a default."""
+             max_model_len: int, device: torch.device, keep_free: int = 0) -> int:
+    """Pages of one rank's KV pool: an explicit count, what the budget leaves, or a default.
+
+    `keep_free`: bytes the default (unbudgeted) pool leaves unused beyond its usual share, e.g. for the
+    projection replicas a live switch into DP/CP gathers."""
     from splash.kv.pool import KVPool
 
     if num_kv_pages is not None:
@@ -93,4 +96,4 @@ def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: i
     cap = int(available_bytes(device) * (0.85 if device.type == "cuda" else 0.2))
     if device.type != "cuda":
         cap = min(cap, 128 * 2**20)  # CPU demos and tests: plenty, and quick to allocate
-    return max(1, min(want, cap) // per_page)
+    return max(1, min(want, cap - keep_free) // per_page)

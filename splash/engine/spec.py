@@ -37,6 +37,9 @@ class EngineSpec:
     # Live switching under a memory budget: size the KV pool as if the attention projections were
     # head-sharded (the largest pool), whatever the start layout (see splash/engine/switching.py).
     kv_as_sharded: bool = False
+    # Live switching without a budget: the default-sized pool leaves room for the projection replicas
+    # a switch into DP/CP gathers (nothing else would check that they fit: no budget, no Eq 5/6 pages).
+    switching: bool = False
 
 
 @dataclass
@@ -89,8 +92,13 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
         from splash.engine.switching import replica_bytes
 
         pool_weights -= replica_bytes(net, spec.world)
+    keep_free = 0
+    if spec.switching and spec.world > 1 and layout.shards_projections:
+        from splash.engine.switching import replica_bytes
+
+        keep_free = replica_bytes(net, spec.world)
     pages = kv_pages(cfg, tdtype, spec.page_size, pool_weights, reserve, spec.memory_per_rank,
-                     spec.num_kv_pages, spec.max_num_seqs, max_model_len, dev)
+                     spec.num_kv_pages, spec.max_num_seqs, max_model_len, dev, keep_free=keep_free)
     pool = KVPool(cfg.num_hidden_layers, pages, spec.page_size, cfg.latent_dim, tdtype, dev)
     runner = ModelRunner(net, pool, layout, grid.comm, grid.rank, spec.world)
     runner.switch_comm = getattr(grid, "switch", None)  # layout-switch transfers (splash/engine/switching.py)

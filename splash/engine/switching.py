@@ -94,7 +94,8 @@ def _timed_layout(executor: Any, dst: Any) -> Any:
 class SwitchTiming:
     """One rank's view of a switching step (rank 0's goes into the engine's switch log)."""
 
-    exposed_s: float  # time inside the executor: start() + per-layer waits/installs + finish()
+    exposed_s: float  # time inside the executor: start() + per-layer waits/installs + finish() (CUDA: on
+    # the compute stream, event-timed: its stalls on transfers plus the installs)
     total_s: float  # start() .. finish()
     wait_s: list[float]
     max_in_flight: int
@@ -128,7 +129,8 @@ def run_switch_step(runner: Any, plan: StepPlan) -> torch.Tensor:
     result = ex.finish()
     finish_s = time.perf_counter() - t1
     runner.layout = dst
-    runner.last_switch = SwitchTiming(start_s + layout.hook_s + finish_s, result.total_s, list(result.wait_s),
+    exposed = result.exposed_gpu_s if result.exposed_gpu_s is not None else start_s + layout.hook_s + finish_s
+    runner.last_switch = SwitchTiming(exposed, result.total_s, list(result.wait_s),
                                       result.max_in_flight, list(result.freed))
     return hidden
 

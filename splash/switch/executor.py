@@ -45,9 +45,12 @@ class SwitchResult:
     """What one rank did: pages it retired (rank 0 hands them to `SwitchPlanner.commit`) and timings."""
 
     freed: list[int]
-    wait_s: list[float] = field(default_factory=list)  # per layer: time blocked on its transfer (exposed)
+    wait_s: list[float] = field(default_factory=list)  # per layer: blocked on its transfer (CUDA: +install)
     total_s: float = 0.0  # start() .. finish()
     max_in_flight: int = 0  # layers whose transfers were in flight at once (1 in overlapped mode)
+    # CUDA only: the compute stream's time in the switch (its stalls on transfers plus the installs),
+    # timed with events. On CUDA a wait only enqueues, so the host clock would time the enqueue.
+    exposed_gpu_s: float | None = None
 
 
 def _slots(pairs: list[np.ndarray], col: int, page_size: int, device: torch.device) -> torch.Tensor:
@@ -95,6 +98,7 @@ class SwitchExecutor:
         self._launched = 0
         self._installed = 0
         self._t0: float | None = None
+        self._events: dict[int, tuple[Any, Any]] = {}  # CUDA: layer -> (before its waits, after its install)
         self.result = SwitchResult(freed=[], wait_s=[0.0] * plan.num_layers)
 
     # ---- the protocol ---------------------------------------------------------------------------
@@ -140,6 +144,12 @@ class SwitchExecutor:
         if hasattr(self.model, "attn_sharded"):
             self.model.attn_sharded = self.plan.dst in ("tp", "dop") and self.plan.world > 1
         self.result.freed = freed
+        if self._events:  # the step's end syncs anyway; this sync lets the events be read now
+            last = self._events[max(self._events)][1]
+            last.synchronize()
+            for i, (a, b) in self._events.items():
+                self.result.wait_s[i] = a.elapsed_time(b) / 1e3
+            self.result.exposed_gpu_s = float(sum(self.result.wait_s))
         self.result.total_s = time.perf_counter() - self._t0  # type: ignore[operator]
         return self.result
 
@@ -169,6 +179,10 @@ class SwitchExecutor:
     def _install(self, i: int) -> None:
         hw, hk = self._handles.pop(i)
         t0 = time.perf_counter()
+        before = None
+        if self._stream is not None:
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(torch.cuda.current_stream(self._stream.device))
         gathered = hw.wait() if hw is not None else None
         received = hk.wait() if hk is not None else None
         if self._stream is not None:
@@ -186,6 +200,10 @@ class SwitchExecutor:
             mla.set_heads(self.dst_heads, {k: v.clone() for k, v in mla.head_tensors(self.dst_heads).items()})
         if received is not None:
             self.pool.write(i, self.recv_slots, received)
+        if before is not None:
+            after = torch.cuda.Event(enable_timing=True)
+            after.record(torch.cuda.current_stream(self._stream.device))  # type: ignore[union-attr]
+            self._events[i] = (before, after)
         self._installed += 1
 
     @staticmethod
