@@ -247,7 +247,7 @@ def test_hung_or_killed_worker_fails_the_engine(group, ckpts):
     in-flight stream ends with EngineError. Both within a bounded time; later use fails at once."""
     import asyncio
 
-    from splash.engine.async_engine import AsyncEngine, EngineError
+    from splash.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 
     path = ckpts["v3"][0]
     eng = build_engine(model=path, layout="dop", rank_group=group, num_kv_pages=64, **ENGINE)
@@ -302,9 +302,10 @@ def test_hung_or_killed_worker_fails_the_engine(group, ckpts):
             assert all(isinstance(e, EngineError) for e in errors), errors
             assert "rank" in str(errors[0])
             t1 = time.monotonic()
-            with pytest.raises(EngineError, match="failed earlier"):
+            with pytest.raises(EngineDeadError, match="cannot recover from .*restart the server"):
                 asyncio.run(again())
             assert time.monotonic() - t1 < 2
+            assert not aeng.is_healthy and aeng.dead is not None  # /health answers 503 from here
         finally:
             aeng.shutdown()
     assert took < TIMEOUT_S + 15, f"the engine took {took:.0f} s to notice"

@@ -12,6 +12,8 @@ import logging
 import signal
 import socket
 import sys
+import threading
+import time
 from typing import Any
 
 from splash.dist.launch import add_launch_args
@@ -128,11 +130,30 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it caught once it has shut down; with these no-op handlers in place
     # the re-raise is absorbed and a requested shutdown exits 0.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    died = threading.Event()
+    threading.Thread(target=_stop_when_dead, args=(server, engine, died), name="splash-watchdog",
+                     daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         sock.close()
+    if died.is_set():
+        print("splash: server stopped: the engine died (see the log above); restart it", file=sys.stderr,
+              flush=True)
+        return 1
     print("splash: server stopped", flush=True)
     return 0 if server.started else 1
+
+
+def _stop_when_dead(server: Any, engine: Any, died: threading.Event, every_s: float = 0.5) -> None:
+    """As vLLM does: once the engine can never step again (its rank group failed), stop serving and exit
+    non-zero, so a supervisor restarts the server instead of it answering 503 forever."""
+    while not server.should_exit:
+        if server.started and engine.dead is not None:
+            logging.getLogger("splash.server").error("the engine died; stopping the server")
+            died.set()
+            server.should_exit = True
+            return
+        time.sleep(every_s)

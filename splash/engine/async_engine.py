@@ -65,6 +65,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._dead: EngineDeadError | None = None  # set when the engine thread gave up (rank group failed)
         self._stats: dict[str, Any] = engine.stats()
         self._stats_lock = threading.Lock()
 
@@ -109,6 +110,8 @@ class AsyncEngine:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        if self._dead is not None:
+            raise self._dead
         if self._stopped:
             raise EngineDeadError("the engine was shut down")
         if self._thread is None:
@@ -142,6 +145,16 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine stopped for good after a failure (its rank group died), else None."""
+        return self._dead
+
+    @property
+    def is_healthy(self) -> bool:
+        """Running and able to step: False once the rank group has failed (every step would fail)."""
+        return self.is_running and self.engine.failure() is None
+
     # ---- the async API --------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
@@ -157,6 +170,9 @@ class AsyncEngine:
         q = _Mailbox()
         self._streams[request_id] = (loop, q)
         self._cmds.put(("add", (request_id, list(prompt_token_ids), params)))
+        if self._dead is not None:  # the thread ended before this stream was registered: nobody will answer
+            self._streams.pop(request_id, None)
+            raise self._dead
         finished = False
         try:
             while True:
@@ -175,10 +191,12 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until the engine has freed its pages (no-op if unknown)."""
-        if self._thread is None or self._stopped:
-            return
+        if self._thread is None or self._stopped or self._dead is not None:
+            return  # (a dead engine's thread has aborted everything already)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._cmds.put(("abort", (request_id, fut)))
+        if self._dead is not None:  # the thread may have ended before it could take the command
+            return
         await asyncio.wrap_future(fut)
 
     # ---- engine thread --------------------------------------------------------------------------
@@ -252,5 +270,19 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
                 self._refresh_stats()
-        self._fail_all(EngineDeadError("the engine was shut down"))
+                dead = self.engine.failure()
+                if dead is not None:  # nothing can step any more: stop, so health says so
+                    why = (str(dead).splitlines() or [type(dead).__name__])[0]  # (then a traceback)
+                    log.error("the engine cannot recover (%s); it stops", why)  # callers get EngineDeadError
+                    self._dead = EngineDeadError(f"the engine stopped after a failure it cannot recover from "
+                                                 f"({why}); restart the server")
+                    running = False
+        self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
+        while True:  # answer aborts still queued: their callers wait on the futures
+            try:
+                cmd, arg = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd == "abort" and arg[1] is not None and arg[1].set_running_or_notify_cancel():
+                arg[1].set_result(None)
         self._refresh_stats()

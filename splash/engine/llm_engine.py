@@ -101,6 +101,11 @@ class LLMEngine:
         rows = dict(getattr(self.runner, "step_rows", {}) or {})
         return {"ranks": ranks, "rows": rows}
 
+    def failure(self) -> BaseException | None:
+        """Why no step can run any more (the rank group failed or was shut down), or None."""
+        probe = getattr(self.runner, "failure", None)
+        return probe() if probe is not None else None
+
     def shutdown(self) -> None:
         """Abort what runs and stop the ranks (T > 1); idempotent, also done at interpreter exit."""
         if self._closed:

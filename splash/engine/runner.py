@@ -114,6 +114,13 @@ class GroupRunner:
     def step_rows(self) -> OrderedDict[int, int]:
         return self.local.step_rows
 
+    def failure(self) -> BaseException | None:
+        """Why the rank group can run no more steps (None while it can): it failed, or was closed."""
+        g = self.group
+        if g.error is not None:
+            return g.error
+        return RuntimeError("the rank group was shut down") if g.closed else None
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
         cs = self.local.comm.stats
         cs.begin_step(plan.step)  # the plan's own broadcast counts towards its step

@@ -1,0 +1,72 @@
+"""A server whose rank group dies says so and exits non-zero (as vLLM's does), instead of answering
+/health 200 and failing every request with a 500 for ever."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_utils import ServeProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _workers(pid: int) -> list[int]:
+    """The spawned rank processes of `pid` (its multiprocessing children other than the tracker)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(int(d.name))
+    return out
+
+
+def test_killed_rank_makes_health_503_and_the_server_exit_1():
+    srv = ServeProcess(["--model", "tiny", "--dtype", "float32", "--tp", "2", "--layout", "dop",
+                        "--max-model-len", "512", "--collective-timeout", "20"])
+    try:
+        workers = _workers(srv.proc.pid)
+        assert len(workers) == 1, f"expected one spawned rank, found {workers}"
+        events: list[str] = []
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not any(e.startswith("data: {") for e in events) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert events, "the stream never started"
+        os.kill(workers[0], signal.SIGKILL)
+        t.join(60)
+        assert not t.is_alive(), "the stream did not end after its rank died"
+        assert any('"error"' in e for e in events) and events[-1] == "data: [DONE]", events[-3:]
+        health: list[int] = []
+        deadline = time.monotonic() + 30
+        while srv.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                health.append(httpx.get(srv.url + "/health", timeout=2).status_code)
+            except httpx.HTTPError:
+                pass  # already stopped listening
+            time.sleep(0.1)
+        assert srv.proc.wait(30) == 1, srv.output()
+        assert 200 not in health, f"/health answered {health} after the rank group died"
+        assert "the engine died" in srv.output()
+    finally:
+        srv.close()
