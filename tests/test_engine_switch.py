@@ -238,6 +238,36 @@ def test_refused_switch_keeps_serving(group, ckpt):
     close(logits, ref_logits, "refused")
 
 
+def test_switch_never_strands_a_queued_request(group, ckpt):
+    """A request queued in CP (its context fits CP's position shards, not one TP pool) keeps a forced
+    CP -> TP switch from happening (refused, "request"): it used to come back empty, "length"."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    path = ckpt[0]
+    short, long = [5, 6, 7], list(range(5, 55))  # CP holds 2 x 10 pages x 4 = 80 tokens, TP 40
+    kw = {**ENGINE, "max_num_seqs": 1}
+    one = build_engine(model=path, num_kv_pages=64, **kw)
+    try:
+        want, _, _ = run(one, [short, long])
+    finally:
+        one.shutdown()
+    eng = build_engine(model=path, layout="cp", rank_group=group, num_kv_pages=10, switch_schedule="3:tp",
+                       **kw)
+    try:
+        assert eng.max_request_tokens == 80
+        got, _, errors = run(eng, [short, long])  # max_num_seqs=1: `long` waits while `short` runs
+        st = eng.stats()
+        refused = [e for e in eng.switcher.events if e.refused]
+    finally:
+        eng.shutdown()
+    assert [len(t) for t in got] == [NEW, NEW] and got == want
+    assert st["layout"] == "cp" and st["num_switches"] == 0 and st["switch_refusals"] == 1, st
+    assert refused[0].refused == "request"
+    msg = refused[0].message
+    assert "waiting request '1' reaches 56 tokens" in msg and "at most 40 in tp" in msg, msg
+    assert not errors, errors[:5]
+
+
 def test_auto_layout_switches_without_changing_tokens(group, ckpt, tmp_path):
     """`layout="auto"` starts in DOP; a theta whose collectives cost 10 ms each makes DP/TP (one
     collective per layer) lead DOP (three) by far, so the policy switches; tokens are unchanged."""

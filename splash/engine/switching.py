@@ -301,6 +301,25 @@ class SwitchController:
         src = self.alloc.layout
         return [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
 
+    def stranded(self, dst: str, live: list[Any]) -> str | None:
+        """Why `dst` could never serve some running or waiting request to its limit (prompt +
+        max_tokens): one request's context beyond what one request can hold in `dst` (e.g. CP's
+        position shards -> TP's one pool). None when every request fits. A switch must never strand a
+        request: queued ones were accepted for the layout they arrived in."""
+        from splash.kv.allocator import request_capacity
+
+        seqs = [*live, *self.sched.waiting]
+        if not seqs:
+            return None
+        need, seq = max((self._projected(s), i) for i, s in enumerate(seqs))
+        cap = request_capacity(dst, self.capacity(dst), self.alloc.page_size)
+        if need <= cap:
+            return None
+        what = "running" if seq < len(live) else "waiting"
+        rid = getattr(getattr(seqs[seq], "group", None), "request_id", seqs[seq].seq_id)
+        return (f"{what} request {rid!r} reaches {need} tokens at its limit; one request holds at most {cap} "
+                f"in {dst}")
+
     def fits(self, dst: str, live: list[Any], rows: dict[int, int] | None = None) -> bool:
         """Whether a switch to `dst` passes the planner's memory checks on the real per-rank pools:
         Eq 6 (the live batch grown to each request's limit fits `dst`, replica pages withheld in
@@ -310,6 +329,8 @@ class SwitchController:
         from splash.kv.allocator import page_ranks, pages_for
         from splash.switch.planner import balanced_owners
 
+        if self.stranded(dst, live) is not None:
+            return False
         T, P, src = self.world, self.alloc.page_size, self.alloc.layout
         rows = rows or {}
         cap = self.capacity(dst)
@@ -424,9 +445,11 @@ class SwitchController:
             self.steps_since_switch += 1
             return
         t0 = time.perf_counter()
-        sw = self._plan(dst, plan, live, mode)
-        plan_s = time.perf_counter() - t0
         from splash.switch import SwitchRefusal
+
+        why = self.stranded(dst, live)
+        sw = self._plan(dst, plan, live, mode) if why is None else SwitchRefusal(cur, dst, "request", why)
+        plan_s = time.perf_counter() - t0
 
         if isinstance(sw, SwitchRefusal):
             self.refusals += 1

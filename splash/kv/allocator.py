@@ -36,6 +36,25 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def request_capacity(layout: str, pages: list[int], page_size: int, owner: int | None = None) -> int:
+    """Largest context one request could hold in `layout` with `pages` free pages per rank to itself:
+    under DP/DOP the best owner's pool (or `owner`'s), under TP the smallest rank, under CP the position
+    shards."""
+    world = len(pages)
+    if owner is None:
+        owners = range(world) if layout in ("dp", "dop") else range(1)
+        return max(request_capacity(layout, pages, page_size, o) for o in owners)
+    limit = None
+    for r, n in enumerate(pages):
+        # Pages on rank r per `world` consecutive global pages bound the positions a request reaches.
+        share = sum(r in page_ranks(layout, j, owner, world) for j in range(world))
+        if share == 0:
+            continue
+        cap = n * world // share * page_size
+        limit = cap if limit is None else min(limit, cap)
+    return limit or 0
+
+
 class PageAllocator:
     """Free list of one rank's local pages (LIFO so recently freed, cache-warm pages are reused)."""
 
@@ -110,23 +129,9 @@ class KVAllocator:
         return all(n == 0 or n + reserve <= a.num_free for n, a in zip(need, self.ranks))
 
     def max_request_tokens(self, owner: int | None = None) -> int:
-        """Largest context one request could ever hold if it had the pool to itself: under DP/DOP the
-        best owner's pool (or `owner`'s), under TP the smallest rank, under CP the position shards."""
-        if owner is None:
-            owners = range(self.world) if self.layout in ("dp", "dop") else range(1)
-            return max(self._max_tokens(o) for o in owners)
-        return self._max_tokens(owner)
-
-    def _max_tokens(self, owner: int) -> int:
-        limit = None
-        for r, a in enumerate(self.ranks):
-            # Pages on rank r per `world` consecutive global pages bound the positions a request reaches.
-            share = sum(r in page_ranks(self.layout, j, owner, self.world) for j in range(self.world))
-            if share == 0:
-                continue
-            cap = a.num_pages * self.world // share * self.page_size
-            limit = cap if limit is None else min(limit, cap)
-        return limit or 0
+        """Largest context one request could ever hold if it had the pool to itself (`request_capacity`
+        of this layout on every rank's whole pool)."""
+        return request_capacity(self.layout, [a.num_pages for a in self.ranks], self.page_size, owner)
 
     def pool_tokens(self) -> int:
         """Distinct tokens the whole group can hold under this layout (TP: one rank's pool)."""
