@@ -51,7 +51,10 @@ def test_json_output_matches_python_api(ckpt, capsys):
     (["--prompt-ids", "1,500"], "vocabulary"),
     (["--prompt", "hi"], "tokenizer"),
     (["--model", "/nonexistent/ckpt", "--prompt-ids", "1"], "checkpoint"),
-])
+    (["--prompt-ids", "1,2", "--device", "tpu"], "unknown device 'tpu'"),
+    (["--prompt-ids", "1,2", "--device", "cpu:x"], "unknown device"),
+] + ([] if torch.cuda.is_available() else
+       [(["--prompt-ids", "1,2", "--device", "cuda"], "use --device cpu")]))
 def test_bad_input_is_one_clear_line(ckpt, capsys, argv, msg):
     rc, out, err = run_cli(capsys, "--model", ckpt, "--dtype", "float64", *argv)
     if msg is None:
@@ -67,6 +70,10 @@ def test_bad_flags_exit_2(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--layout", "zz", "--prompt-ids", "1"])
     assert "invalid choice" in capsys.readouterr().err
+    for bad in ("-1", "0", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            main(["generate", "--collective-timeout", bad, "--prompt-ids", "1"])
+        assert "positive number of seconds" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

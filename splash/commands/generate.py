@@ -21,6 +21,17 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+def positive_float(text: str) -> float:
+    """argparse type for durations: finite and > 0, with a clear message instead of a traceback."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return v
+
+
 def positive_int(text: str) -> int:
     """argparse type for counts and sizes: a clear message instead of a traceback."""
     try:
@@ -50,7 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from splash.commands.switching import add_switch_args
 
     add_switch_args(p)  # --layout (auto default at T > 1), --switch-schedule, --switch-mode, --theta, ...
-    p.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+    p.add_argument("--collective-timeout", type=positive_float, default=None, metavar="S",
                    help="seconds before a collective waiting on a dead or hung rank fails the engine "
                         "(default 300)")
 

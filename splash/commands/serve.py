@@ -24,6 +24,8 @@ ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from splash.commands.generate import positive_float
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
                        description="Serve a model over the OpenAI API on http://HOST:PORT/v1.")
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory, or 'tiny'")
@@ -44,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_switch_args(p)  # --layout (auto default at T > 1), --switch-schedule, --switch-mode, --theta, ...
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
-    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=None,
+    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=positive_float, default=None,
                    metavar="S", help="seconds before a dead or hung rank fails the engine (default 300)")
     p.add_argument("--graceful-timeout", type=float, default=5.0,
                    help="seconds open requests get to finish after SIGINT/SIGTERM")

@@ -31,9 +31,29 @@ class DistError(RuntimeError):
     """The rank group could not be formed; the message says what to change."""
 
 
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on: `device` checked (cpu, cuda or cuda:i, present), or CUDA when there is one."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:INDEX") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported; use cpu, cuda or cuda:INDEX")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ConfigError(f"device {device!r}: this machine (or this torch build) has no CUDA device; "
+                              "use --device cpu")
+        if dev.index is not None and dev.index >= n:
+            raise ConfigError(f"device {device!r}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
+    return dev
+
+
 def pick_backend(device: str | None = None) -> str:
     """NCCL when CUDA is present (and not asked for CPU), else gloo."""
-    if device is not None and torch.device(device).type == "cpu":
+    if device is not None and parse_device(device).type == "cpu":
         return "gloo"
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
 

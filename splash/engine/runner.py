@@ -164,7 +164,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     `switch_mode` "overlapped" | "blocking"; `theta` a calibrated theta JSON for "auto".
     """
     from splash.config import ConfigError, ModelConfig
-    from splash.dist.groups import DEFAULT_TIMEOUT_S, local_grid
+    from splash.dist.groups import DEFAULT_TIMEOUT_S, local_grid, parse_device
     from splash.dist.launch import resolve_launch
     from splash.engine.group import RankGroup
     from splash.engine.llm_engine import LLMEngine
@@ -196,8 +196,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     cfg = ModelConfig.from_hf(path)
     if world > 1:
         cfg.check_ranks(world)  # refuse before starting any process
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
-                                                                       else "cpu")
+    dev = parse_device(device)
     max_model_len = int(max_model_len or cfg.max_position_embeddings)
     if max_model_len < 2:
         raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
