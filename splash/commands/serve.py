@@ -133,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
     # the re-raise is absorbed and a requested shutdown exits 0.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
     died = threading.Event()
-    threading.Thread(target=_stop_when_dead, args=(server, engine, died), name="splash-watchdog",
-                     daemon=True).start()
+    threading.Thread(target=_watch, args=(server, engine, died, args.graceful_timeout),
+                     name="splash-watchdog", daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
@@ -149,9 +149,11 @@ def run(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def _stop_when_dead(server: Any, engine: Any, died: threading.Event, every_s: float = 0.5) -> None:
-    """As vLLM does: once the engine can never step again (its rank group failed), stop serving and exit
-    non-zero, so a supervisor restarts the server instead of it answering 503 forever."""
+def _watch(server: Any, engine: Any, died: threading.Event, grace_s: float, every_s: float = 0.1) -> None:
+    """Two jobs while the server runs. As vLLM does: once the engine can never step again (its rank group
+    failed), stop serving and exit non-zero, so a supervisor restarts the server instead of it answering
+    503 for ever. And on a shutdown signal: give open requests most of `--graceful-timeout`, then end
+    the rest with an error event and [DONE] (uvicorn would cancel them mid-response when it expires)."""
     while not server.should_exit:
         if server.started and engine.dead is not None:
             logging.getLogger("splash.server").error("the engine died; stopping the server")
@@ -159,3 +161,8 @@ def _stop_when_dead(server: Any, engine: Any, died: threading.Event, every_s: fl
             server.should_exit = True
             return
         time.sleep(every_s)
+    deadline = time.monotonic() + max(0.0, grace_s - 1.0)  # a second left for the error events to go out
+    while engine.num_open_streams and time.monotonic() < deadline and not server.force_exit:
+        time.sleep(every_s)
+    if engine.num_open_streams:
+        engine.end_open_streams(f"the server is shutting down (--graceful-timeout {grace_s:g} s passed)")

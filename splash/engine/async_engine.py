@@ -146,6 +146,17 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def num_open_streams(self) -> int:
+        """Requests a caller is still iterating (the server's open responses)."""
+        return len(self._streams)
+
+    def end_open_streams(self, why: str) -> None:
+        """End every open request now with EngineDeadError(why), pages freed (the engine thread does it
+        between steps). For a graceful shutdown: the responses close with an error, not cut mid-way."""
+        if self._thread is not None and self._thread.is_alive():
+            self._cmds.put(("end_all", why))
+
+    @property
     def dead(self) -> EngineDeadError | None:
         """Why the engine stopped for good after a failure (its rank group died), else None."""
         return self._dead
@@ -215,6 +226,9 @@ class AsyncEngine:
         eng = self.engine
         if cmd == "shutdown":
             return False
+        if cmd == "end_all":
+            self._fail_all(EngineDeadError(arg))
+            return True
         if cmd == "add":
             rid, ids, params = arg
             try:

@@ -1,8 +1,10 @@
-"""A server whose rank group dies says so and exits non-zero (as vLLM's does), instead of answering
-/health 200 and failing every request with a 500 for ever."""
+"""How `splash serve` ends: a server whose rank group dies says so and exits non-zero (as vLLM's does),
+instead of answering /health 200 and a 500 per request for ever; on SIGTERM, a response still open when
+--graceful-timeout runs out ends with an error event and [DONE], not cut mid-way."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -68,5 +70,28 @@ def test_killed_rank_makes_health_503_and_the_server_exit_1():
         assert srv.proc.wait(30) == 1, srv.output()
         assert 200 not in health, f"/health answered {health} after the rank group died"
         assert "the engine died" in srv.output()
+    finally:
+        srv.close()
+
+
+def test_sigterm_ends_a_long_stream_cleanly_after_the_grace_period():
+    srv = ServeProcess(["--model", "tiny", "--dtype", "float32", "--max-model-len", "4096",
+                        "--graceful-timeout", "2"])
+    try:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        events: list[str] = []
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = (line for line in r.iter_lines() if line)
+            events.append(next(lines))
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            events += list(lines)
+            took = time.monotonic() - t0
+        assert events[-1] == "data: [DONE]", events[-3:]
+        err = json.loads(events[-2].removeprefix("data: "))
+        assert "shutting down" in err["error"]["message"], err
+        assert took < 10, f"the stream took {took:.1f} s to end after SIGTERM"
+        assert srv.proc.wait(30) == 0, srv.output()
+        assert "Exception in ASGI application" not in srv.output() and "CancelledError" not in srv.output()
     finally:
         srv.close()
