@@ -74,6 +74,29 @@ def test_killed_rank_makes_health_503_and_the_server_exit_1():
         srv.close()
 
 
+def test_rank_dying_while_idle_is_noticed_without_a_request():
+    """A worker killed while nothing runs (e.g. the OOM killer): the next /health, or the watchdog,
+    sees it; the server does not wait for a request to fail first."""
+    srv = ServeProcess(["--model", "tiny", "--dtype", "float32", "--tp", "2", "--layout", "tp",
+                        "--max-model-len", "256"])
+    try:
+        [worker] = _workers(srv.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        health: list[int] = []
+        deadline = time.monotonic() + 20
+        while srv.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                health.append(httpx.get(srv.url + "/health", timeout=2).status_code)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        assert srv.proc.wait(30) == 1, srv.output()
+        assert health.count(200) <= 2, health  # (the first poll may come before the kill lands)
+        assert "the engine died" in srv.output()
+    finally:
+        srv.close()
+
+
 def test_sigterm_ends_a_long_stream_cleanly_after_the_grace_period():
     srv = ServeProcess(["--model", "tiny", "--dtype", "float32", "--max-model-len", "4096",
                         "--graceful-timeout", "2"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.config import PRESETS
+from splash.config import PRESETS, ConfigError
 from splash.engine import sizing
 from splash.kv.pool import KVPool
 
@@ -26,6 +26,20 @@ def test_cuda_default_pool_takes_85_percent_less_what_switches_need(monkeypatch,
     n = pages(device="cuda", keep_free=keep_free)
     assert n == (int(free * 0.85) - keep_free) // PER_PAGE
     assert free - n * PER_PAGE >= keep_free + int(free * 0.15)  # the replicas and the workspace fit
+
+
+def test_cpu_default_pool_takes_the_replicas_from_free_memory_not_from_its_128_mib_cap(monkeypatch) -> None:
+    """The 128 MiB CPU cap is a convenience, not memory: replicas come out of what is free."""
+    monkeypatch.setattr(sizing, "available_bytes", lambda device: 10 * 2**30)
+    assert pages(keep_free=200 * 2**20) == pages() == 128 * 2**20 // PER_PAGE
+    monkeypatch.setattr(sizing, "available_bytes", lambda device: 2**30)  # 0.2 x 1 GiB = 205 MiB
+    assert pages(keep_free=150 * 2**20) == (int(0.2 * 2**30) - 150 * 2**20) // PER_PAGE
+
+
+def test_no_room_at_all_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr(sizing, "available_bytes", lambda device: 100 * PER_PAGE)
+    with pytest.raises(ConfigError, match="projection replicas live switching needs.*--memory-per-rank"):
+        pages(device="cuda", keep_free=100 * PER_PAGE)
 
 
 def test_keep_free_does_not_touch_an_explicit_budget_or_count() -> None:

@@ -96,3 +96,27 @@ def test_owners_refusal_names_the_pages_left():
     refusal = ctl._plan("dp", SimpleNamespace(seqs=[]), live, "overlapped")
     assert isinstance(refusal, SwitchRefusal) and refusal.reason == "owners"
     assert refusal.message.endswith("free pages beyond the reserve [0, 0]"), refusal.message
+
+
+def test_stranded_counts_queued_requests_and_only_lost_reach():
+    """CP on 2 ranks x 10 pages x 4 holds 80 tokens per request, TP/DP 40, DOP 40: a queued request
+    whose limit is 60 strands in TP/DP/DOP (refused); one whose limit (500) is beyond every layout only
+    counts as far as CP reaches, so from TP (reach 40) a switch into CP (80) is fine, back is not."""
+    def ctl_for(layout: str, need: int) -> SwitchController:
+        alloc = KVAllocator(10, 4, world=2, layout=layout)
+        waiting = [SimpleNamespace(seq_id=7, num_computed=0, num_tokens=need - 5, owner=0, pages=[],
+                                   params=SimpleNamespace(max_tokens=5), prompt_token_ids=[0] * (need - 5))]
+        engine = SimpleNamespace(allocator=alloc, scheduler=SimpleNamespace(
+            running=[], waiting=waiting, cfg=SimpleNamespace(max_model_len=4096)))
+        return SwitchController(engine, PRESETS["tiny"], "float32")
+
+    ctl = ctl_for("cp", 60)
+    for dst in ("tp", "dp", "dop"):
+        want = f"waiting request 7 reaches 60 tokens at its limit; one request holds at most 40 in {dst}"
+        assert ctl.stranded(dst, []) == want
+        assert not ctl.fits(dst, [])
+    assert ctl_for("cp", 500).stranded("tp", []) is not None
+    ctl = ctl_for("tp", 500)
+    assert ctl.stranded("cp", []) is None and ctl.stranded("dp", []) is None  # reach 40 -> 80 / 40
+    ctl = ctl_for("tp", 30)
+    assert all(ctl.stranded(dst, []) is None for dst in ("dp", "cp", "dop"))

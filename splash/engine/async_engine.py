@@ -111,7 +111,7 @@ class AsyncEngine:
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         if self._dead is not None:
-            raise self._dead
+            raise EngineDeadError(str(self._dead))  # a new one each time: a re-raise grows its traceback
         if self._stopped:
             raise EngineDeadError("the engine was shut down")
         if self._thread is None:
@@ -163,8 +163,9 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        """Running and able to step: False once the rank group has failed (every step would fail)."""
-        return self.is_running and self.engine.failure() is None
+        """Running and able to step: False once the rank group has failed (every step would fail), which
+        a worker that exited while the engine was idle makes so too."""
+        return self.is_running and self._dead is None and self.engine.failure() is None
 
     # ---- the async API --------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
@@ -183,7 +184,7 @@ class AsyncEngine:
         self._cmds.put(("add", (request_id, list(prompt_token_ids), params)))
         if self._dead is not None:  # the thread ended before this stream was registered: nobody will answer
             self._streams.pop(request_id, None)
-            raise self._dead
+            raise EngineDeadError(str(self._dead))
         finished = False
         try:
             while True:
@@ -206,7 +207,7 @@ class AsyncEngine:
             return  # (a dead engine's thread has aborted everything already)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._cmds.put(("abort", (request_id, fut)))
-        if self._dead is not None:  # the thread may have ended before it could take the command
+        if self._dead is not None or self._stopped:  # the thread may have ended before taking the command
             return
         await asyncio.wrap_future(fut)
 
@@ -287,7 +288,7 @@ class AsyncEngine:
                 dead = self.engine.failure()
                 if dead is not None:  # nothing can step any more: stop, so health says so
                     why = (str(dead).splitlines() or [type(dead).__name__])[0]  # (then a traceback)
-                    log.error("the engine cannot recover (%s); it stops", why)  # callers get EngineDeadError
+                    log.error("the engine cannot recover (%s); it stops", why)  # later calls: EngineDeadError
                     self._dead = EngineDeadError(f"the engine stopped after a failure it cannot recover from "
                                                  f"({why}); restart the server")
                     running = False

@@ -115,11 +115,16 @@ class GroupRunner:
         return self.local.step_rows
 
     def failure(self) -> BaseException | None:
-        """Why the rank group can run no more steps (None while it can): it failed, or was closed."""
-        g = self.group
-        if g.error is not None:
-            return g.error
-        return RuntimeError("the rank group was shut down") if g.closed else None
+        """Why the rank group can run no more steps (None while it can): it failed, was closed, or a
+        local worker has exited, even while idle (that marks the group failed)."""
+        from splash.dist.launch import WorkerError
+        from splash.engine.group import GroupFailed
+
+        try:
+            self.group.check()
+        except (GroupFailed, WorkerError) as e:
+            return self.group.error or e
+        return None
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         cs = self.local.comm.stats

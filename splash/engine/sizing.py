@@ -93,7 +93,13 @@ def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: i
         return int(kv // per_page)
     # Default: enough for a full batch at full context, capped by a share of what the device has.
     want = max_num_seqs * -(-max_model_len // page_size) * per_page
-    cap = int(available_bytes(device) * (0.85 if device.type == "cuda" else 0.2))
+    cap = int(available_bytes(device) * (0.85 if device.type == "cuda" else 0.2)) - keep_free
     if device.type != "cuda":
         cap = min(cap, 128 * 2**20)  # CPU demos and tests: plenty, and quick to allocate
-    return max(1, min(want, cap - keep_free) // per_page)
+    if cap < per_page:
+        also = ""
+        if keep_free:
+            also = f" next to the {keep_free / 2**20:.0f} MiB of projection replicas live switching needs"
+        raise ConfigError(f"free memory leaves no room for a KV cache{also}; pass --memory-per-rank or "
+                          "--num-kv-pages")
+    return min(want, cap) // per_page

@@ -302,18 +302,20 @@ class SwitchController:
         return [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
 
     def stranded(self, dst: str, live: list[Any]) -> str | None:
-        """Why `dst` could never serve some running or waiting request to its limit (prompt +
-        max_tokens): one request's context beyond what one request can hold in `dst` (e.g. CP's
-        position shards -> TP's one pool). None when every request fits. A switch must never strand a
-        request: queued ones were accepted for the layout they arrived in."""
+        """Why `dst` could not serve some running or waiting request as far as the current layout can
+        (its limit, prompt + max_tokens, or this layout's per-request reach if that is less): e.g. CP's
+        position shards -> TP's one pool. None when no request loses reach. A switch must never strand
+        a request: queued ones were accepted for the layout they arrived in."""
         from splash.kv.allocator import request_capacity
 
         seqs = [*live, *self.sched.waiting]
         if not seqs:
             return None
         need, seq = max((self._projected(s), i) for i, s in enumerate(seqs))
-        cap = request_capacity(dst, self.capacity(dst), self.alloc.page_size)
-        if need <= cap:
+        P = self.alloc.page_size
+        cap = request_capacity(dst, self.capacity(dst), P)
+        here = request_capacity(self.alloc.layout, self.capacity(self.alloc.layout), P)
+        if cap >= min(need, here):  # (a limit beyond even this layout's reach: only losing reach counts)
             return None
         what = "running" if seq < len(live) else "waiting"
         rid = getattr(getattr(seqs[seq], "group", None), "request_id", seqs[seq].seq_id)
