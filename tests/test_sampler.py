@@ -129,3 +129,29 @@ def test_stop_strings_truncate_and_hold_back(stop, want):
         assert hit is None and d.visible_text(True) == "hello world"
     else:
         assert hit in stop and d.text == want
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": -0.1}, "temperature"), ({"temperature": "0.5"}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": float("nan")}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 2.5}, "top_k"),
+    ({"n": 0}, "n"), ({"n": True}, "n"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"), ({"min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+    ({"logprobs": True}, "logprobs"), ({"logprobs": 21}, "logprobs"),
+    ({"seed": 2**70}, "seed"), ({"seed": "abc"}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"ignore_eos": "no"}, "ignore_eos"), ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_bad_sampling_params_are_refused_up_front(kw, field):
+    """Before anything is queued: NaN temperature sampled garbage, logprobs=True crashed the whole step,
+    a huge seed failed only in add_request."""
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingParams(**kw)
+
+
+def test_good_edge_sampling_params_pass():
+    for kw in ({"temperature": 0}, {"temperature": 2}, {"top_p": 1}, {"seed": -5}, {"seed": 2**62},
+               {"logprobs": 0}, {"max_tokens": None}, {"top_k": 0}):
+        SamplingParams(**kw)
