@@ -124,3 +124,21 @@ def test_not_a_config_file(capsys, tmp_path):
     other.write_text(json.dumps({"model_type": "llama"}))
     assert main(["plan", "weights", "--model", str(other)]) == 2
     assert "not an MLA model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "crossovers", "--scenario", "h200", "--plot"],
+    ["simulate", "rollout", "--plot"],
+    ["bench", "switch", "--plot"],
+    ["bench", "sweep", "--plot"],
+    ["bench", "rollout", "--plot"],
+    ["calibrate", "--tp", "2", "--out"],
+])
+@pytest.mark.parametrize("path,needle", [("/nonexistent-dir/x.png", "does not exist"), ("", "expected a file"),
+                                         (".", "expected a file")])
+def test_unwritable_output_is_refused_before_any_work(capsys, argv, path, needle):
+    """An output the command could not write is refused when parsed, not after the measurement (whose
+    result was then lost with a traceback)."""
+    with pytest.raises(SystemExit) as e:
+        main([*argv, path])
+    assert e.value.code == 2 and needle in capsys.readouterr().err

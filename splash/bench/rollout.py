@@ -83,7 +83,7 @@ SHAPE_FLAGS = (("requests", int, "requests started together"),
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import positive_int
+    from splash.commands.generate import output_file, positive_int
 
     p = kinds.add_parser("rollout", help="RL-rollout workload: each fixed layout vs live switching (auto)",
                          description="Run one rollout batch under tp, dp, cp, dop and auto on the same "
@@ -111,7 +111,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=256)
     p.add_argument("--device", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", default=None, metavar="FILE", help="write the timeline PNG")
+    p.add_argument("--plot", default=None, metavar="FILE", type=output_file, help="write the timeline PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

@@ -40,7 +40,7 @@ def _layouts(text: str) -> list[str]:
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import positive_int
+    from splash.commands.generate import output_file, positive_int
 
     p = kinds.add_parser("sweep", help="throughput of each fixed layout over input lengths x batch sizes",
                          description="Figure 4 protocol: total throughput B*(L_in+L_out)/T_batch per layout.")
@@ -61,7 +61,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
                    help="CPU threads per rank (default: cores/T)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", default=None, metavar="FILE", help="write a PNG: throughput vs batch per L_in")
+    p.add_argument("--plot", default=None, metavar="FILE", type=output_file,
+                   help="write a PNG: throughput vs batch per L_in")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

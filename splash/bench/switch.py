@@ -36,7 +36,7 @@ DIRECTIONS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import positive_int
+    from splash.commands.generate import output_file, positive_int
 
     p = kinds.add_parser("switch", help="live switch cost per direction vs drain-and-restart (Table 1)",
                          description="Time target-ready, blocking and overlapped switching steps for all 12 "
@@ -56,7 +56,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of the overheads")
+    p.add_argument("--plot", default=None, metavar="FILE", type=output_file,
+                   help="write a PNG of the overheads")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from splash.commands.generate import positive_int
+from splash.commands.generate import output_file, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (default)")
     p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
-    p.add_argument("--out", default="theta.json", metavar="FILE",
+    p.add_argument("--out", default="theta.json", metavar="FILE", type=output_file,
                    help="where to save theta (default theta.json)")
     p.add_argument("--quick", action="store_true",
                    help="small grid, one round (about a minute at T=2; too few points and steps for "

@@ -21,6 +21,21 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+def output_file(text: str) -> str:
+    """argparse type for --plot/--out: a file path whose folder exists and is writable, checked before a
+    long measurement rather than when its result is written (and lost)."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(text)) if text else ""
+    if not text or text.endswith(os.sep) or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the folder of {text!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r} (permission denied)")
+    return text
+
+
 def positive_float(text: str) -> float:
     """argparse type for durations: finite and > 0, with a clear message instead of a traceback."""
     try:

@@ -293,6 +293,8 @@ def run_advise(args: argparse.Namespace) -> int:
 
 # ---- registration ---------------------------------------------------------------------------------
 def register(sub: argparse._SubParsersAction) -> None:
+    from splash.commands.generate import output_file
+
     p = sub.add_parser("plan", help="analytical planner: weights, switches, crossovers, capacity, advise",
                        description="Answer layout questions from the ownership and cost models (no GPU).")
     kinds = p.add_subparsers(dest="plan_kind", metavar="KIND")
@@ -314,7 +316,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--hi-k", type=float, default=512.0, help="scan to (units of 1024 tokens)")
     c.add_argument("--limits", choices=("none", "paper", "sampled"), default="none",
                    help="mask layouts beyond their KV limit: the paper's, or sampled now (slower)")
-    c.add_argument("--plot", metavar="FILE", help="write a PNG like the paper's Figure 1")
+    c.add_argument("--plot", metavar="FILE", type=output_file, help="write a PNG like the paper's Figure 1")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=run_crossovers)
 

@@ -59,6 +59,8 @@ def run_rollout(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from splash.commands.generate import output_file
+
     p = sub.add_parser("simulate", help="paper-scale simulations through the cost model")
     kinds = p.add_subparsers(dest="simulate_kind", metavar="KIND")
     r = kinds.add_parser("rollout", help="drain workload: fixed layouts vs the policy (table + PNG)")
@@ -81,6 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--max-running", type=int, default=256, help="bound on the running batch")
     r.add_argument("--stride", type=int, default=16, help="decode steps simulated at once (default 16)")
     r.add_argument("--page-size", type=int, default=64, help="KV page size (default 64)")
-    r.add_argument("--plot", metavar="FILE", help="write a PNG: running requests over time and makespans")
+    r.add_argument("--plot", metavar="FILE", type=output_file,
+                   help="write a PNG: running requests over time and makespans")
     r.set_defaults(func=run_rollout)
     p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])
