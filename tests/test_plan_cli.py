@@ -134,8 +134,8 @@ def test_not_a_config_file(capsys, tmp_path):
     ["bench", "rollout", "--plot"],
     ["calibrate", "--tp", "2", "--out"],
 ])
-@pytest.mark.parametrize("path,needle", [("/nonexistent-dir/x.png", "does not exist"), ("", "expected a file"),
-                                         (".", "expected a file")])
+@pytest.mark.parametrize("path,needle", [("/nonexistent-dir/x.png", "does not exist"),
+                                         ("", "expected a file"), (".", "expected a file")])
 def test_unwritable_output_is_refused_before_any_work(capsys, argv, path, needle):
     """An output the command could not write is refused when parsed, not after the measurement (whose
     result was then lost with a traceback)."""
