@@ -32,6 +32,13 @@ def test_init_tiny_writes_a_checkpoint_matching_the_preset(tiny_dir, capsys):
     assert cfg.replace(name="tiny") == TINY
     assert main(["model", "init-tiny", tiny_dir]) == 2  # refuses to overwrite without --force
     assert "--force" in capsys.readouterr().err
+    modes = {f: os.stat(os.path.join(tiny_dir, f)).st_mode & 0o777 for f in os.listdir(tiny_dir)}
+    assert len(set(modes.values())) == 1, modes  # the weights are as readable as the rest
+    for bad, msg in ((["/proc/splash-tiny"], "cannot write"), ([""], "give the directory"),
+                     ([str(tiny_dir) + "-x", "--seed", str(2**70)], "--seed must be")):
+        assert main(["model", "init-tiny", *bad]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err
 
 
 def test_init_tiny_is_deterministic_per_seed(tiny_dir, tmp_path):

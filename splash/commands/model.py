@@ -29,9 +29,16 @@ def _init_tiny(args: argparse.Namespace) -> int:
 
     if os.path.isfile(os.path.join(args.dir, "config.json")) and not args.force:
         raise ConfigError(f"{args.dir} already holds a checkpoint; pass --force to overwrite it")
+    if not args.dir:
+        raise ConfigError("give the directory to write the tiny model to")
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
         raise ConfigError(f"{args.dir} exists and is not a directory")
-    path = write_tiny_model(args.dir, seed=args.seed)
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed must be in [0, 2**63), got {args.seed}")
+    try:
+        path = write_tiny_model(args.dir, seed=args.seed)
+    except OSError as e:
+        raise ConfigError(f"cannot write {args.dir}: {e.strerror or e}") from None
     print(f"wrote the tiny model (seed {args.seed}) to {path}")
     return 0
 

@@ -193,7 +193,9 @@ def write_tiny_model(path: str | os.PathLike[str], seed: int = 0, cfg: ModelConf
     _dump(os.path.join(p, "generation_config.json"), {"bos_token_id": cfg.bos_token_id,
                                                       "eos_token_id": cfg.eos_token_id,
                                                       "pad_token_id": cfg.pad_token_id})
-    save_file(random_weights(cfg, seed), os.path.join(p, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(p, "model.safetensors")
+    save_file(random_weights(cfg, seed), weights, metadata={"format": "pt"})
+    os.chmod(weights, os.stat(os.path.join(p, "config.json")).st_mode & 0o777)  # (it writes 0600)
     return p
 
 
