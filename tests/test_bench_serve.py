@@ -68,13 +68,19 @@ def test_bench_refuses_lengths_over_the_context(server):
     assert "exceeds the model's context" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_bench_names_a_model_the_server_does_not_serve(server):
+    r = bench("--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "1", "--model", "nosuch")
+    assert r.returncode == 2 and "does not serve 'nosuch'" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bench_reports_failures_with_a_wrong_key(server):
     r = bench("--base-url", server.url, "--api-key", "wrong", "--num-prompts", "1")
     assert r.returncode == 2 and "401" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("args", [["--num-prompts", "0"], ["--request-rate", "0"],
-                                  ["--max-concurrency", "0"], ["--input-len", "0"]])
+                                  ["--max-concurrency", "0"], ["--input-len", "0"], ["--vocab-size", "-5"],
+                                  ["--vocab-size", "0"], ["--timeout", "0"], ["--timeout", "-1"]])
 def test_bench_bad_arguments(args):
     r = bench("--base-url", "http://127.0.0.1:9", *args, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("splash bench serve:")

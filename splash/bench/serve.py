@@ -66,6 +66,10 @@ def _check_args(a: argparse.Namespace) -> str | None:
         return f"--request-rate must be > 0 (or inf), got {a.request_rate}"
     if a.max_concurrency is not None and a.max_concurrency < 1:
         return f"--max-concurrency must be >= 1, got {a.max_concurrency}"
+    if a.vocab_size is not None and a.vocab_size < 2:
+        return f"--vocab-size must be >= 2, got {a.vocab_size}"
+    if not 0 < a.timeout < math.inf:
+        return f"--timeout must be a positive number of seconds, got {a.timeout}"
     return None
 
 
@@ -136,7 +140,11 @@ async def _server_info(client: httpx.AsyncClient, model: str | None) -> dict[str
         raise RuntimeError("the server lists no models")
     if model is None:
         return cards[0]
-    return next((c for c in cards if c.get("id") == model), {"id": model})
+    card = next((c for c in cards if c.get("id") == model), None)
+    if card is None:
+        raise RuntimeError(f"the server does not serve {model!r}; it serves "
+                           f"{', '.join(str(c.get('id')) for c in cards)}")
+    return card
 
 
 async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
@@ -145,7 +153,7 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=a.base_url.rstrip("/"), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(a.timeout, connect=30.0)) as client:
         card = await _server_info(client, a.model)
-        vocab = a.vocab_size or card.get("vocab_size")
+        vocab = a.vocab_size if a.vocab_size is not None else card.get("vocab_size")
         if not vocab:
             raise RuntimeError("the server does not report vocab_size; pass --vocab-size")
         max_len = card.get("max_model_len")
