@@ -108,6 +108,9 @@ def test_simulate_rollout_cli(capsys, tmp_path):
     (["plan", "advise", "--gpu", "tpu"], "unknown hardware"),
     (["plan", "advise", "--context", "10", "--query-rows", "11"], "cannot exceed"),
     (["simulate", "rollout", "--requests", "0"], "--requests must be >= 1"),
+    (["plan", "capacity", "--scenario", "h200", "--batch", "0"], "--batch must be >= 1"),  # was: the default
+    (["plan", "capacity", "--scenario", "h200", "--ranks", "0"], "--ranks must be >= 1"),
+    (["plan", "advise", "--page-size", "0"], "--page-size must be >= 1"),
 ])
 def test_invalid_input_is_one_clear_line(capsys, argv, needle):
     assert main(argv) == 2

@@ -184,6 +184,9 @@ def run_capacity(args: argparse.Namespace) -> int:
         scenario,
     )
 
+    for value, flag in ((args.batch, "--batch"), (args.ranks, "--ranks")):
+        if value is not None:
+            need(value, flag)
     given = [x for x in (args.scenario, args.pool_tokens, args.memory_gib) if x is not None]
     if len(given) != 1:
         raise ConfigError("give exactly one of --scenario, --pool-tokens, or --memory-gib (with "
@@ -201,11 +204,13 @@ def run_capacity(args: argparse.Namespace) -> int:
             need(args.reserve_gib, "--reserve-gib", 0)
             need(args.kv_bytes_per_token, "--kv-bytes-per-token", 1e-9)
             pools = pools_from_budget(args.memory_gib * GIB, args.weights_gib * GIB, args.kv_bytes_per_token,
-                                      args.ranks or 8, args.reserve_gib * GIB)
-        base = CapacityScenario("custom", args.batch or 16, args.ranks or 8, pools)
-    sc = CapacityScenario(base.name, args.batch or base.batch, args.ranks or base.ranks, base.pools,
-                          args.output_min, args.output_max, base.note,
-                          base.paper_limits_k if not (args.batch or args.ranks) else {})
+                                      8 if args.ranks is None else args.ranks, args.reserve_gib * GIB)
+        base = CapacityScenario("custom", 16 if args.batch is None else args.batch,
+                                8 if args.ranks is None else args.ranks, pools)
+    batch = base.batch if args.batch is None else args.batch  # (0 is an input to refuse, not "unset")
+    ranks = base.ranks if args.ranks is None else args.ranks
+    sc = CapacityScenario(base.name, batch, ranks, base.pools, args.output_min, args.output_max, base.note,
+                          base.paper_limits_k if (args.batch, args.ranks) == (None, None) else {})
     need(sc.batch, "--batch")
     need(sc.ranks, "--ranks")
     t = time.perf_counter()
@@ -261,6 +266,7 @@ def run_advise(args: argparse.Namespace) -> int:
     th = theta_from(args, sizes)
     batch = Batch.balanced(args.batch, args.context, args.query_rows, args.ranks)
     cur = None if args.current in (None, "none") else Layout.parse(args.current)
+    need(args.page_size, "--page-size")
     cfg = PolicyConfig(margin=args.margin, min_dwell=0, page_size=args.page_size)
     d = decide(sizes, th, batch, cur, 1 << 30, cfg)
     avail = th.memory_bytes - sizes.fixed_bytes_per_rank(args.ranks) - th.reserve_bytes
