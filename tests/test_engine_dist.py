@@ -310,3 +310,19 @@ def test_hung_or_killed_worker_fails_the_engine(group, ckpts):
             aeng.shutdown()
     assert took < TIMEOUT_S + 15, f"the engine took {took:.0f} s to notice"
     assert not group.workers.alive()
+
+
+def test_script_without_main_guard_fails_fast(tmp_path):
+    """`LLM(tp=2)` at import time: the spawned rank re-imports the script and dies before joining; rank
+    0 says why within seconds instead of waiting out the 300 s start-up timeout."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "noguard.py"
+    script.write_text("from splash import LLM\nLLM('tiny', tp=2, layout='tp', device='cpu')\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0
+    assert "before joining the group" in r.stderr and '__name__ == "__main__"' in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 60

@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import queue
+import threading
 import time
 import weakref
 from typing import Any
@@ -104,8 +105,9 @@ class RankGroup:
                                     init_method=launch.init_method, backend=backend, timeout_s=start,
                                     threads=threads)
         try:
-            grid = init_distributed(0, launch.world, launch.init_method, backend=backend, timeout_s=start,
-                                    control_timeout_s=start)
+            grid = _watching(workers, lambda: init_distributed(0, launch.world, launch.init_method,
+                                                               backend=backend, timeout_s=start,
+                                                               control_timeout_s=start))
         except BaseException:
             if workers is not None:
                 _raise_worker_error(workers)
@@ -264,6 +266,37 @@ def _worker_error(workers: WorkerGroup) -> WorkerError | None:
             msg, tb = pickle.loads(payload)
             return WorkerError(rank, msg, tb)
     return None
+
+
+def _watching(workers: WorkerGroup | None, join: Any) -> Any:
+    """Run `join()` (rank 0's rendezvous) while watching the spawned ranks: one that dies before it
+    joins (e.g. a script without a `__main__` guard, whose re-import by the spawned rank fails) would
+    otherwise leave rank 0 waiting the whole start-up timeout. The rendezvous runs on a helper thread;
+    after such a death it is abandoned (it ends at its own timeout) and the error is raised here."""
+    if workers is None:
+        return join()
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["grid"] = join()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="splash-rendezvous", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.2)
+        dead = [(r, p.exitcode) for r, p in workers.procs.items() if p.exitcode is not None]
+        if dead and t.is_alive():
+            _raise_worker_error(workers)  # a rank that reported its own error says it best
+            rank, code = dead[0]
+            raise WorkerError(rank, f"exited with code {code} before joining the group; if your script "
+                                    "builds the engine at import time, put that under `if __name__ == "
+                                    "\"__main__\":` (spawned ranks re-import the main module)")
+    if "error" in out:
+        raise out["error"]
+    return out["grid"]
 
 
 def _raise_worker_error(workers: WorkerGroup) -> None:
