@@ -203,6 +203,13 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
         cfg.check_ranks(world)  # refuse before starting any process
     dev = parse_device(device)
     max_model_len = int(max_model_len or cfg.max_position_embeddings)
+    if max_model_len > cfg.max_position_embeddings:  # (vLLM refuses; benchmarks here may want it)
+        import logging
+
+        logging.getLogger("splash.engine").warning(
+            "max_model_len %d exceeds the model's %d positions (max_position_embeddings): positions past "
+            "it are extrapolated and the model was not trained on them", max_model_len,
+            cfg.max_position_embeddings)
     if max_model_len < 2:
         raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
     if max_num_batched_tokens is None:
