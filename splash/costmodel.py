@@ -131,7 +131,8 @@ class Theta:
             with open(path, encoding="utf-8") as f:
                 d = json.load(f)
         except FileNotFoundError:
-            raise ConfigError(f"no theta file at {path!r}; run `splash calibrate` or pass --gpu") from None
+            raise ConfigError(f"no theta file at {path!r}; write one with `splash calibrate --out FILE` "
+                              "(plan and simulate can use a built-in profile instead: --gpu)") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not a theta JSON file: {e}") from None
         return cls.from_dict(d)

@@ -17,7 +17,8 @@ class LLM:
     """Load a model once, then `generate` batches of prompts with continuous batching.
 
     `model` is "tiny" (the built-in model) or a Hugging Face DeepSeek-V2/V3 checkpoint directory.
-    Other keywords size the engine: dtype ("float32" | "bfloat16" | "float64"), max_num_seqs,
+    Other keywords size the engine (vLLM's `tensor_parallel_size` is taken for `tp`): dtype ("float32" |
+    "bfloat16" | "float64"), max_num_seqs,
     max_num_batched_tokens, max_model_len, memory_per_rank (bytes or "2GiB"), page_size,
     num_kv_pages (explicit pool size), device, tp/ranks, layout, seed; on several nodes nnodes,
     node_rank, dist_init_addr (see `splash.engine.runner.build_engine`).
@@ -29,7 +30,14 @@ class LLM:
     """
 
     def __init__(self, model: str = "tiny", dtype: str | None = None, **engine_kw: Any) -> None:
+        from splash.config import ConfigError
         from splash.engine.group import follow_if_worker
+
+        if "tensor_parallel_size" in engine_kw:  # vLLM's name for the rank count
+            tps = engine_kw.pop("tensor_parallel_size")
+            if engine_kw.get("tp", tps) != tps or engine_kw.get("ranks", tps) != tps:
+                raise ConfigError(f"tensor_parallel_size={tps} disagrees with tp/ranks given too")
+            engine_kw["tp"] = tps
 
         launch = {k: engine_kw.get(k) for k in ("nnodes", "node_rank", "dist_init_addr")
                   if engine_kw.get(k) is not None}

@@ -124,6 +124,16 @@ def test_llm_api_abort_and_errors_free_pages(v3, monkeypatch):
     monkeypatch.setattr(eng.runner, "execute", real)
     again = llm.generate(prompt_token_ids=PROMPTS[0], sampling_params=greedy())
     assert again[0].outputs[0].token_ids == ref[0]
+    # Ids must be integers (1.7 was cut to 1); arrays and tensors of ids are fine.
+    for bad in ([5, 6.7], [5, True], [5, None]):
+        with pytest.raises(ValueError, match="prompt_token_ids must be integers"):
+            eng.add_request("bad", prompt_token_ids=bad, params=greedy())
+    import numpy as np
+
+    for ids in (np.array(PROMPTS[0]), torch.tensor(PROMPTS[0])):
+        out = llm.generate(prompt_token_ids=[ids], sampling_params=greedy())
+        assert out[0].outputs[0].token_ids == ref[0]
+    assert eng.allocator.num_used == [0]
 
 
 def test_batched_decode_attention_equals_per_slice_kernel(v3):
@@ -145,3 +155,12 @@ def test_batched_decode_attention_equals_per_slice_kernel(v3):
         assert out.outputs[0].token_ids == other.token_ids
         for a, b in zip(out.outputs[0].logprobs, other.logprobs):
             assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-12
+
+
+def test_vllm_tensor_parallel_size_is_the_rank_count():
+    from splash.config import ConfigError
+
+    with pytest.raises(ConfigError, match="disagrees"):
+        LLM("tiny", tensor_parallel_size=2, tp=1, device="cpu")
+    with LLM("tiny", tensor_parallel_size=1, device="cpu", num_kv_pages=8) as llm:
+        assert llm.stats()["ranks"] == 1

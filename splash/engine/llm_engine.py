@@ -6,6 +6,7 @@ append tokens, detokenize, check stops -> free the pages of whatever finished.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -132,6 +133,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
+        if hasattr(prompt_token_ids, "tolist"):  # a numpy array or a tensor of ids
+            prompt_token_ids = prompt_token_ids.tolist()
+        odd = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if odd:
+            raise ValueError(f"prompt_token_ids must be integers, got {odd[0]!r}")  # (1.7 was cut to 1)
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
