@@ -34,6 +34,19 @@ def _workers(pid: int) -> list[int]:
     return out
 
 
+def _health_until_exit(srv: ServeProcess, seconds: float) -> list[int]:
+    """/health's answers, polled until the server exits (or `seconds` pass)."""
+    health: list[int] = []
+    deadline = time.monotonic() + seconds
+    while srv.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            health.append(httpx.get(srv.url + "/health", timeout=2).status_code)
+        except httpx.HTTPError:
+            pass  # already stopped listening
+        time.sleep(0.1)
+    return health
+
+
 def test_killed_rank_makes_health_503_and_the_server_exit_1():
     srv = ServeProcess(["--model", "tiny", "--dtype", "float32", "--tp", "2", "--layout", "dop",
                         "--max-model-len", "512", "--collective-timeout", "20"])
@@ -59,14 +72,7 @@ def test_killed_rank_makes_health_503_and_the_server_exit_1():
         t.join(60)
         assert not t.is_alive(), "the stream did not end after its rank died"
         assert any('"error"' in e for e in events) and events[-1] == "data: [DONE]", events[-3:]
-        health: list[int] = []
-        deadline = time.monotonic() + 30
-        while srv.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                health.append(httpx.get(srv.url + "/health", timeout=2).status_code)
-            except httpx.HTTPError:
-                pass  # already stopped listening
-            time.sleep(0.1)
+        health = _health_until_exit(srv, 30)
         assert srv.proc.wait(30) == 1, srv.output()
         assert 200 not in health, f"/health answered {health} after the rank group died"
         assert "the engine died" in srv.output()
@@ -82,14 +88,7 @@ def test_rank_dying_while_idle_is_noticed_without_a_request():
     try:
         [worker] = _workers(srv.proc.pid)
         os.kill(worker, signal.SIGKILL)
-        health: list[int] = []
-        deadline = time.monotonic() + 20
-        while srv.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                health.append(httpx.get(srv.url + "/health", timeout=2).status_code)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        health = _health_until_exit(srv, 20)
         assert srv.proc.wait(30) == 1, srv.output()
         assert health.count(200) <= 2, health  # (the first poll may come before the kill lands)
         assert "the engine died" in srv.output()

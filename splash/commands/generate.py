@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from splash.dist.launch import add_launch_args
@@ -36,26 +37,23 @@ def output_file(text: str) -> str:
     return text
 
 
-def positive_float(text: str) -> float:
-    """argparse type for durations: finite and > 0, with a clear message instead of a traceback."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
-    return v
+def ranged(parse: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse type: `parse` the text and keep it only if `ok`; otherwise one clear line naming
+    `what` was expected, instead of a traceback."""
+    def convert(text: str) -> Any:
+        try:
+            v = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
+        return v
+
+    return convert
 
 
-def positive_int(text: str) -> int:
-    """argparse type for counts and sizes: a clear message instead of a traceback."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+positive_float = ranged(float, lambda v: 0 < v < float("inf"), "a positive number of seconds")  # durations
+positive_int = ranged(int, lambda v: v >= 1, "a positive integer")  # counts and sizes
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

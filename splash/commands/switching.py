@@ -5,27 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from splash.commands.generate import ranged
 from splash.engine.plan import LAYOUTS
 
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {v}")
-    return v
-
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {v}")
-    return v
+_fraction = ranged(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+_count = ranged(int, lambda v: v >= 0, "a non-negative integer")
 
 
 def add_switch_args(p: argparse.ArgumentParser, layout: bool = True) -> None:
