@@ -111,6 +111,9 @@ def test_simulate_rollout_cli(capsys, tmp_path):
     (["plan", "capacity", "--scenario", "h200", "--batch", "0"], "--batch must be >= 1"),  # was: the default
     (["plan", "capacity", "--scenario", "h200", "--ranks", "0"], "--ranks must be >= 1"),
     (["plan", "advise", "--page-size", "0"], "--page-size must be >= 1"),
+    (["plan", "crossovers", "--hi-k", "1e12"], "--hi-k must be at most"),  # was: out of memory
+    (["plan", "crossovers", "--hi-k", "inf"], "--hi-k must be at most"),
+    (["plan", "switches", "--batch", "16", "--context", "1000000000"], "pages of 64, more than"),
 ])
 def test_invalid_input_is_one_clear_line(capsys, argv, needle):
     assert main(argv) == 2

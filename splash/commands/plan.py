@@ -24,6 +24,10 @@ def emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> int:
     return 0
 
 
+MAX_PAGES = 2**22  # plan switches: rows of one manifest (B x pages per request)
+MAX_SCAN_K = 16384.0  # plan crossovers: --hi-k, in 1024 tokens
+
+
 def need(value: float | int, name: str, minimum: float = 1) -> None:
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum:g}, got {value:g}")
@@ -110,6 +114,10 @@ def run_switches(args: argparse.Namespace) -> int:
     need(args.batch, "--batch", 0)
     need(args.context, "--context", 0)
     need(args.page_size, "--page-size")
+    pages = args.batch * -(-args.context // args.page_size)
+    if pages > MAX_PAGES:  # the manifest holds a row per page: past this it is memory, not an answer
+        raise ConfigError(f"--batch x --context = {pages:,} pages of {args.page_size}, more than the "
+                          f"{MAX_PAGES:,} a manifest is built for; raise --page-size or shrink them")
     batch = [args.context] * args.batch
     out, rows = [], []
     for a, b in DIRECTIONS:
@@ -159,6 +167,8 @@ def run_crossovers(args: argparse.Namespace) -> int:
     need(args.lo_k, "--lo-k", 1e-6)
     if args.hi_k <= args.lo_k:
         raise ConfigError(f"--hi-k ({args.hi_k}) must exceed --lo-k ({args.lo_k})")
+    if not args.hi_k <= MAX_SCAN_K:  # (also NaN, inf) the scan steps by 8 tokens
+        raise ConfigError(f"--hi-k must be at most {MAX_SCAN_K:g} (16M tokens), got {args.hi_k:g}")
     limits = _law_limits(args)
     cs = crossovers(args.scenario, args.lo_k * 1024, args.hi_k * 1024, limits=limits)
     obj: dict[str, Any] = {"scenario": args.scenario.lower(), "alpha": a,
