@@ -155,7 +155,7 @@ def _watch(server: Any, engine: Any, died: threading.Event, grace_s: float, ever
     503 for ever. And on a shutdown signal: give open requests most of `--graceful-timeout`, then end
     the rest with an error event and [DONE] (uvicorn would cancel them mid-response when it expires)."""
     while not server.should_exit:
-        if server.started and (engine.dead is not None or not engine.is_healthy):
+        if server.started and not engine.is_healthy:  # (a dead engine is never healthy)
             logging.getLogger("splash.server").error("the engine died; stopping the server")
             died.set()
             server.should_exit = True

@@ -225,7 +225,6 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                       num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                       device_type=dev.type, seed=seed, expert_parallel=expert_parallel,
-                      kv_as_sharded=(auto or bool(schedule)) and memory_per_rank is not None and world > 1,
                       switching=auto or bool(schedule))
     if world == 1:
         state = load_rank(spec, local_grid(dev))

@@ -34,11 +34,11 @@ class EngineSpec:
     device_type: str = "cpu"     # "cpu" | "cuda": each rank takes its own device of that type
     seed: int | None = None
     expert_parallel: str = "auto"
-    # Live switching under a memory budget: size the KV pool as if the attention projections were
-    # head-sharded (the largest pool), whatever the start layout (see splash/engine/switching.py).
-    kv_as_sharded: bool = False
-    # Live switching without a budget: the default-sized pool leaves room for the projection replicas
-    # a switch into DP/CP gathers (nothing else would check that they fit: no budget, no Eq 5/6 pages).
+    # Live switching (auto or a schedule): the KV pool makes room for the projection replicas a switch
+    # into DP/CP gathers. Under a budget it is sized as if the projections were head-sharded (the
+    # largest pool), whatever the start layout, and DP/CP withhold the replicas' pages (see
+    # splash/engine/switching.py); without one, the default pool leaves them free (nothing else would
+    # check that they fit: no budget, no Eq 5/6 pages).
     switching: bool = False
 
 
@@ -87,16 +87,14 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
     max_model_len = int(spec.max_model_len or cfg.max_position_embeddings)
     weights = weight_bytes(net)
     reserve = reserve_bytes(cfg, tdtype, spec.max_num_batched_tokens, spec.max_num_seqs)
-    pool_weights = weights
-    if spec.kv_as_sharded and spec.world > 1 and not layout.shards_projections:
+    pool_weights, keep_free = weights, 0
+    if spec.switching and spec.world > 1:
         from splash.engine.switching import replica_bytes
 
-        pool_weights -= replica_bytes(net, spec.world)
-    keep_free = 0
-    if spec.switching and spec.world > 1 and layout.shards_projections:
-        from splash.engine.switching import replica_bytes
-
-        keep_free = replica_bytes(net, spec.world)
+        if layout.shards_projections:
+            keep_free = replica_bytes(net, spec.world)  # (only the default-sized pool uses it)
+        else:
+            pool_weights -= replica_bytes(net, spec.world)  # (only a budgeted pool uses weights)
     pages = kv_pages(cfg, tdtype, spec.page_size, pool_weights, reserve, spec.memory_per_rank,
                      spec.num_kv_pages, spec.max_num_seqs, max_model_len, dev, keep_free=keep_free)
     pool = KVPool(cfg.num_hidden_layers, pages, spec.page_size, cfg.latent_dim, tdtype, dev)
