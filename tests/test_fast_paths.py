@@ -136,13 +136,25 @@ def test_context_build_paths_agree(holes: bool, monkeypatch) -> None:
             row += s.num_new
 
 
-@pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("path,budget", [("torch", None), ("torch", 1), ("native", None)])
 @pytest.mark.parametrize("kind,rank", [("all", 0), ("owner", 1), ("position", 0)])
-def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int, budget: int | None,
+def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int, path: str, budget: int | None,
                                                    monkeypatch) -> None:
     # decode rows (contexts 3 to 14: more than one length bucket), two pairs of equal prefill chunks, a
     # lone chunk; CP's position shards leave holes the groups compact away. budget=1: every group is cut
     # to single slices by the score budget, and chunk masks are added per head view instead of fused.
+    # path "native": the C kernel over the paged cache (attention/native.py) instead of the groups; it
+    # must read no slot that is not a key (they are NaN here).
+    from splash.attention import native
+
+    calls = []
+    if path == "native":
+        if native.library() is None:
+            pytest.skip("no C compiler: the native kernel is unavailable")
+        real = native.paged_attention
+        monkeypatch.setattr(native, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    else:
+        monkeypatch.setenv("SPLASH_NATIVE", "0")
     if budget is not None:
         monkeypatch.setattr(batched_mod, "_MAX_SCORES", budget)
         monkeypatch.setattr(batched_mod, "_MAX_BIAS", 0)
@@ -176,6 +188,9 @@ def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int, budget:
     assert torch.isfinite(outs[0]).all() and torch.isfinite(outs[1]).all()
     assert (outs[0] - outs[1]).abs().max().item() < 1e-12
     assert torch.equal(pools[0].nan_to_num(), pools[1].nan_to_num())
+    if path == "native":
+        assert calls and not sizes  # the kernel ran, the torch groups did not
+        return
     # decodes at contexts 14, 10 | 3 (> 2x apart), chunk pairs of 6 and 4 rows, the lone 3-row chunk
     assert sizes == ([[1] * 8] if budget == 1 else [[1, 1, 2, 2, 2]])
 

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from splash.attention import native
 from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
 from splash.model.context import ForwardContext, SliceCtx
@@ -50,6 +51,14 @@ class Layout(ABC):
         this rank holds -> (out [n, h, d_c], lse [n, h] or None). The query rows q_lat [n, h, d_c] and
         q_pe [n, h, d_r] are laid out slice after slice in that order; `key` names the subset for the
         per-step cache of batched groups."""
+        if self.batch_slices and ctx.page_table is not None and ctx.kv is not None and native.supports(q_lat):
+            cache = self.__dict__.get("_native")
+            if cache is None:
+                cache = self.__dict__["_native"] = native.RowCache()
+            row_seq, row_pos = cache.get(ctx, key, idx)
+            q = torch.cat([q_lat, q_pe], dim=-1)
+            return native.paged_attention(q, ctx.kv.layer(layer_idx), ctx.page_table, row_seq, row_pos,
+                                          scale, q_lat.shape[-1], lse)
         if self.batch_slices:
             cache = self.__dict__.get("_batches")
             if cache is None:
