@@ -48,13 +48,22 @@ def _moe(dtype: torch.dtype, rank: int = 0, world: int = 1) -> MoE:
 def test_grouped_experts_equal_the_expert_loop(dtype: torch.dtype, world: int, monkeypatch) -> None:
     moe = _moe(dtype, rank=world - 1, world=world)
     assert moe._use_grouped(torch.zeros(1, dtype=dtype))
+    batched = []
+    real = MoE._batched
+    monkeypatch.setattr(MoE, "_batched", lambda self, xs, c: batched.append(r := real(self, xs, c)) or r)
     for n in (1, 3, 16, 200):
         x = torch.randn(n, TINY.hidden_size, generator=torch.Generator().manual_seed(n)).to(dtype)
-        fast = moe(x)
-        monkeypatch.setattr(MoE, "_use_grouped", lambda self, x: False)
-        slow = moe(x)
-        monkeypatch.undo()
+        moe.batched_experts = False
+        fast = moe(x)  # grouped GEMM: bit for bit the loop
+        moe.batched_experts = True
+        padded = moe(x)  # batched over padded experts: the loop to rounding
+        with monkeypatch.context() as m:
+            m.setattr(MoE, "_use_grouped", lambda self, x: False)
+            slow = moe(x)
         assert torch.equal(fast, slow), f"n={n}: max diff {(fast - slow).abs().max().item()}"
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(padded, slow, rtol=tol, atol=tol), f"n={n}: {(padded - slow).abs().max()}"
+    assert any(r is not None for r in batched)  # the padded path ran (balanced enough at some n)
 
 
 @pytest.mark.parametrize("interleave", [True, False])

@@ -56,9 +56,8 @@ class Layout(ABC):
             if cache is None:
                 cache = self.__dict__["_native"] = native.RowCache()
             row_seq, row_pos = cache.get(ctx, key, idx)
-            q = torch.cat([q_lat, q_pe], dim=-1)
-            return native.paged_attention(q, ctx.kv.layer(layer_idx), ctx.page_table, row_seq, row_pos,
-                                          scale, q_lat.shape[-1], lse)
+            return native.paged_attention(q_lat, q_pe, ctx.kv.layer(layer_idx), ctx.page_table, row_seq,
+                                          row_pos, scale, lse)
         if self.batch_slices:
             cache = self.__dict__.get("_batches")
             if cache is None:

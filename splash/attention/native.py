@@ -102,7 +102,8 @@ def library() -> ctypes.CDLL | None:
                 fn = getattr(lib, name)
                 fn.restype = ctypes.c_int
                 vp, i64 = ctypes.c_void_p, ctypes.c_int64
-                fn.argtypes = [vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, ctypes.c_double, vp, vp, i64]
+                fn.argtypes = [vp, i64, i64, vp, i64, i64, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64,
+                               ctypes.c_double, vp, vp, i64]
             _lib = lib
         except Exception as e:  # no compiler, a failed build, a library that will not load
             log.warning("native CPU attention kernel unavailable (%s); using the torch path", e)
@@ -115,30 +116,36 @@ def supports(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in _FUNCS and library() is not None
 
 
-def paged_attention(q: torch.Tensor, layer: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor,
-                    row_pos: torch.Tensor, scale: float, d_c: int, lse: bool = False
+def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor, tables: torch.Tensor,
+                    row_seq: torch.Tensor, row_pos: torch.Tensor, scale: float, lse: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Absorbed-MLA attention of rows q [n, h, D] over one layer of the pool [pages, P, D].
+    """Absorbed-MLA attention of rows q_lat [n, h, d_c] / q_pe [n, h, d_r] (any row and head strides: the
+    absorbed queries are used where the projections left them) over one layer of the pool [pages, P, D].
 
     Row r attends the keys of page table `tables[row_seq[r]]` (local page ids, -1 = not held here) at
     positions <= row_pos[r] -> (out [n, h, d_c], lse [n, h] or None); a row with no key gets 0 / -inf.
     """
     lib = library()
     assert lib is not None
-    q = q.contiguous()
-    n, h, D = q.shape
+    if q_lat.stride(-1) != 1:
+        q_lat = q_lat.contiguous()
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
+    n, h, d_c = q_lat.shape
+    d_r = q_pe.shape[-1]
     P = layer.shape[1]
-    if not layer.is_contiguous() or layer.dtype != q.dtype or layer.shape[-1] != D:
+    if not layer.is_contiguous() or layer.dtype != q_lat.dtype or layer.shape[-1] != d_c + d_r:
         raise ValueError("paged_attention: the pool layer must be contiguous, of q's dtype and width")
-    acc = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
-    out = torch.empty(n, h, d_c, dtype=q.dtype)
+    acc = torch.float32 if q_lat.dtype == torch.bfloat16 else q_lat.dtype
+    out = torch.empty(n, h, d_c, dtype=q_lat.dtype)
     total = torch.empty(n, h, dtype=acc) if lse else None
     tables = tables.contiguous()
     row_seq, row_pos = row_seq.contiguous(), row_pos.contiguous()
-    err = getattr(lib, _FUNCS[q.dtype])(
-        q.data_ptr(), layer.data_ptr(), tables.data_ptr(), tables.shape[1], row_seq.data_ptr(),
-        row_pos.data_ptr(), n, h, D, d_c, P, scale, out.data_ptr(),
-        total.data_ptr() if total is not None else 0, torch.get_num_threads())
+    err = getattr(lib, _FUNCS[q_lat.dtype])(
+        q_lat.data_ptr(), q_lat.stride(0), q_lat.stride(1), q_pe.data_ptr(), q_pe.stride(0), q_pe.stride(1),
+        layer.data_ptr(), tables.data_ptr(), tables.shape[1], row_seq.data_ptr(), row_pos.data_ptr(),
+        n, h, d_c, d_r, P, scale, out.data_ptr(), total.data_ptr() if total is not None else 0,
+        torch.get_num_threads())
     if err:
         raise MemoryError("paged_attention: out of memory for the kernel's scratch buffers")
     return out, total

@@ -138,6 +138,7 @@ class MoE(nn.Module):
         n_shared = int(cfg.n_shared_experts or 0)
         si = i * n_shared
         self.shared = MLP(d, si, dtype, device, cols=even_range(si, rank, world)) if n_shared else None
+        self.batched_experts = True  # `_batched` where routing is balanced enough (tests turn it off)
 
     def load(self, reader: CheckpointReader, prefix: str, dev: torch.device) -> None:
         """Read the router whole and only this rank's experts / intermediate slice of the rest."""
@@ -184,7 +185,12 @@ class MoE(nn.Module):
             order = torch.argsort(key, stable=True)[:int(counts.sum())]
         tok = order // k
         xs = x.index_select(0, tok)
-        ys = self._grouped(xs, counts) if self._use_grouped(x) else self._looped(xs, counts)
+        if not self._use_grouped(x):
+            ys = self._looped(xs, counts)
+        else:
+            ys = self._batched(xs, counts)
+            if ys is None:
+                ys = self._grouped(xs, counts)
         ys = (ys * w.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, tok, ys)
         shared = self._modules.get("shared")
@@ -196,6 +202,25 @@ class MoE(nn.Module):
         # torch._grouped_mm runs each group's matmul as its own GEMM: bit-identical to the per-expert
         # loop (tests/test_moe.py), in two calls instead of ~6 ops per expert. It has no float64.
         return _GROUPED and x.device.type == "cpu" and x.dtype in _GROUPED_DTYPES
+
+    def _batched(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """The same as two batched GEMMs over [E, c_max, d], each expert's rows zero-padded to the busiest
+        expert's count: on CPU about twice as fast as the grouped GEMM (which runs one small GEMM per
+        expert). None when padding would more than double the rows (skewed routing: use `_grouped`).
+        Results equal the per-expert loop to rounding (not bit for bit: a batched GEMM blocks its
+        rows differently)."""
+        m, ne = xs.shape[0], counts.shape[0]
+        cmax = int(counts.max()) if m else 0
+        if m == 0 or ne * cmax > 2 * m + 8 * ne or not self.batched_experts:
+            return None
+        b = self._buffers
+        starts = counts.cumsum(0) - counts
+        expert = torch.repeat_interleave(torch.arange(ne), counts, output_size=m)
+        slot = expert * cmax + torch.arange(m) - starts.index_select(0, expert)
+        x3 = xs.new_zeros(ne * cmax, xs.shape[1]).index_copy_(0, slot, xs).view(ne, cmax, -1)
+        g, u = torch.bmm(x3, b["gate_up"].transpose(1, 2)).chunk(2, dim=-1)
+        y3 = torch.bmm(F.silu(g) * u, b["down"].transpose(1, 2))
+        return y3.view(ne * cmax, -1).index_select(0, slot)
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert [M, d] -> expert outputs [M, d] (unweighted), two grouped GEMMs."""

@@ -11,7 +11,8 @@
  * Threads: OpenMP over (row, head block) units; the caller's process already has torch's libgomp,
  * which this library then shares (one thread pool).
  *
- * Layout: q [n, h, D]; kv [pages, P, D] (one layer of the pool); out [n, h, dc]; lse [n, h] (acc type)
+ * Layout: queries as q_lat [n, h, dc] and q_pe [n, h, dr], any row/head strides (last dim dense);
+ * kv [pages, P, D = dc + dr] (one layer of the pool); out [n, h, dc]; lse [n, h] (acc type)
  * or NULL. A row that sees no key gets out 0 and lse -inf.
  */
 #include <math.h>
@@ -64,7 +65,7 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
         return;
     }
     float *s = work; /* [hh, cnt] */
-    const bf16 *qh = q + h0 * D;
+    const bf16 *qh = q; /* the unit's heads, [hh, D] */
     for (int64_t c = 0; c < cnt; c += 4) {
         const bf16 *k[4];
         for (int u = 0; u < 4; u++) k[u] = kv + slots[c + u < cnt ? c + u : c] * D;
@@ -153,7 +154,7 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
         A *kf = acc + hh * dc;     /* [4, D] converted keys */                                           \
         A *s = kf + 4 * D;         /* [hh, m] scores, then probabilities */                             \
         for (int64_t j = 0; j < hh; j++)                                                                \
-            for (int64_t d = 0; d < D; d++) qf[j * D + d] = LOAD(q[(h0 + j) * D + d]);                  \
+            for (int64_t d = 0; d < D; d++) qf[j * D + d] = LOAD(q[j * D + d]);                        \
         A mx[HB], sum[HB];                                                                              \
         for (int64_t j = 0; j < hh; j++) mx[j] = -INFINITY;                                             \
         int64_t cnt = 0; /* visible keys, in position order */                                         \
@@ -232,9 +233,11 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
         }                                                                                               \
     }                                                                                                   \
                                                                                                         \
-    int NAME(const T *q, const T *kv, const int64_t *tables, int64_t tstride, const int64_t *row_seq,     \
-             const int64_t *row_pos, int64_t n, int64_t h, int64_t D, int64_t dc, int64_t P, double scale, \
+    int NAME(const T *ql, int64_t ql_n, int64_t ql_h, const T *qp, int64_t qp_n, int64_t qp_h,            \
+             const T *kv, const int64_t *tables, int64_t tstride, const int64_t *row_seq,                 \
+             const int64_t *row_pos, int64_t n, int64_t h, int64_t dc, int64_t dr, int64_t P, double scale, \
              T *out, A *lse, int64_t nthreads) {                                                        \
+        const int64_t D = dc + dr;                                                                      \
         if (n <= 0) return 0;                                                                           \
         int64_t maxpos = 0;                                                                             \
         for (int64_t r = 0; r < n; r++)                                                                 \
@@ -250,22 +253,28 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
         _Pragma("omp parallel num_threads(nthreads)") {                                                 \
             A *work = (A *)malloc(sizeof(A) * words);                                                   \
             int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxpos + 1));                 \
-            if (!work || !slots) {                                                                                \
+            T *qbuf = (T *)malloc(sizeof(T) * (size_t)(per * D));                                       \
+            if (!work || !slots || !qbuf) {                                                                                \
                 _Pragma("omp atomic write") err = 1;                                                    \
             }                                                                                           \
             _Pragma("omp for schedule(dynamic, 1)") for (int64_t u = 0; u < units; u++) {               \
-                if (!work || !slots) continue;                                                                    \
+                if (!work || !slots || !qbuf) continue;                                                                    \
                 const int64_t r = u / split, h0 = (u % split) * per;                                    \
                 const int64_t hh = h0 + per <= h ? per : h - h0;                                        \
+                for (int64_t j = 0; j < hh; j++) { /* the unit's queries, [hh, dc + dr] contiguous */    \
+                    memcpy(qbuf + j * D, ql + r * ql_n + (h0 + j) * ql_h, sizeof(T) * (size_t)dc);       \
+                    memcpy(qbuf + j * D + dc, qp + r * qp_n + (h0 + j) * qp_h, sizeof(T) * (size_t)dr);  \
+                }                                                                                       \
                 if (FAST)                                                                               \
-                    FAST_CALL(q + r * h * D, kv, tables + row_seq[r] * tstride, row_pos[r], h0, hh, D, dc, \
+                    FAST_CALL(qbuf, kv, tables + row_seq[r] * tstride, row_pos[r], h0, hh, D, dc, \
                               P, scale, out + r * h * dc, lse ? lse + r * h : NULL, work, slots);         \
                 else                                                                                    \
-                    NAME##_unit(q + r * h * D, kv, tables + row_seq[r] * tstride, row_pos[r], h0, hh, h,  \
+                    NAME##_unit(qbuf, kv, tables + row_seq[r] * tstride, row_pos[r], h0, hh, h,  \
                                 D, dc, P, (A)scale, out + r * h * dc, lse ? lse + r * h : NULL, work, slots); \
             }                                                                                           \
             free(work);                                                                                 \
             free(slots);                                                                                \
+            free(qbuf);                                                                                 \
         }                                                                                               \
         return err;                                                                                     \
     }
