@@ -39,6 +39,10 @@ class LLM:
                 raise ConfigError(f"tensor_parallel_size={tps} disagrees with tp/ranks given too")
             engine_kw["tp"] = tps
 
+        if engine_kw.pop("enforce_eager", False):  # vLLM's flag: plain torch ops, no native kernel
+            from splash.attention import native
+
+            native.set_enabled(False)
         launch = {k: engine_kw.get(k) for k in ("nnodes", "node_rank", "dist_init_addr")
                   if engine_kw.get(k) is not None}
         tp = engine_kw.get("ranks", engine_kw.get("tp"))

@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -228,3 +230,19 @@ def test_fused_projections_equal_separate_ones() -> None:
     assert torch.equal(want[1], got[1]) and torch.equal(want[2], got[2])
     dense.up_proj = dense.up_proj.clone() * 2  # replaced: the fused tensor is stale, so not used
     assert not torch.equal(dense(x), want[2])
+
+
+def test_enforce_eager_turns_the_native_kernel_off(monkeypatch) -> None:
+    """`--enforce-eager` / LLM(enforce_eager=True) mean plain torch ops, here and in spawned ranks."""
+    from splash.attention import native
+    from splash.commands.generate import add_engine_args, engine_kwargs
+
+    monkeypatch.setenv("SPLASH_NATIVE", "1")
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--enforce-eager"]))["enforce_eager"] is True
+    assert engine_kwargs(p.parse_args([]))["enforce_eager"] is False
+    assert native.enabled()
+    native.set_enabled(False)
+    assert not native.enabled() and os.environ["SPLASH_NATIVE"] == "0"
+    assert not native.supports(torch.zeros(1, 1, 1))

@@ -61,6 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="Hugging Face checkpoint directory, or 'tiny' (default)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float64 (default: per device)")
     p.add_argument("--device", default=None, help="cpu | cuda[:i] (default: cuda if present)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="plain torch ops only: no native CPU attention kernel (vLLM's flag; for comparisons)")
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="bound on the running batch")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="token budget per step (prefill chunk size); default max(512, max-num-seqs)")
@@ -88,7 +90,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "memory_per_rank": args.memory_per_rank, "page_size": args.page_size, "tp": args.tp,
             "layout": args.layout, "nnodes": args.nnodes, "node_rank": args.node_rank,
             "dist_init_addr": args.dist_init_addr, "collective_timeout_s": args.collective_timeout,
-            **switch_kwargs(args)}
+            "enforce_eager": getattr(args, "enforce_eager", False), **switch_kwargs(args)}
 
 
 def follow_as_worker(args: argparse.Namespace) -> bool:

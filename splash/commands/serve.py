@@ -46,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_switch_args(p)  # --layout (auto default at T > 1), --switch-schedule, --switch-mode, --theta, ...
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="plain torch ops only: no native CPU attention kernel (vLLM's flag; for comparisons)")
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=positive_float, default=None,
                    metavar="S", help="seconds before a dead or hung rank fails the engine (default 300)")
     p.add_argument("--graceful-timeout", type=float, default=5.0,
@@ -77,6 +79,10 @@ def build_engine(args: argparse.Namespace) -> Any:
 
     kw = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k, None) is not None}
     kw.update(switch_kwargs(args))
+    if getattr(args, "enforce_eager", False):
+        from splash.attention import native
+
+        native.set_enabled(False)  # before the ranks start: they inherit it
     if kw.get("nnodes") == 1:
         kw.pop("nnodes")
     if kw.get("node_rank") == 0:
