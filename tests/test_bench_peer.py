@@ -130,7 +130,7 @@ def summary(tput, ttft, tpot, p99, failed=0):
          "startup_s": 3.0}
     for m in ("ttft", "tpot", "itl", "e2el"):
         s.update({f"mean_{m}_ms": 10.0, f"median_{m}_ms": 10.0, f"p99_{m}_ms": 20.0})
-    s.update(mean_ttft_ms=ttft, mean_tpot_ms=tpot, p99_itl_ms=p99)
+    s.update(mean_ttft_ms=ttft, mean_tpot_ms=tpot, p99_itl_ms=p99, max_itl_ms=2 * p99)
     return s
 
 
@@ -140,7 +140,7 @@ def test_serve_doc_table_ratios_and_itl_plot(tmp_path):
            "splash": summary(360.0, 450.0, 40.0, 170.0), "vllm": summary(720.0, 300.0, 20.0, 34.0)}
     doc["ratios"] = serve_peer.ratios(doc["splash"], doc["vllm"])
     assert doc["ratios"] == {"output_throughput": 0.5, "mean_ttft_ms": 1.5, "mean_tpot_ms": 2.0,
-                             "p99_itl_ms": 5.0}
+                             "p99_itl_ms": 5.0, "max_itl_ms": 5.0}
     text = serve_peer.table(doc)
     assert text.count("Serving Benchmark Result") == 2
     for row in ("| output tok/s | 360.0 | 720.0 | 0.50x |", "| mean TTFT, ms | 450.0 | 300.0 | 1.50x |",
@@ -324,5 +324,8 @@ def test_serve_peer_end_to_end_with_a_stand_in(fake_venv, capsys, tmp_path):
         assert len(s["itl_timeline"]) == 3 * 3  # every delivery after each request's first
         assert wait_gone(s["server_pid"], 30)  # stopped by its id once its load was done
     assert doc["splash"]["server_pid"] != doc["vllm"]["server_pid"]
-    assert set(doc["ratios"]) == {"output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_itl_ms"}
+    assert set(doc["ratios"]) == {"output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
+                                  "max_itl_ms"}
+    for side in ("splash", "vllm"):
+        assert doc[side]["max_itl_ms"] == max(ms for _, ms in doc[side]["itl_timeline"])
     assert (tmp_path / "itl.png").stat().st_size > 1000

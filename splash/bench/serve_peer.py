@@ -18,7 +18,8 @@ from typing import Any
 
 # (key in a summary, label, higher is better): the side-by-side rows
 METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean TTFT, ms", False),
-           ("mean_tpot_ms", "mean TPOT, ms", False), ("p99_itl_ms", "P99 inter-token latency, ms", False))
+           ("mean_tpot_ms", "mean TPOT, ms", False), ("p99_itl_ms", "P99 inter-token latency, ms", False),
+           ("max_itl_ms", "max inter-token latency, ms", False))
 
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
@@ -124,6 +125,7 @@ def serve_and_load(a: argparse.Namespace, cmd: list[str], env: dict[str, str], p
             out = asyncio.run(benchmark(a))
         finally:
             a.base_url = None
+        out["max_itl_ms"] = max((ms for _, ms in out["itl_timeline"]), default=0.0)  # the worst stall
         out["startup_s"] = startup
         out["server_pid"] = proc.pid
         out["server_log"] = proc.log_path
