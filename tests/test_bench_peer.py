@@ -74,11 +74,16 @@ def test_peer_python_finds_a_venv(tmp_path, monkeypatch):
 
 def test_peer_env_and_thread_binding(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    env = peer.peer_env(1, 1.5)
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1.5" and env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    env = peer.peer_env(1, 1.5, cores=2)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1.5" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert "PYTHONPATH" not in env  # splash's path must not shadow the peer venv's packages
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert peer.peer_env(1, cores=2)["VLLM_CPU_OMP_THREADS_BIND"] == "auto"  # the user's choice wins
+    assert peer.thread_binding(1, cores=1) == "0"
     assert peer.thread_binding(2, cores=2) == "0|1"
     assert peer.thread_binding(2, cores=16) == "0-7|8-15"
+    assert peer._id_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     with pytest.raises(ValueError, match="at least 4 cores"):
         peer.thread_binding(4, cores=2)
 
@@ -263,7 +268,7 @@ class LLM:
                  seed):
         import os
         assert skip_tokenizer_init and dtype == "bfloat16" and os.path.isfile(model + "/config.json")
-        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] not in ("", "auto")
         assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
     def generate(self, prompts, params, use_tqdm=False):

@@ -42,26 +42,38 @@ def peer_python(venv: str | None = None) -> str:
 
 
 def peer_env(tp: int = 1, kv_gib: float = 2.0, cores: int | None = None) -> dict[str, str]:
-    """The environment vLLM's CPU engine wants: KV space in GiB and how its OpenMP threads bind. One rank:
-    `auto`; T ranks on this one-NUMA-node machine: cores split by hand ("0|1"; auto refuses)."""
+    """The environment vLLM's CPU engine wants: KV space in GiB and the cores its OpenMP threads bind to
+    (VLLM_CPU_OMP_THREADS_BIND already in the environment wins)."""
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_gib:g}"
-    env["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(tp, cores)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", thread_binding(tp, cores))
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env.pop("PYTHONPATH", None)  # splash's path must not shadow the peer venv's packages
     return env
 
 
 def thread_binding(tp: int, cores: int | None = None) -> str:
-    if tp <= 1:
-        return "auto"
-    n = cores or len(os.sched_getaffinity(0))
-    if n < tp:
-        raise ConfigError(f"--tp {tp} for the peer needs at least {tp} cores; this machine has {n}")
-    per = n // tp
-    allowed = sorted(os.sched_getaffinity(0)) if cores is None else list(range(n))
-    groups = [allowed[r * per:(r + 1) * per] for r in range(tp)]
-    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+    """Every allowed core, split into `tp` equal groups ("0-1" for one rank on 2 cores, "0|1" for two).
+
+    Never `auto`: on this machine it keeps one of the two cores for vLLM's front-end process, so its
+    model would compute on one core while splash's uses both (and with T ranks it refuses outright:
+    "Not enough allowed NUMA nodes")."""
+    allowed = list(range(cores)) if cores is not None else sorted(os.sched_getaffinity(0))
+    if len(allowed) < tp:
+        raise ConfigError(f"--tp {tp} for the peer needs at least {tp} cores; there are {len(allowed)}")
+    per = len(allowed) // tp
+    return "|".join(_id_list(allowed[r * per:(r + 1) * per]) for r in range(tp))
+
+
+def _id_list(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (vLLM's CPU id list syntax)."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def free_port() -> int:
