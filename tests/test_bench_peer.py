@@ -72,7 +72,7 @@ def test_peer_python_finds_a_venv(tmp_path, monkeypatch):
     assert peer.peer_python() == str(py)
 
 
-def test_peer_env_and_thread_binding(monkeypatch):
+def test_peer_env_and_thread_binding(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     env = peer.peer_env(1, 1.5, cores=2)
@@ -81,6 +81,12 @@ def test_peer_env_and_thread_binding(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
     assert peer.peer_env(1, cores=2)["VLLM_CPU_OMP_THREADS_BIND"] == "auto"  # the user's choice wins
     assert peer.thread_binding(1, cores=1) == "0"
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert "LD_PRELOAD" not in peer.peer_env(1, cores=2, python=str(tmp_path / "bin" / "python"))
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    env = peer.peer_env(1, cores=2, python=str(tmp_path / "bin" / "python"))
+    assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")  # vLLM's CPU guide: Intel OpenMP
     assert peer.thread_binding(2, cores=2) == "0|1"
     assert peer.thread_binding(2, cores=16) == "0-7|8-15"
     assert peer._id_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"

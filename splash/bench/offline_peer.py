@@ -142,7 +142,7 @@ def run_vllm(py: str, path: str, shapes: list[Shape], prompts: list[list[list[in
         with open(job, "w", encoding="utf-8") as f:
             work = [{"prompts": ps, "output_len": o} for (_b, _i, o), ps in zip(shapes, prompts)]
             json.dump({"model": path, "dtype": "bfloat16", "tp": tp, "repeat": repeat, "shapes": work}, f)
-        with PeerProcess([py, driver, job, out], env=peer_env(tp, kv_gib), name="vLLM") as proc:
+        with PeerProcess([py, driver, job, out], env=peer_env(tp, kv_gib, python=py), name="vLLM") as proc:
             rc = proc.wait(timeout)
             if rc != 0 or not os.path.isfile(out):
                 raise RuntimeError(proc.failure())

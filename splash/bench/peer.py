@@ -41,12 +41,18 @@ def peer_python(venv: str | None = None) -> str:
                       "run make peer-venv")
 
 
-def peer_env(tp: int = 1, kv_gib: float = 2.0, cores: int | None = None) -> dict[str, str]:
-    """The environment vLLM's CPU engine wants: KV space in GiB and the cores its OpenMP threads bind to
-    (VLLM_CPU_OMP_THREADS_BIND already in the environment wins)."""
+def peer_env(tp: int = 1, kv_gib: float = 2.0, cores: int | None = None, python: str | None = None
+             ) -> dict[str, str]:
+    """The environment vLLM's CPU engine wants: KV space in GiB, the cores its OpenMP threads bind to
+    (VLLM_CPU_OMP_THREADS_BIND already in the environment wins) and, as vLLM's CPU guide advises, Intel's
+    OpenMP runtime preloaded when the venv of `python` ships it (10-20% faster here; an LD_PRELOAD
+    already set wins)."""
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_gib:g}"
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", thread_binding(tp, cores))
+    iomp = os.path.join(os.path.dirname(os.path.dirname(python)), "lib", "libiomp5.so") if python else ""
+    if iomp and os.path.isfile(iomp) and not env.get("LD_PRELOAD"):
+        env["LD_PRELOAD"] = iomp
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env.pop("PYTHONPATH", None)  # splash's path must not shadow the peer venv's packages
     return env

@@ -101,7 +101,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     doc["splash"] = serve_and_load(a, splash_command(a, port, name), env, port, "splash serve")
     port = free_port()
     peer_cmd = vllm_command(a, py, path, port, name)
-    doc["vllm"] = serve_and_load(a, peer_cmd, peer_env(a.tp, a.peer_kv_gib), port, "vLLM server")
+    doc["vllm"] = serve_and_load(a, peer_cmd, peer_env(a.tp, a.peer_kv_gib, python=py), port, "vLLM server")
     doc["ratios"] = ratios(doc["splash"], doc["vllm"])
     return doc
 
