@@ -98,7 +98,7 @@ class PeerProcess:
                  grace_s: float = 20.0, log_path: str | None = None) -> None:
         self.name, self.grace_s = name, grace_s
         if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix=f"splash-{name}-", suffix=".log")
+            fd, log_path = tempfile.mkstemp(prefix=f"splash-{name.replace(' ', '-')}-", suffix=".log")
             os.close(fd)
         self.log_path = log_path
         self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
