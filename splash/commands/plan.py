@@ -44,7 +44,8 @@ def weight_dtype(cfg: ModelConfig, dtype: str | None) -> str:
 
 def add_model_args(p: argparse.ArgumentParser, dtype_default: str = "bf16") -> None:
     p.add_argument("--model", default="deepseek-v3",
-                   help="preset (deepseek-v3, deepseek-v2-lite, kimi-k2, tiny), checkpoint dir, config.json")
+                   help="preset (deepseek-v3, deepseek-v2-lite, kimi-k2, tiny, small), checkpoint dir, "
+                        "config.json")
     p.add_argument("--ranks", "-T", type=int, default=8, help="ranks T in the attention group (default 8)")
     p.add_argument("--dtype", default=dtype_default,
                    help=f"weight dtype bf16|fp16|fp8|fp32|auto (default {dtype_default})")

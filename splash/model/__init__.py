@@ -33,14 +33,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | 
 
 
 def resolve_model_path(model: str | os.PathLike[str]) -> str:
-    """'tiny' -> the built-in model (created on first use); otherwise a checkpoint directory."""
-    m = os.fspath(model)
-    if m == "tiny":
-        from splash.model.tiny import ensure_tiny_model
+    """'tiny' or 'small' -> that built-in model (created on first use); otherwise a checkpoint directory."""
+    from splash.model.tiny import BUILTIN_MODELS, ensure_builtin_model
 
-        return ensure_tiny_model()
+    m = os.fspath(model)
+    if m in BUILTIN_MODELS:
+        return ensure_builtin_model(m)
     if not os.path.isdir(m) or not os.path.isfile(os.path.join(m, "config.json")):
-        raise ConfigError(f"model {m!r} is not a checkpoint directory with config.json (or 'tiny')")
+        raise ConfigError(f"model {m!r} is not a checkpoint directory with config.json "
+                          f"(or a built-in model: {', '.join(BUILTIN_MODELS)})")
     return m
 
 

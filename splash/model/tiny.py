@@ -1,4 +1,5 @@
-"""The built-in "tiny" model: PRESETS["tiny"] written as a real Hugging Face checkpoint.
+"""The built-in models: PRESETS["tiny"] (tests, demos) and PRESETS["small"] (benchmarks with DeepSeek-V3's
+real MLA dims) written as real Hugging Face checkpoints.
 
 Deterministic random weights (a seed), scaled so activations stay O(1) through the layers and the
 logits are neither flat nor one-hot, plus a byte-level BPE tokenizer built here with `tokenizers` from a
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 from splash.config import PRESETS, ConfigError, ModelConfig
 
 TINY_VERSION = "1"
+BUILTIN_MODELS = ("tiny", "small")  # names `--model` takes besides a checkpoint directory
 SPECIALS = {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"}
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -209,18 +211,31 @@ def cache_dir() -> str:
     return os.environ.get("SPLASH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "splash")
 
 
+def write_builtin_model(path: str | os.PathLike[str], name: str = "tiny", seed: int = 0) -> str:
+    """Write the built-in model `name` ("tiny" or "small") to `path`; both share tiny's tokenizer."""
+    if name not in BUILTIN_MODELS:
+        raise ConfigError(f"no built-in model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
+    return write_tiny_model(path, seed=seed, cfg=PRESETS[name])
+
+
 def ensure_tiny_model() -> str:
-    """Path of the built-in tiny model, written on first use. Race-safe: built in a temp folder next to
+    return ensure_builtin_model("tiny")
+
+
+def ensure_builtin_model(name: str = "tiny") -> str:
+    """Path of the built-in model `name`, written on first use. Race-safe: built in a temp folder next to
     the target and renamed into place; whoever renames first wins, the others discard theirs."""
-    # the preset is part of the name, so editing PRESETS["tiny"] never serves a stale checkpoint
-    tag = hashlib.sha1(repr(PRESETS["tiny"]).encode()).hexdigest()[:8]
-    final = os.path.join(cache_dir(), f"tiny-v{TINY_VERSION}-{tag}")
+    if name not in BUILTIN_MODELS:
+        raise ConfigError(f"no built-in model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
+    # the preset is part of the name, so editing PRESETS[name] never serves a stale checkpoint
+    tag = hashlib.sha1(repr(PRESETS[name]).encode()).hexdigest()[:8]
+    final = os.path.join(cache_dir(), f"{name}-v{TINY_VERSION}-{tag}")
     if os.path.isfile(os.path.join(final, "model.safetensors")):
         return final
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=os.path.dirname(final))
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(final))
     try:
-        write_tiny_model(tmp, seed=0)
+        write_builtin_model(tmp, name, seed=0)
         try:
             os.rename(tmp, final)
         except OSError:

@@ -1,0 +1,199 @@
+"""`splash bench serve --peer vllm`: the same streamed load against `splash serve` and vLLM's OpenAI server.
+
+Both servers load --model (a directory, 'tiny' or 'small') in bfloat16 on 127.0.0.1 at a free port, one
+after the other (never both at once: they would share the cores): start, wait for /v1/models, run the
+load of `splash bench serve` (default 64 streamed completions, 128 prompt + 128 new tokens, concurrency
+16, ignore_eos), stop the server by its process id (its whole process group), always, also on an error
+or Ctrl-C. Prints each server's table, then the side-by-side metrics and splash / vLLM ratios; --json
+prints one object; --plot draws every inter-token latency against time for both servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Any
+
+# (key in a summary, label, higher is better): the side-by-side rows
+METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean TTFT, ms", False),
+           ("mean_tpot_ms", "mean TPOT, ms", False), ("p99_itl_ms", "P99 inter-token latency, ms", False),
+           ("max_itl_ms", "max inter-token latency, ms", False))
+
+
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    from splash.bench.peer import PEERS
+    from splash.commands.generate import output_file, positive_float, positive_int
+
+    p.add_argument("--peer", choices=PEERS, default=None,
+                   help="start `splash serve` and this peer's server (vllm: vLLM's OpenAI server from "
+                        "`make peer-venv`) on --model, run the load against each in turn, print both")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="with --peer: ranks of both servers (vLLM's --tensor-parallel-size)")
+    p.add_argument("--layout", default=None, choices=("tp", "dp", "cp", "dop", "auto"),
+                   help="with --peer: splash's attention layout (default: splash serve's)")
+    p.add_argument("--dtype", default="bfloat16", help="with --peer: both servers' dtype (default bfloat16)")
+    p.add_argument("--startup-timeout", type=positive_float, default=900.0,
+                   help="with --peer: seconds each server may take to come up (vLLM's first start "
+                        "compiles for ~100 s)")
+    p.add_argument("--peer-kv-gib", type=positive_float, default=2.0,
+                   help="with --peer: the peer's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, default 2)")
+    p.add_argument("--plot", default=None, metavar="FILE", type=output_file,
+                   help="with --peer: write the inter-token latency over time of both servers (PNG)")
+
+
+def check_args(a: argparse.Namespace) -> str | None:
+    """A one-line problem with the side-by-side flags, or None."""
+    if not a.peer:
+        if a.plot or a.layout or a.tp != 1:
+            return "--plot, --layout and --tp go with --peer vllm (without it, load-test a running server)"
+        return None
+    if a.base_url is not None:
+        return "--peer starts both servers itself; drop --base-url"
+    if not a.model:
+        return "--peer needs --model: the checkpoint both servers load (a directory, 'tiny' or 'small')"
+    if a.vocab_size is not None:
+        return "--peer draws prompt ids from --model's vocabulary; drop --vocab-size"
+    return None
+
+
+def splash_command(a: argparse.Namespace, port: int, name: str) -> list[str]:
+    cmd = [sys.executable, "-m", "splash.cli", "serve", "--model", a.model, "--dtype", a.dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name]
+    if (a.max_concurrency or a.num_prompts) > 64:  # (splash serve's default running batch is 64)
+        cmd += ["--max-num-seqs", str(a.max_concurrency or a.num_prompts)]
+    if a.tp > 1:
+        cmd += ["--tp", str(a.tp)]
+    if a.layout:
+        cmd += ["--layout", a.layout]
+    if a.api_key:
+        cmd += ["--api-key", a.api_key]
+    return cmd
+
+
+def vllm_command(a: argparse.Namespace, py: str, path: str, port: int, name: str) -> list[str]:
+    cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--served-model-name", name,
+           "--dtype", a.dtype, "--host", "127.0.0.1", "--port", str(port)]
+    if a.tp > 1:
+        cmd += ["--tensor-parallel-size", str(a.tp)]
+    if a.api_key:
+        cmd += ["--api-key", a.api_key]
+    return cmd
+
+
+def measure(a: argparse.Namespace) -> dict[str, Any]:
+    from splash.bench.peer import free_port, peer_env, peer_python
+    from splash.config import ModelConfig, normalize_dtype
+    from splash.model import resolve_model_path
+
+    py = peer_python()  # before anything starts
+    if normalize_dtype(a.dtype) != "bf16":
+        raise ValueError("--peer vllm compares in bfloat16 (vLLM's CPU MLA kernel takes bf16 only)")
+    path = resolve_model_path(a.model)
+    a.vocab_size = ModelConfig.from_hf(path).vocab_size
+    name = os.path.basename(os.path.normpath(a.model))
+    env = dict(os.environ)
+    port = free_port()
+    doc: dict[str, Any] = {"model": a.model, "dtype": a.dtype, "tp": a.tp, "layout": a.layout,
+                           "num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
+                           "max_concurrency": a.max_concurrency, "peer": a.peer}
+    doc["splash"] = serve_and_load(a, splash_command(a, port, name), env, port, "splash serve")
+    port = free_port()
+    peer_cmd = vllm_command(a, py, path, port, name)
+    doc["vllm"] = serve_and_load(a, peer_cmd, peer_env(a.tp, a.peer_kv_gib, python=py), port, "vLLM server")
+    doc["ratios"] = ratios(doc["splash"], doc["vllm"])
+    return doc
+
+
+def serve_and_load(a: argparse.Namespace, cmd: list[str], env: dict[str, str], port: int, what: str
+                   ) -> dict[str, Any]:
+    """Start one server, wait until it lists its model, run the load, stop it by its process id."""
+    import httpx
+
+    from splash.bench.peer import PeerProcess, wait_until
+    from splash.bench.serve import benchmark
+
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    with PeerProcess(cmd, env=env, name=what) as proc:
+        ready = lambda: httpx.get(url + "/v1/models", headers=headers, timeout=5).status_code == 200  # noqa: E731
+        startup = wait_until(ready, proc, a.startup_timeout, what)
+        a.base_url = url
+        try:
+            asyncio.run(benchmark(warmup_args(a)))  # first-use costs (first steps, lazy inits) untimed
+            out = asyncio.run(benchmark(a))
+        finally:
+            a.base_url = None
+        out["max_itl_ms"] = max((ms for _, ms in out["itl_timeline"]), default=0.0)  # the worst stall
+        out["startup_s"] = startup
+        out["server_pid"] = proc.pid
+        out["server_log"] = proc.log_path
+    return out
+
+
+def warmup_args(a: argparse.Namespace) -> argparse.Namespace:
+    """A short untimed load before the measured one: one full batch of prompts (other ids), 4 new tokens."""
+    conc = a.max_concurrency or a.num_prompts
+    return argparse.Namespace(**{**vars(a), "num_prompts": min(conc, a.num_prompts), "output_len": 4,
+                                 "seed": a.seed + 1_000_003, "disable_tqdm": True, "peer": None})
+
+
+def ratios(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
+    """splash / vLLM per metric (for throughput above 1 is better; for latencies below 1 is)."""
+    return {k: (mine[k] / theirs[k] if theirs.get(k) else None) for k, _, _ in METRICS}
+
+
+def table(doc: dict[str, Any]) -> str:
+    from splash.bench.serve import format_table
+
+    parts = []
+    for key, title in (("splash", "splash"), ("vllm", "vLLM CPU")):
+        body = format_table(doc[key]).splitlines()
+        parts.append(f"{title} (server up in {doc[key].get('startup_s', 0):.0f} s)\n" + "\n".join(body))
+    lay = f", layout {doc['layout']}" if doc.get("layout") else ""
+    head = (f"serve, splash vs vLLM CPU: {doc['model']} {doc['dtype']}, {doc['tp']} rank(s){lay}; "
+            f"{doc['num_prompts']} streamed completions of {doc['input_len']} + {doc['output_len']} tokens "
+            f"at concurrency {doc['max_concurrency']}, ignore_eos")
+    lines = [head, "| metric | splash | vLLM CPU | splash / vLLM |", "|---|---|---|---|"]
+    for k, label, _ in METRICS:
+        r = doc["ratios"][k]
+        lines.append(f"| {label} | {doc['splash'][k]:.1f} | {doc['vllm'][k]:.1f} | "
+                     f"{'-' if r is None else f'{r:.2f}x'} |")
+    return "\n\n".join(parts + ["\n".join(lines)])
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(8, 5.4), sharex=True, sharey=True)
+    for ax, (key, label, color) in zip(axes, (("splash", "splash", "tab:blue"),
+                                              ("vllm", "vLLM CPU", "tab:orange"))):
+        pts = doc[key].get("itl_timeline") or []
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=5, alpha=0.5, color=color, linewidths=0)
+        p99 = doc[key]["p99_itl_ms"]
+        ax.axhline(p99, color="k", lw=0.8, ls="--")
+        ax.set_title(f"{label}: mean ITL {doc[key]['mean_itl_ms']:.1f} ms, P99 {p99:.1f} ms (dashed)",
+                     fontsize=9)
+        ax.set_ylabel("inter-token latency, ms")
+    axes[-1].set_xlabel("seconds since the first request")
+    fig.suptitle(f"{doc['model']} {doc['dtype']}, {doc['tp']} rank(s): {doc['num_prompts']} x "
+                 f"({doc['input_len']} + {doc['output_len']}) at concurrency {doc['max_concurrency']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(a: argparse.Namespace) -> int:
+    """Measure, report (splash/bench/report.py); exit 1 if any request failed on either server."""
+    from splash.bench.report import report
+
+    seen: list[dict[str, Any]] = []
+    code = report("serve", a, lambda args: seen.append(measure(args)) or seen[-1], table, plot)
+    if code == 0 and any(seen[-1][k]["failed"] for k in ("splash", "vllm")):
+        return 1
+    return code
