@@ -72,7 +72,8 @@ def run_splash(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]
     stats = llm.stats()
     res = _rates(args.batch, args.input_len, args.output_len, dt)
     res.update(engine={k: stats[k] for k in ("model", "dtype", "device", "layout", "ranks", "kv_pool_tokens",
-                                             "max_num_batched_tokens", "steps") if k in stats})
+                                             "max_num_batched_tokens", "steps",
+                                             "decode_plan_bytes_p50") if k in stats})
     return res, prompts, tokens, eng
 
 

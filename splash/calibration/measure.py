@@ -81,8 +81,11 @@ def pages_needed(points: Sequence[GridPoint], page_size: int, layout: str = "tp"
 
 
 def build_plan(point: GridPoint, layout: str, alloc: Any, rng: np.random.Generator, vocab: int,
-               step: int = 0) -> tuple[Any, list[list[list[int]]]]:
-    """A step plan for `point` with pages taken from `alloc` (release the returned tables after)."""
+               step: int = 0, first_id: int = 0, dropped: list[int] | None = None
+               ) -> tuple[Any, list[list[list[int]]]]:
+    """A step plan for `point` with pages taken from `alloc` (release the returned tables after).
+    Requests are numbered from `first_id`: ranks keep tables by request id, so a new plan's requests
+    need new ids, and `dropped` names the released ones the ranks may forget."""
     from splash.engine.plan import SeqSlice, StepPlan
     from splash.layouts import round_robin_owners
 
@@ -92,10 +95,10 @@ def build_plan(point: GridPoint, layout: str, alloc: Any, rng: np.random.Generat
         t = alloc.empty_table()
         alloc.grow(t, point.s, owner)
         tables.append(t)
-        seqs.append(SeqSlice(req_id=i, start=point.s - point.q, num_new=point.q, owner=owner, pages=t,
-                             sample=True))
+        seqs.append(SeqSlice(req_id=first_id + i, start=point.s - point.q, num_new=point.q, owner=owner,
+                             pages=t, sample=True))
     ids = rng.integers(0, vocab, size=point.rows).tolist()
-    return StepPlan(step=step, layout=layout, input_ids=ids, seqs=seqs), tables
+    return StepPlan(step=step, layout=layout, input_ids=ids, seqs=seqs, dropped=list(dropped or [])), tables
 
 
 class _Driver:
@@ -155,12 +158,14 @@ def _driver_main(conn: Any, layout: str, ranks: int, engine_kw: dict[str, Any], 
         return
     rng = np.random.default_rng(seed)
     cuda = eng.runner.device.type == "cuda"  # kernels are asynchronous there: wait for the step's end
-    plan, tables, step = None, [], 0
+    plan, tables, step, next_id, released = None, [], 0, 0, []
     try:
         conn.send(("ok", None))
         while (msg := conn.recv()) is not None:
             if msg[0] == "plan":
-                plan, tables = build_plan(msg[1], layout, eng.allocator, rng, eng.vocab_size or 2, step)
+                plan, tables = build_plan(msg[1], layout, eng.allocator, rng, eng.vocab_size or 2, step,
+                                          first_id=next_id, dropped=released)
+                next_id += len(tables)
                 conn.send(("ok", None))
             elif msg[0] == "step":
                 plan.step = step
@@ -173,6 +178,7 @@ def _driver_main(conn: Any, layout: str, ranks: int, engine_kw: dict[str, Any], 
             elif msg[0] == "release":
                 for t in tables:
                     eng.allocator.release(t)
+                released = [s.req_id for s in plan.seqs] if plan is not None else []
                 plan, tables = None, []
                 conn.send(("ok", None))
     except (EOFError, KeyboardInterrupt):

@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
                                          "max_model_len",
                                          "max_num_seqs", "max_num_batched_tokens", "prompt_tokens_total",
                                          "generation_tokens_total", "num_preemptions", "steps",
+                                         "decode_plan_bytes_p50",
                                          "layout_mode", "num_switches", "switches_total", "switch_refusals")
                   if k in stats}
         print(json.dumps({"outputs": rows, "engine": engine}))

@@ -33,6 +33,7 @@ from splash.engine.worker import (
     load_reply,
     set_data_timeout,
     stats_reply,
+    tables_reply,
     unload,
     worker_main,
 )
@@ -169,8 +170,9 @@ class RankGroup:
                            f"died or hung past the {self.timeout_s:g} s collective timeout")
 
     # ---- messages ------------------------------------------------------------------------------------
-    def send(self, plan: StepPlan) -> None:
-        """Broadcast a plan to every rank (after checking they are alive)."""
+    def send(self, plan: StepPlan | bytes | tuple) -> None:
+        """Broadcast a control plan or a step message (splash/engine/wire.py) to every rank (after
+        checking they are alive)."""
         self.check()
         self.grid.comm.broadcast_object(plan, src=0)
 
@@ -223,6 +225,14 @@ class RankGroup:
         def run() -> list[dict[str, Any]]:
             self.send(control_plan("stats"))
             return self.gather(stats_reply(self.state))
+
+        return self.guarded(run)
+
+    def gather_tables(self) -> list[dict[int, list[int]]]:
+        """Every rank's own page tables {req_id: local pages} (rank order; tests and debugging)."""
+        def run() -> list[dict[int, list[int]]]:
+            self.send(control_plan("tables"))
+            return self.gather(tables_reply(self.state))
 
         return self.guarded(run)
 

@@ -290,6 +290,12 @@ class LLMEngine:
         return outs
 
     # ---- introspection -------------------------------------------------------------------------
+    def _plan_bytes_p50(self) -> int | None:
+        """Median bytes of the step message rank 0 sends (splash/engine/wire.py) over forward steps with
+        no prefill rows; None before any such step."""
+        probe = getattr(self.runner, "decode_plan_bytes_p50", None)
+        return probe() if probe is not None else None
+
     def stats(self) -> dict[str, Any]:
         a = self.allocator
         used, total = a.num_used, a.num_total
@@ -316,5 +322,6 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_preemptions": self.scheduler.num_preemptions,
             "steps": self.steps,
+            "decode_plan_bytes_p50": self._plan_bytes_p50(),
             **(self.switcher.stats() if self.switcher is not None else {}),
         }

@@ -1,6 +1,8 @@
-"""The step plan: the one message rank 0 sends every rank each step (see docs/runtime.md).
+"""The step plan: what rank 0 tells every rank each step (see docs/runtime.md).
 
-Pure data (no torch) so it pickles cheaply over the control plane and tests can build plans by hand.
+Pure data (no torch), so tests can build plans by hand. Rank 0's scheduler makes plans with every
+rank's full page tables; steps travel as compact deltas (splash/engine/wire.py) and each rank keeps its
+own tables (splash/engine/tables.py). Control plans (load, stats, ...) are pickled as they are.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ LAYOUTS = ("tp", "dp", "cp", "dop")
 # Plan kinds. "forward" (and later "switch") run the SPMD step on every rank; the others are control
 # messages of the rank group (splash/engine/worker.py): "load" carries an EngineSpec in `payload` and
 # makes every rank (re)build its model shard and KV pool, "unload" drops them, "stats" gathers each
-# rank's CommStats to rank 0, "shutdown" ends the worker processes.
-PLAN_KINDS = ("forward", "switch", "load", "unload", "stats", "shutdown")
+# rank's CommStats to rank 0, "tables" gathers each rank's page tables (tests, debugging), "shutdown"
+# ends the worker processes.
+PLAN_KINDS = ("forward", "switch", "load", "unload", "stats", "tables", "shutdown")
 
 
 @dataclass
@@ -25,7 +28,8 @@ class SeqSlice:
     num_new: int  # rows this step (prefill chunk length, or 1 in decode)
     owner: int  # owning rank for DP/DOP (chosen at admission); ignored by TP/CP
     # pages[r][j] = local page id on rank r of the request's global page j, -1 if rank r does not hold
-    # it; len(pages[r]) == ceil((start + num_new) / page_size).
+    # it; len(pages[r]) == ceil((start + num_new) / page_size). Rank 0 only (the scheduler's plan: the
+    # sequence's live table, valid while the step runs); decoded step messages leave it empty.
     pages: list[list[int]]
     sample: bool  # rank 0 needs logits of this slice's last row (decode, or last prefill chunk)
 
@@ -41,10 +45,17 @@ class StepPlan:
 
     step: int
     layout: str  # "tp" | "dp" | "cp" | "dop"
-    input_ids: list[int]  # concatenated new tokens, in seqs order
+    input_ids: list[int]  # concatenated new tokens, in seqs order (an int32 array on the ranks)
     seqs: list[SeqSlice] = field(default_factory=list)
     kind: str = "forward"  # one of PLAN_KINDS
     payload: Any = None  # what a non-forward kind needs (EngineSpec for "load", a SwitchPlan later)
+    # Rank 0: requests whose tables the ranks may forget (finished, aborted or preempted since the last
+    # plan that ran), and, on a switching step, every live request's new table (shipped once).
+    dropped: list[int] = field(default_factory=list)
+    tables: dict[int, list[list[int]]] | None = None
+    # Ranks: the table updates the step's message carried (a wire.TableDelta; the slices' `pages` are
+    # then empty and the rank's own RankTables hold the tables).
+    delta: Any = None
 
     @property
     def num_rows(self) -> int:

@@ -10,10 +10,13 @@ import os
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
+from splash.engine import wire
 from splash.engine.plan import StepPlan
 from splash.engine.sizing import parse_bytes
+from splash.engine.tables import RankTables
 
 __all__ = ["GroupRunner", "ModelRunner", "build_engine", "parse_bytes", "STEP_KINDS"]
 
@@ -48,34 +51,66 @@ class ModelRunner:
         self.device = torch.device(getattr(model, "device", "cpu"))
         self.stats: dict[str, Any] = {}
         self.step_rows: OrderedDict[int, int] = OrderedDict()  # step -> rows N (recent steps only)
+        self.tables = RankTables()  # this rank's page tables of the live requests (from step messages)
+        self._encoder: wire.PlanEncoder | None = None
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run the plan on this rank; hidden states [N, d] of every row."""
-        from splash.model.context import ForwardContext
-
+        """Run the plan on this rank; hidden states [N, d] of every row. A decoded step message
+        (`plan.delta` set) first updates this rank's tables; a plan built by hand carries its own."""
         cs = getattr(self.comm, "stats", None)
         if cs is not None and cs.step != plan.step:
             cs.begin_step(plan.step)
         self.step_rows[plan.step] = plan.num_rows
         while len(self.step_rows) > 64:
             self.step_rows.popitem(last=False)
+        if plan.delta is not None:
+            plan.delta.apply(self.tables, self.rank)
         if plan.kind != "forward":
             return step_kind_fn(plan.kind)(self, plan)
-        ctx = ForwardContext.build(plan.seqs, kv=self.pool, layout=self.layout, comm=self.comm,
-                                   rank=self.rank, world=self.world, device=self.device, stats=self.stats)
-        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
-        return self.model(ids, ctx.positions, ctx)
+        ctx = self.context(plan, self.layout)
+        return self.model(self.input_ids(plan), ctx.positions, ctx)
+
+    def context(self, plan: StepPlan, layout: Any) -> Any:
+        """The step's ForwardContext under `layout`, from this rank's tables (or the plan's own)."""
+        from splash.model.context import ForwardContext
+
+        return ForwardContext.build(plan.seqs, kv=self.pool, layout=layout, comm=self.comm, rank=self.rank,
+                                    world=self.world, device=self.device, stats=self.stats,
+                                    tables=self.tables if plan.delta is not None else None)
+
+    def input_ids(self, plan: StepPlan) -> torch.Tensor:
+        ids = plan.input_ids
+        if isinstance(ids, np.ndarray):
+            return torch.from_numpy(ids.astype(np.int64)).to(self.device)
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [n_sample, V] for the plan's sample rows (rank 0's view)."""
+        """Logits [n_sample, V] for the plan's sample rows (rank 0's view). A plan as the scheduler made
+        it goes through the step message first, as on T ranks (so T = 1 runs the same path)."""
+        if plan.delta is None and plan.kind in ("forward", *STEP_KINDS):
+            plan = wire.decode(self.encoder.encode(plan))
         hidden = self.forward(plan)
         rows = plan.sample_rows()
         if not rows:
             return hidden.new_empty(0, self.model.cfg.vocab_size)
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, idx))
+
+    @property
+    def encoder(self) -> wire.PlanEncoder:
+        """Rank 0's step-message encoder when this runner is the engine's (T = 1)."""
+        if self._encoder is None:
+            self._encoder = wire.PlanEncoder(self.world)
+        return self._encoder
+
+    def decode_plan_bytes_p50(self) -> int | None:
+        return self._encoder.decode_bytes_p50() if self._encoder is not None else None
+
+    def rank_tables(self) -> list[dict[int, list[int]]]:
+        """This rank's page tables {req_id: local pages} (one rank: the only one)."""
+        return [self.tables.snapshot()]
 
     def comm_stats(self) -> list[dict[str, Any]]:
         """Collective byte counters of every rank (here: the one rank)."""
@@ -109,6 +144,7 @@ class GroupRunner:
         self.local = local
         self.owns_group = owns_group
         self.device = local.device
+        self.encoder = wire.PlanEncoder(group.world)
 
     @property
     def step_rows(self) -> OrderedDict[int, int]:
@@ -132,8 +168,17 @@ class GroupRunner:
         return self.group.guarded(self._step, plan)
 
     def _step(self, plan: StepPlan) -> torch.Tensor:
-        self.group.send(plan)
-        return self.local.execute(plan)
+        msg = self.encoder.encode(plan)
+        self.group.send(msg)
+        return self.local.execute(wire.decode(msg))
+
+    def decode_plan_bytes_p50(self) -> int | None:
+        """Median bytes of the step message over forward steps with no prefill rows."""
+        return self.encoder.decode_bytes_p50()
+
+    def rank_tables(self) -> list[dict[int, list[int]]]:
+        """Every rank's own page tables {req_id: local pages} (tests and debugging; one control message)."""
+        return self.group.gather_tables()
 
     def comm_stats(self) -> list[dict[str, Any]]:
         """Every rank's collective byte counters (one control message; call it when needed)."""

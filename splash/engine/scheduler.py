@@ -62,6 +62,9 @@ class Scheduler:
         # running sequence was charged, so leaving returns exactly that.
         self.projected = [0] * alloc.world
         self._charged: dict[int, tuple[int, int]] = {}
+        # Sequences whose pages were released since the last plan with rows: the next such plan tells
+        # the ranks to forget their tables (StepPlan.dropped).
+        self.dropped: list[int] = []
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     @property
@@ -89,12 +92,17 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.dropped.append(seq.seq_id)
         self.alloc.release(seq.pages)
 
     def _preempt(self, seq: Sequence) -> None:
         self._uncharge(seq)
         self.running.remove(seq)
-        self.alloc.release(seq.pages)
+        self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
@@ -165,7 +173,7 @@ class Scheduler:
                     # The only holder of a rank that is out of room: it has filled that whole pool.
                     self._uncharge(seq)
                     self.running.remove(seq)
-                    self.alloc.release(seq.pages)
+                    self._release(seq)
                     seq.finish("length")
                     self.finished_by_scheduler.append(seq)
                     break
@@ -208,10 +216,14 @@ class Scheduler:
         for seq, k in picked:
             start = seq.num_computed
             ids.extend(seq.token_slice(start, start + k))
+            # `pages` is the sequence's live table, not a copy (rank 0 reads it while the step runs;
+            # copying every table every step was O(pages)): later steps grow it, a release empties it.
             slices.append(SeqSlice(req_id=seq.seq_id, start=start, num_new=k, owner=seq.owner,
-                                   pages=[row[:] for row in seq.pages],
-                                   sample=start + k == seq.num_tokens))
-        plan = StepPlan(step=self.step_no, layout=self.layout, input_ids=ids, seqs=slices)
+                                   pages=seq.pages, sample=start + k == seq.num_tokens))
+        dropped: list[int] = []
+        if slices:  # a plan without rows never runs: its drops wait for the next one
+            dropped, self.dropped = self.dropped, []
+        plan = StepPlan(step=self.step_no, layout=self.layout, input_ids=ids, seqs=slices, dropped=dropped)
         self.step_no += 1
         return ScheduledStep(plan=plan, seqs=[s for s, _ in picked])
 

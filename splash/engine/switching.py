@@ -106,7 +106,6 @@ def run_switch_step(runner: Any, plan: StepPlan) -> torch.Tensor:
     """Run a "switch" plan on this rank: the step computes in the destination layout while each
     layer's state arrives; afterwards the runner's layout (and the model's form) is the destination."""
     from splash.attention.registry import make_layout
-    from splash.model.context import ForwardContext
     from splash.switch import SwitchExecutor
 
     sw = plan.payload
@@ -117,12 +116,9 @@ def run_switch_step(runner: Any, plan: StepPlan) -> torch.Tensor:
     t0 = time.perf_counter()
     ex.start()
     start_s = time.perf_counter() - t0
-    if plan.seqs:
-        ctx = ForwardContext.build(plan.seqs, kv=runner.pool, layout=layout, comm=runner.comm,
-                                   rank=runner.rank, world=runner.world, device=runner.device,
-                                   stats=runner.stats)
-        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=runner.device)
-        hidden = runner.model(ids, ctx.positions, ctx)
+    if plan.seqs:  # (the step message has already replaced this rank's tables by the destination's)
+        ctx = runner.context(plan, layout)
+        hidden = runner.model(runner.input_ids(plan), ctx.positions, ctx)
     else:
         hidden = torch.zeros(0, runner.model.cfg.hidden_size, dtype=runner.pool.dtype, device=runner.device)
     t1 = time.perf_counter()
@@ -461,7 +457,7 @@ class SwitchController:
             self.steps_since_switch = 0  # do not re-plan the same refused move every step
             return
         new = sw.restep(plan)
-        st.plan = dataclasses.replace(new, kind="switch", payload=sw.for_ranks())
+        st.plan = dataclasses.replace(new, kind="switch", payload=sw.for_ranks(), tables=sw.tables)
         self.pending = sw
         lay = sw.layers[0] if sw.layers else None
         per_layer = (sum(lay.weight_send_bytes) + sum(lay.kv_send_bytes)) if lay else 0.0

@@ -3,7 +3,8 @@
 A worker waits on the control plane for the next `StepPlan` from rank 0 and dispatches on its kind:
 "load" builds this rank's model shard and KV pool from the `EngineSpec` payload (answering with its
 page count through a gather, or with the error that stopped it), "forward" runs the SPMD step, "stats"
-sends its CommStats to rank 0, "unload" drops the shard, "shutdown" ends the loop. New kinds (the
+sends its CommStats to rank 0, "unload" drops the shard, "shutdown" ends the loop. Steps arrive as
+compact messages (splash/engine/wire.py) that update the rank's own page tables. New kinds (the
 layout switch) plug in with `register_handler`, on every rank, before the group starts.
 
 A handler that raises ends the worker with its traceback (start_workers reports it to rank 0's
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from splash.engine import wire
 from splash.engine.plan import StepPlan
 
 log = logging.getLogger("splash.worker")
@@ -103,10 +105,20 @@ def _on_unload(state: WorkerState, plan: StepPlan) -> None:
     unload(state)
 
 
+def tables_reply(state: WorkerState) -> dict[int, list[int]]:
+    """This rank's own page tables, {req_id: local pages} (empty before any model is loaded)."""
+    return state.runner.tables.snapshot() if state.rank_state is not None else {}
+
+
+def _on_tables(state: WorkerState, plan: StepPlan) -> None:
+    state.grid.comm.all_gather_object(tables_reply(state))
+
+
 register_handler("load", _on_load)
 register_handler("forward", _on_forward)
 register_handler("stats", _on_stats)
 register_handler("unload", _on_unload)
+register_handler("tables", _on_tables)
 
 
 def _step_kinds() -> dict[str, str]:
@@ -148,7 +160,8 @@ def worker_main(grid: Any, timeout_s: float | None = None) -> int:
     set_data_timeout(grid, timeout_s)
     state = WorkerState(grid)
     while True:
-        plan = grid.comm.broadcast_object(None, src=0)
+        msg = grid.comm.broadcast_object(None, src=0)
+        plan = wire.decode(msg) if wire.is_step_message(msg) else msg
         if plan.kind == "shutdown":
             unload(state)
             return state.steps

@@ -15,11 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from splash.attention.base import Layout
     from splash.engine.plan import SeqSlice
+    from splash.engine.tables import RankTables
     from splash.kv.pool import KVPool
 
 
@@ -27,7 +29,8 @@ class SliceCtx:
     """One request's rows in this step, with tensors on the model's device.
 
     `pages` is this rank's table (local page id of each global page, -1 where not held), a LongTensor;
-    `all_pages` every rank's table as planned (Python lists), for layouts that need them."""
+    `all_pages` every rank's table as planned (Python lists) when the context was built from a plan's
+    own tables (by hand, tests); empty when built from the rank's stored tables (the engine)."""
 
     __slots__ = ("req_id", "start", "num_new", "owner", "sample", "row_start", "all_pages", "page_size",
                  "_pages", "_table", "_keys")
@@ -97,9 +100,10 @@ class ForwardContext:
     @classmethod
     def build(cls, seqs: Sequence[SeqSlice], *, kv: KVPool | None, layout: Layout, comm: Any = None,
               rank: int = 0, world: int = 1, page_size: int | None = None,
-              device: torch.device | str | None = None, stats: dict[str, Any] | None = None
-              ) -> ForwardContext:
-        """From a StepPlan's slices (in plan order). `page_size` defaults to the pool's."""
+              device: torch.device | str | None = None, stats: dict[str, Any] | None = None,
+              tables: RankTables | None = None) -> ForwardContext:
+        """From a StepPlan's slices (in plan order). `page_size` defaults to the pool's. With `tables`
+        (the rank's own, kept from the step messages) the slices' `pages` are not read."""
         if page_size is None:
             if kv is None:
                 raise ValueError("ForwardContext.build needs page_size when there is no KV pool")
@@ -109,6 +113,9 @@ class ForwardContext:
         else:
             dev = kv.device if kv is not None else torch.device("cpu")
         P = page_size
+        if tables is not None:
+            return cls._from_tables(seqs, tables, kv=kv, layout=layout, comm=comm, rank=rank, world=world,
+                                    P=P, dev=dev, stats=stats)
         lists = [s.pages[rank] for s in seqs]
         width = max(map(len, lists), default=0)
         padded = [t + [-1] * (width - len(t)) for t in lists]
@@ -130,6 +137,62 @@ class ForwardContext:
                    write_slots=w_slots.to(dev), page_table=table,
                    max_end=max((s.start + s.num_new for s in seqs), default=0), page_size=P,
                    all_held=not holes)
+
+
+    @classmethod
+    def _from_tables(cls, seqs: Sequence[SeqSlice], tables: RankTables, *, kv: KVPool | None, layout: Layout,
+                     comm: Any, rank: int, world: int, P: int, dev: torch.device,
+                     stats: dict[str, Any] | None) -> ForwardContext:
+        """`build` from the rank's stored tables: one gather of the slices' rows, numpy over the rows."""
+        B = len(seqs)
+        ids = [s.req_id for s in seqs]
+        starts = [s.start for s in seqs]
+        nums = [s.num_new for s in seqs]
+        st = np.asarray(starts, dtype=np.int64)
+        nu = np.asarray(nums, dtype=np.int64)
+        need = (st + nu + (P - 1)) // P  # pages each slice's table covers after the step
+        width = int(need.max()) if B else 0
+        host, have = tables.gather(ids, width)
+        if (have < need).any():
+            k = int(np.flatnonzero(have < need)[0])
+            raise RuntimeError(f"rank {rank}: request {ids[k]} has {int(have[k])} pages here but its step "
+                               f"needs {int(need[k])} (a step message was lost or applied out of order)")
+        if (have != need).any():  # longer than this step reaches: hide the rest, as a plan's table would
+            host = np.where(np.arange(width)[None, :] < need[:, None], host, -1)
+        holes = bool(((host >= 0).sum(axis=1) < need).any())
+        table = torch.from_numpy(host).to(dev)
+        out: list[SliceCtx] = []
+        row = 0
+        for k, (s, n) in enumerate(zip(seqs, need.tolist())):
+            out.append(SliceCtx(s.req_id, s.start, s.num_new, s.owner, s.sample, row, None, None, P,
+                                table=(table, k, n)))
+            row += s.num_new
+        pos, w_rows, w_slots = _rows_np(st, nu, host, row, P)
+        return cls(positions=torch.from_numpy(pos).to(dev), seqs=out, kv=kv, layout=layout, comm=comm,
+                   rank=rank, world=world, stats=stats if stats is not None else {},
+                   write_rows=torch.from_numpy(w_rows).to(dev), write_slots=torch.from_numpy(w_slots).to(dev),
+                   page_table=table, max_end=int((st + nu).max()) if B else 0, page_size=P,
+                   all_held=not holes)
+
+
+def _rows_np(starts: np.ndarray, nums: np.ndarray, host: np.ndarray, rows: int, P: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, write rows, write slots) of all rows from the [B, W] table, in numpy (int64)."""
+    B = len(starts)
+    if rows == B:  # one row per slice (decode)
+        pos = starts
+        local = host[np.arange(B), pos // P] if B else np.zeros(0, np.int64)
+    else:
+        seg = np.repeat(np.arange(B), nums)
+        first = np.cumsum(nums) - nums
+        pos = np.arange(rows) + (starts - first)[seg]
+        local = host[seg, pos // P]
+    slots = local * P + pos % P
+    held = local >= 0
+    if held.all():
+        return pos, np.arange(rows), slots
+    w_rows = np.flatnonzero(held)
+    return pos, w_rows, slots[w_rows]
 
 
 _PY_ROWS = 128  # up to this many rows, plain Python lists beat a dozen tiny tensor ops
