@@ -174,5 +174,11 @@ class RowCache:
                 row_seq = torch.tensor([k for k in ks for _ in range(seqs[k].num_new)], dtype=torch.long)
                 row_pos = torch.tensor([p for k in ks for p in range(seqs[k].start, seqs[k].end)],
                                        dtype=torch.long)
+            # the C kernel trusts these: a row past its table would read outside it
+            table = ctx.page_table
+            P = ctx.kv.page_size if ctx.kv is not None else ctx.page_size
+            if table is None or (row_seq.numel() and (int(row_pos.max()) >= table.shape[1] * P
+                                                      or int(row_seq.max()) >= table.shape[0])):
+                raise ValueError("step context: a row's position lies beyond its page table")
             got = self._made[key] = (row_seq, row_pos)
         return got
