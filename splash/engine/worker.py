@@ -109,6 +109,15 @@ register_handler("stats", _on_stats)
 register_handler("unload", _on_unload)
 
 
+def _on_weights(state: WorkerState, plan: StepPlan) -> None:
+    from splash.engine.weights import on_weights_plan  # weight updates, memory release (RL)
+
+    on_weights_plan(state, plan)
+
+
+register_handler("weights", _on_weights)
+
+
 def _step_kinds() -> dict[str, str]:
     from splash.engine.runner import STEP_KINDS
 
