@@ -290,7 +290,7 @@ def stage(model: Any, reader: Any, names: Iterable[str]) -> list[tuple[torch.Ten
     return staged
 
 
-@torch.no_grad()
+@torch.inference_mode()  # (weights installed by a layout switch are inference tensors)
 def commit(staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy staged values into the live buffers (in place: views and references stay valid)."""
     for dst, new in staged:
