@@ -9,15 +9,14 @@ logprobs. One rank group per T serves every multi-rank engine of the file (loade
 from __future__ import annotations
 
 import gc
-import threading
 
 import pytest
 import torch
-from helpers_ckpt import build_checkpoint, hf_logits, hf_reference
+from helpers_ckpt import build_checkpoint
+from rl_utils import Trainer, reference
 from safetensors.torch import load_file
 
 from splash.dist.launch import free_port
-from splash.dist.weight_group import join_group
 from splash.engine.group import RankGroup
 from splash.engine.runner import build_engine
 from splash.engine.sampling import SamplingParams
@@ -32,36 +31,11 @@ LAYOUTS = ("tp", "dp", "cp", "dop")
 TOL = 1e-9
 
 
-def _reference(path: str) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor]]:
-    """transformers' greedy tokens, their logprobs, and each MoE layer's chosen experts per position."""
-    hf = hf_reference(path)
-    toks, lps, routes = [], [], []
-    for p in PROMPTS:
-        ids = list(p)
-        for _ in range(NEW):
-            ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-        gen = ids[len(p):]
-        seen: list[torch.Tensor] = []
-
-        def keep(m, i, o, seen=seen):
-            seen.append(o[2].sort(-1).values)
-
-        hooks = [layer.mlp.gate.register_forward_hook(keep) for layer in hf.model.layers
-                 if hasattr(layer.mlp, "gate")]
-        lp = torch.log_softmax(hf_logits(hf, ids[:-1]), -1)[len(p) - 1:]
-        for h in hooks:
-            h.remove()
-        toks.append(gen)
-        lps.append([float(lp[j, t]) for j, t in enumerate(gen)])
-        routes.append(torch.stack(seen, dim=1).to(torch.int32))
-    return toks, lps, routes
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     a = build_checkpoint(tmp_path_factory.mktemp("A"), "v3", seed=0)
     b = build_checkpoint(tmp_path_factory.mktemp("B"), "v3", seed=1)
-    ra, rb = _reference(a), _reference(b)
+    ra, rb = reference(a, PROMPTS, NEW), reference(b, PROMPTS, NEW)
     assert ra[0] != rb[0], "the two checkpoints must generate differently for the test to mean anything"
     return {"A": (a, ra), "B": (b, rb)}
 
@@ -101,27 +75,13 @@ def check(outs, ref, what: str) -> None:
 
 def broadcast_update(eng, path: str, name: str) -> None:
     """A trainer thread (rank 0 of its own gloo group) broadcasts every tensor of checkpoint `path`."""
-    tensors = load_file(f"{path}/model.safetensors")
-    names = sorted(tensors)
     port, world = free_port(), 1 + eng.world
-    errors: list[BaseException] = []
-
-    def trainer() -> None:
-        try:
-            g = join_group("127.0.0.1", port, 0, world, name, "gloo", timeout_s=60)
-            for n in names:
-                g.broadcast(tensors[n].clone(), 0)
-            g.close()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    t = threading.Thread(target=trainer)
-    t.start()
+    tr = Trainer(path, port, world, name).start()
     eng.init_weights_update_group("127.0.0.1", port, 1, world, name, "gloo", timeout_s=60)
-    eng.update_weights_from_distributed(names, [str(tensors[n].dtype) for n in names],
-                                        [list(tensors[n].shape) for n in names], name, weight_version="dist")
-    t.join(60)
-    assert not errors and not t.is_alive()
+    tr.go.set()
+    m = tr.meta
+    eng.update_weights_from_distributed(m["names"], m["dtypes"], m["shapes"], name, weight_version="dist")
+    tr.join()
     eng.destroy_weights_update_group(name)
 
 
