@@ -308,3 +308,39 @@ def test_stream_routed_experts_and_info(server, ckpts):
     assert get(server, "/get_weight_version").json()["weight_version"] == st["weight_version"]
     r = post(server, "/flush_cache")
     assert r.status_code == 200 and r.json()["success"]
+
+
+def test_text_prompts_stop_strings_and_batches_on_the_tiny_model():
+    """The text side (tokenizer, stop strings, no_stop_trim) in-process on the tiny model, one rank."""
+    from fastapi.testclient import TestClient
+
+    from splash.engine.async_engine import AsyncEngine
+    from splash.server.app import create_app
+
+    eng = AsyncEngine.from_args(model="tiny", dtype="float32", num_kv_pages=64, device="cpu")
+    with TestClient(create_app(eng, api_key=KEY)) as c:
+        h = {"Authorization": f"Bearer {KEY}"}
+        sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+        full = c.post("/generate", headers=h, json={"text": "hello", "sampling_params": sp}).json()
+        assert full["meta_info"]["finish_reason"]["type"] == "length" and len(full["output_ids"]) == 12
+        stop = full["text"][3:5]
+        cut = c.post("/generate", headers=h, json={"text": "hello", "sampling_params": {**sp, "stop": stop}})
+        m = cut.json()["meta_info"]
+        assert m["finish_reason"] == {"type": "stop", "matched": stop}
+        assert full["text"].startswith(cut.json()["text"]) and stop not in cut.json()["text"]
+        keep = {**sp, "stop": stop, "no_stop_trim": True}
+        kept = c.post("/generate", headers=h, json={"text": "hello", "sampling_params": keep})
+        assert kept.json()["text"].endswith(stop)
+        tid = full["output_ids"][2]
+        r = c.post("/generate", headers=h,
+                   json={"text": "hello", "sampling_params": {**sp, "stop_token_ids": [tid]}})
+        assert r.json()["output_ids"][-1] == tid and r.json()["meta_info"]["finish_reason"]["matched"] == tid
+        batch = c.post("/generate", headers=h, json={"text": ["hello", "hi there"], "rid": ["a", "b"],
+                                                     "return_logprob": True, "return_text_in_logprobs": True,
+                                                     "sampling_params": [sp, {**sp, "n": 2}]}).json()
+        assert [o["index"] for o in batch] == [0, 1, 2]
+        assert [o["meta_info"]["id"] for o in batch] == ["a", "b", "b"]
+        assert batch[0]["output_ids"] == full["output_ids"]
+        assert all(isinstance(x[2], str) for x in batch[0]["meta_info"]["output_token_logprobs"])
+        assert c.post("/abort_request", headers=h, json={"rid": "not-running"}).status_code == 200
+        assert c.get("/health_generate", headers=h).status_code == 200
