@@ -156,6 +156,17 @@ def test_bad_updates_change_nothing(ckpts, group, tmp_path):
             eng.update_weights_from_distributed([name], ["float64"], [list(good[name].shape)], "none")
         with pytest.raises(WeightUpdateError, match="rank_offset"):
             eng.init_weights_update_group("127.0.0.1", free_port(), 0, 3, "g")
+        # a broadcast with a bad tensor in the middle: every tensor is still received (the trainer
+        # finishes), then the whole update is refused
+        port, world = free_port(), 1 + eng.world
+        tr = Trainer(b, port, world, "bad", change=lambda t: t[name].fill_(float("inf"))).start()
+        eng.init_weights_update_group("127.0.0.1", port, 1, world, "bad", "gloo", timeout_s=60)
+        tr.go.set()
+        m = tr.meta
+        with pytest.raises(WeightUpdateError, match="kv_b_proj.*infinite"):
+            eng.update_weights_from_distributed(m["names"], m["dtypes"], m["shapes"], "bad")
+        tr.join()
+        eng.destroy_weights_update_group("bad")
         assert eng.weight_version == "default"
         check(run(eng), ra, "after refused updates")  # the old weights kept serving, on every rank
         # a partial update (one tensor) is fine: names absent keep their values

@@ -114,13 +114,20 @@ def _stage_dist(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> Any:
         raise WeightUpdateError(f"no weight-update group {a['group_name']!r} on this engine; call "
                                 f"init_weights_update_group first")
     dev = runner.device if g.backend == "nccl" else torch.device("cpu")
-    got = {}
+    staged: list[Any] = []
+    refuse = a.get("refuse")
     for name, dt, shape in zip(a["names"], a["dtypes"], a["shapes"]):
         t = torch.empty(tuple(shape), dtype=parse_dtype(dt), device=dev)
-        got[name] = g.broadcast(t, 0)  # every tensor is received, even when the request is refused
-    if a.get("refuse"):
-        raise WeightUpdateError(a["refuse"])
-    return stage(runner.model, TensorReader(got), a["names"])
+        g.broadcast(t, 0)  # every tensor is received, even once the request is refused
+        if refuse is None:  # this rank's block now; the full tensor is dropped at once
+            try:
+                staged += stage(runner.model, TensorReader({name: t}), [name])
+            except WeightUpdateError as e:
+                refuse, staged = str(e), []
+        del t
+    if refuse is not None:
+        raise WeightUpdateError(refuse)
+    return staged
 
 
 def _init_group(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:

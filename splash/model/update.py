@@ -268,8 +268,12 @@ def check_names(model: Any, shapes: Mapping[str, Iterable[int]]) -> None:
             raise WeightUpdateError(f"tensor {name!r} has shape {list(got)}, this model's is {list(want)}")
 
 
+STAGE_DEVICE = torch.device("cpu")  # staged blocks wait in host memory: an update never doubles the
+# device's weight memory, whatever its size (commit copies them in)
+
+
 def stage(model: Any, reader: Any, names: Iterable[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Read this rank's block of every named tensor into new tensors in the live buffers' form:
+    """Read this rank's block of every named tensor into new (host) tensors in the live buffers' form:
     [(live buffer view, new value)]. Raises WeightUpdateError (nothing changed) on any mismatch."""
     staged = []
     for name in names:
@@ -278,7 +282,7 @@ def stage(model: Any, reader: Any, names: Iterable[str]) -> list[tuple[torch.Ten
         except (KeyError, IndexError, ValueError):
             raise WeightUpdateError(f"tensor {name!r} is not a weight of this model") from None
         for t in tg:
-            block = reader.get(name, t.dst.dtype, t.dst.device, rows=t.rows, cols=t.cols, mid=t.mid)
+            block = reader.get(name, t.dst.dtype, STAGE_DEVICE, rows=t.rows, cols=t.cols, mid=t.mid)
             if t.post is not None:
                 block = t.post(block)
             if tuple(block.shape) != tuple(t.dst.shape):
