@@ -297,3 +297,25 @@ def test_routed_experts_match_transformers(ckpts, group):
         assert all(o.routed_experts is None for o in run(eng))  # only when asked
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("how", ["file", "host", "reload"])
+def test_release_and_restore_weights_bit_for_bit(ckpts, tmp_path, how):
+    from splash.engine.weights import local_model
+    from splash.model.loader import CheckpointReader
+    from splash.model.update import release_weights, restore_weights, weight_buffers
+
+    a = ckpts["A"][0]
+    eng = build_engine(model=a, num_kv_pages=16, **ENGINE)
+    try:
+        model = local_model(eng)
+        before = {n: b.clone() for n, b in weight_buffers(model).items()}
+        saved = release_weights(model, str(tmp_path) if how == "file" else None, host_copy=how == "host")
+        assert all(b.numel() == 0 for b in weight_buffers(model).values())
+        restore_weights(model, saved, (lambda: CheckpointReader(a)) if how == "reload" else None)
+        after = weight_buffers(model)
+        assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+        assert not list(tmp_path.iterdir())  # the backup file is gone
+        check(run(eng), ckpts["A"][1], f"restored ({how})")
+    finally:
+        eng.shutdown()

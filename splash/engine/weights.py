@@ -156,10 +156,11 @@ def _release(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
         held["kv_cache"] = tuple(pool.data.shape)
         pool.data = torch.empty(0, dtype=pool.dtype, device=pool.device)
     if "weights" in a["tags"] and "weights" not in held:
-        backup = None
-        if a.get("backup", True):
-            backup = tempfile.mkdtemp(prefix="splash-weights-", dir=a.get("backup_dir"))
-        held["weights"] = release_weights(runner.model, backup)
+        keep = a.get("backup", True)
+        on_host = keep and runner.device.type != "cpu"  # an accelerator's weights wait in host memory
+        backup = tempfile.mkdtemp(prefix="splash-weights-", dir=a.get("backup_dir")) if keep and not on_host \
+            else None
+        held["weights"] = release_weights(runner.model, backup, host_copy=on_host)
         held["weights"]["dir"] = backup
     gc.collect()
     if runner.device.type == "cuda":

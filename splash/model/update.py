@@ -310,13 +310,17 @@ def weight_buffers(model: Any) -> dict[str, torch.Tensor]:
     return {n: b for n, b in model.named_buffers() if b is not None and not n.startswith("rotary.")}
 
 
-def release_weights(model: Any, backup_dir: str | None) -> dict[str, Any]:
-    """Free this rank's weight tensors; with `backup_dir`, save them there first (one file per rank).
-    Returns what `restore_weights` needs (the buffers' shapes, dtypes and the backup path)."""
+def release_weights(model: Any, backup_dir: str | None, host_copy: bool = False) -> dict[str, Any]:
+    """Free this rank's weight tensors. `host_copy` (weights on an accelerator): keep a copy in host
+    memory, as vLLM's sleep level 1 does; else with `backup_dir` save them there (one file per rank:
+    on a CPU engine only a file really frees the memory); else discard them.
+    Returns what `restore_weights` needs (the buffers' shapes, dtypes and the backup)."""
     bufs = weight_buffers(model)
     meta = {n: (tuple(b.shape), b.dtype) for n, b in bufs.items()}
-    path = None
-    if backup_dir is not None:
+    path, host = None, None
+    if host_copy:
+        host = {n: b.detach().to("cpu") for n, b in bufs.items()}
+    elif backup_dir is not None:
         os.makedirs(backup_dir, exist_ok=True)
         path = os.path.join(backup_dir, f"rank{model.rank}.pt")
         torch.save({n: b.detach().to("cpu") for n, b in bufs.items()}, path)
@@ -328,14 +332,17 @@ def release_weights(model: Any, backup_dir: str | None) -> dict[str, Any]:
         for attr in _FUSED:
             if getattr(mod, attr, None) is not None:
                 setattr(mod, attr, None)
-    return {"meta": meta, "path": path, "device": model.device}
+    return {"meta": meta, "path": path, "host": host, "device": model.device}
 
 
 def restore_weights(model: Any, saved: dict[str, Any], reload: Callable[[], Any] | None = None) -> None:
     """Give back the buffers `release_weights` freed: from its backup, else re-read by `reload()`
     (a reader over the checkpoint last loaded), else zero-filled (the caller must update them)."""
     dev = saved["device"]
-    data = torch.load(saved["path"], map_location=dev) if saved["path"] else {}
+    if saved.get("host") is not None:
+        data = {n: t.to(dev) for n, t in saved["host"].items()}
+    else:
+        data = torch.load(saved["path"], map_location=dev) if saved["path"] else {}
     for n, (shape, dtype) in saved["meta"].items():
         mod, _, leaf = n.rpartition(".")
         owner = model.get_submodule(mod) if mod else model
@@ -343,7 +350,7 @@ def restore_weights(model: Any, saved: dict[str, Any], reload: Callable[[], Any]
         owner._buffers[leaf] = t if t is not None else torch.zeros(shape, dtype=dtype, device=dev)
     if saved["path"]:
         os.unlink(saved["path"])
-    elif reload is not None:
+    elif saved.get("host") is None and reload is not None:
         reader = reload()
         try:
             names = [n for n in reader.keys() if not n.endswith("_scale_inv")]
