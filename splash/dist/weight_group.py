@@ -57,7 +57,7 @@ def _bcast_opts(src: int) -> Any:
 
 
 def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-               backend: str = "gloo", timeout_s: float = 120.0, device: torch.device | None = None
+               backend: str = "gloo", timeout_s: float = 600.0, device: torch.device | None = None
                ) -> WeightGroup:
     """Join (rank 0: host) the group; blocks until all `world_size` members have joined.
 

@@ -119,9 +119,10 @@ class RLControl:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
-                                  backend: str | None = None, timeout_s: float = 120.0) -> None:
+                                  backend: str | None = None, timeout_s: float = 600.0) -> None:
         """Join a trainer's group (trainer = rank 0; engine rank r = rank_offset + r). Blocks until the
-        trainer and every engine rank have joined."""
+        trainer and every engine rank have joined; `timeout_s` also bounds each later broadcast (a
+        trainer may gather a bucket between posting an update and sending it)."""
         if backend is None:
             backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
         if backend not in ("gloo", "nccl"):

@@ -139,7 +139,7 @@ def _init_group(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
                                 f"or use another group_name")
     groups[a["group_name"]] = join_group(a["master_address"], a["master_port"], a["rank_offset"] + rank,
                                          a["world_size"], a["group_name"], a["backend"],
-                                         a.get("timeout_s", 120.0), runner.device)
+                                         a.get("timeout_s", 600.0), runner.device)
 
 
 def _destroy_group(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
