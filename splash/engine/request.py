@@ -56,6 +56,9 @@ class Sequence:
 
     def keep_routing(self, start: int, ids: Any) -> None:
         """Routed experts of positions start.. (a recompute after preemption replaces later ones)."""
+        if self.routing and self.routing[-1][0] + len(self.routing[-1][1]) == start:
+            self.routing.append((start, ids))  # the usual case: the next positions, in order
+            return
         chunks = [(s, c[:max(0, start - s)]) for s, c in (self.routing or []) if s < start]
         self.routing = [x for x in chunks if len(x[1])] + [(start, ids)]
 
