@@ -289,11 +289,13 @@ def test_routed_experts_match_transformers(ckpts, group):
     a, ra = ckpts["A"]
     eng = build_engine(model=a, layout="cp", rank_group=group, num_kv_pages=64, **ENGINE)
     try:
-        outs = run(eng, return_routed_experts=True)
-        for o, p, want in zip(outs, PROMPTS, ra[2]):
-            got = o.routed_experts
-            assert got.shape == (len(p) + NEW - 1, want.shape[1], want.shape[2])
-            assert torch.equal(got, want)
+        # plain, and with a retract mid-way (positions recomputed replace what was recorded)
+        for outs in (run(eng, return_routed_experts=True),
+                     run(eng, on_step=_pause_once("retract"), return_routed_experts=True)):
+            for o, p, want in zip(outs, PROMPTS, ra[2]):
+                got = o.routed_experts
+                assert got.shape == (len(p) + NEW - 1, want.shape[1], want.shape[2])
+                assert torch.equal(got, want)
         assert all(o.routed_experts is None for o in run(eng))  # only when asked
     finally:
         eng.shutdown()
