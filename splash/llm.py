@@ -67,6 +67,51 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.llm_engine.stats()
 
+    # ---- RL: weight updates, sleep / wake-up (vLLM's names), pause (splash/engine/rl.py) -------------
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        """Load every weight from checkpoint `model_path` into the live layout on every rank (all or
+        nothing: WeightUpdateError names the tensor at fault and the old weights stay)."""
+        self.llm_engine.update_weights_from_disk(model_path, weight_version)
+
+    def update_weights_from_tensors(self, named_tensors: Any, weight_version: str | None = None) -> None:
+        """Replace the named weights ({name: full tensor} or [(name, tensor)], checkpoint names)."""
+        self.llm_engine.update_weights_from_tensors(named_tensors, weight_version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str | None = None) -> None:
+        """Join a trainer's broadcast group (trainer = rank 0; engine rank r = rank_offset + r)."""
+        self.llm_engine.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                                  group_name, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        weight_version: str | None = None) -> None:
+        """Receive the named full tensors the trainer broadcasts from group rank 0, in this order."""
+        self.llm_engine.update_weights_from_distributed(names, dtypes, shapes, group_name, weight_version)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.llm_engine.destroy_weights_update_group(group_name)
+
+    @property
+    def weight_version(self) -> str:
+        return self.llm_engine.weight_version
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and the weights on every rank (vLLM's name). Level 1 keeps a copy of the
+        weights on disk (wake_up restores them exactly); level 2 discards them (wake_up re-reads the
+        checkpoint last loaded from disk; push newer weights with an update after waking)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self.llm_engine.release_memory_occupation(None, backup=level == 1)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Give back what `sleep` freed: `tags` "weights" and/or "kv_cache" (default both)."""
+        self.llm_engine.resume_memory_occupation(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.llm_engine.rl_stats()["memory_released"])
+
     def generate(self, prompts: PromptLike | Sequence[PromptLike] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -82,6 +127,9 @@ class LLM:
             if len(params) != len(items):
                 raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
         eng = self.llm_engine
+        why = eng.hold_reason()
+        if why is not None:  # nothing would step: refuse rather than wait forever
+            raise RuntimeError(f"cannot generate: {why}")
         ids = [f"llm-{next(self._ids)}" for _ in items]
         results: dict[str, RequestOutput] = {}
         bar = None

@@ -201,6 +201,52 @@ class AsyncEngine:
             if not finished and not self._stopped:
                 self._cmds.put(("abort", (request_id, None)))
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between two steps and return its result (or raise
+        its error). For control operations (pause, weight updates, memory release): they must not
+        interleave with a step."""
+        self.start()
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._cmds.put(("call", (fn, fut)))
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        return await asyncio.wrap_future(fut)
+
+    def _finish_outputs(self, outs: list[RequestOutput]) -> None:
+        """Deliver final snapshots the engine produced outside a step (aborts, pause with abort)."""
+        for out in outs:
+            self._deliver(out.request_id, out)
+
+    async def abort_all(self) -> int:
+        """Abort every request; each one's stream ends with what it had (finish reason abort)."""
+        def go(eng: LLMEngine) -> int:
+            outs = eng.abort_all()
+            self._finish_outputs(outs)
+            return len(outs)
+
+        return await self.call(go)
+
+    async def pause_generation(self, mode: str = "abort") -> int:
+        """Pause stepping (see LLMEngine.pause_generation); returns the number of requests affected."""
+        def go(eng: LLMEngine) -> int:
+            n = len(eng.scheduler.running)
+            outs = eng.pause_generation(mode)
+            self._finish_outputs(outs)
+            return len(outs) if mode == "abort" else n
+
+        return await self.call(go)
+
+    async def continue_generation(self) -> None:
+        await self.call(lambda eng: eng.continue_generation())
+
+    @property
+    def is_paused(self) -> bool:
+        return self.engine.is_paused
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until the engine has freed its pages (no-op if unknown)."""
         if self._thread is None or self._stopped or self._dead is not None:
@@ -236,6 +282,18 @@ class AsyncEngine:
                 eng.add_request(rid, params=params, prompt_token_ids=ids)
             except ValueError as e:
                 self._deliver(rid, ValueError(str(e)))
+        elif cmd == "call":
+            fn, fut = arg
+            if not fut.set_running_or_notify_cancel():
+                return True
+            try:
+                fut.set_result(fn(eng))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+                if eng.failure() is not None:  # a rank died during the operation: nothing can step
+                    raise
+            finally:
+                self._refresh_stats()
         elif cmd == "abort":
             rid, fut = arg
             try:
@@ -268,7 +326,7 @@ class AsyncEngine:
         running = True
         while running:
             try:
-                if not eng.has_unfinished():
+                if not eng.has_unfinished() or eng.is_paused:  # idle or held: wait for a command
                     self._refresh_stats()
                     running = self._handle(*self._cmds.get())
                 while running:  # drain what arrived during the last step
@@ -276,7 +334,7 @@ class AsyncEngine:
                         running = self._handle(*self._cmds.get_nowait())
                     except queue.Empty:
                         break
-                if not running or not eng.has_unfinished():
+                if not running or not eng.has_unfinished() or eng.is_paused:
                     continue
                 for out in eng.step():
                     self._deliver(out.request_id, out)
@@ -298,6 +356,9 @@ class AsyncEngine:
                 cmd, arg = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            if cmd == "abort" and arg[1] is not None and arg[1].set_running_or_notify_cancel():
-                arg[1].set_result(None)
+            if cmd in ("abort", "call") and arg[1] is not None and arg[1].set_running_or_notify_cancel():
+                if cmd == "call":
+                    arg[1].set_exception(self._dead or EngineDeadError("the engine was shut down"))
+                else:
+                    arg[1].set_result(None)
         self._refresh_stats()

@@ -18,6 +18,7 @@ from splash.engine.outputs import RequestOutput
 from splash.engine.plan import StepPlan
 from splash.engine.request import Request
 from splash.engine.request import Sequence as Seq
+from splash.engine.rl import RLControl
 from splash.engine.sampler import Sampler, SampleRow
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Scheduler, SchedulerConfig
@@ -38,7 +39,7 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
-class LLMEngine:
+class LLMEngine(RLControl):
     def __init__(self, runner: StepRunner, allocator: KVAllocator, sched_cfg: SchedulerConfig,
                  tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
                  vocab_size: int | None = None, model_name: str = "model",
@@ -64,6 +65,8 @@ class LLMEngine:
         # into the scheduled step, commits it after the step ran.
         self.switcher: Any = None
         self._closed = False
+        self._rl_init()  # pause, weight updates, memory release (splash/engine/rl.py)
+        self._routing: Any = None  # RoutingRecorder, made when a request first asks for routed experts
 
     # ---- construction from a model name --------------------------------------------------------
     @classmethod
@@ -191,6 +194,8 @@ class LLMEngine:
         """Run one scheduling step; return snapshots of the requests that changed (with
         `final_only`, only of those that finished: offline callers skip building the rest)."""
         changed: dict[str, Request] = {}
+        if self._held:  # paused or memory released: requests wait (splash/engine/rl.py)
+            return []
         st = self.scheduler.schedule()
         for seq in self.scheduler.finished_by_scheduler:
             self._seq_finished(seq, changed)
@@ -205,6 +210,7 @@ class LLMEngine:
             raise RuntimeError("the engine was shut down")
         if self.switcher is not None:
             self.switcher.before_execute(st)
+        routing = self._arm_routing(st.seqs)
         try:
             logits = self.runner.execute(st.plan)
         except BaseException:
@@ -213,6 +219,8 @@ class LLMEngine:
             raise
         if self.switcher is not None:
             self.switcher.after_execute(st)
+        if routing is not None:
+            self._keep_routing(routing, st)
         if self.logits_hook is not None:
             self.logits_hook(st.plan, st.seqs, logits)
         self.scheduler.complete(st)
@@ -240,6 +248,28 @@ class LLMEngine:
             for hook in self.on_step:
                 hook(info)
         return outs
+
+    def _arm_routing(self, seqs: list[Seq]) -> Any:
+        """Record routed experts in this step if some sequence in it asked for them."""
+        if not any(s.params.return_routed_experts for s in seqs):
+            return None
+        if self._routing is None:
+            from splash.engine.routing import RoutingRecorder
+            from splash.engine.weights import local_model
+
+            self._routing = RoutingRecorder(local_model(self))
+        self._routing.arm()
+        return self._routing
+
+    def _keep_routing(self, rec: Any, st: Any) -> None:
+        ids = rec.take()
+        if ids is None:
+            return
+        row = 0
+        for seq, sl in zip(st.seqs, st.plan.seqs):
+            if seq.params.return_routed_experts:
+                seq.keep_routing(sl.start, ids[row:row + sl.num_new])
+            row += sl.num_new
 
     def _append(self, seq: Seq, tok: int, logprobs: dict[int, float] | None, now: float) -> None:
         """Add a sampled token and decide whether the sequence ends here (vLLM's stop order)."""
@@ -324,4 +354,5 @@ class LLMEngine:
             "steps": self.steps,
             "decode_plan_bytes_p50": self._plan_bytes_p50(),
             **(self.switcher.stats() if self.switcher is not None else {}),
+            **self.rl_stats(),
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -16,6 +17,10 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string / token id that ended it, if any
+    # With SamplingParams.return_routed_experts, once finished: int32 [positions, moe_layers, k], the
+    # expert ids each MoE layer chose for the token at each position fed to the model (prompt and
+    # generated tokens; the last generated token is never fed), ids sorted per position.
+    routed_experts: Any = None
 
 
 @dataclass

@@ -10,7 +10,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from splash.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from splash.engine.sampling import SamplingParams
@@ -52,6 +52,22 @@ class Sequence:
     detok: IncrementalDetokenizer | None = None
     num_preemptions: int = 0
     prompt_high: int = 0  # prompt tokens computed at least once (for the prompt-token counter)
+    routing: list[tuple[int, Any]] | None = None  # (start position, expert ids [n, layers, k]) chunks
+
+    def keep_routing(self, start: int, ids: Any) -> None:
+        """Routed experts of positions start.. (a recompute after preemption replaces later ones)."""
+        if self.routing and self.routing[-1][0] + len(self.routing[-1][1]) == start:
+            self.routing.append((start, ids))  # the usual case: the next positions, in order
+            return
+        chunks = [(s, c[:max(0, start - s)]) for s, c in (self.routing or []) if s < start]
+        self.routing = [x for x in chunks if len(x[1])] + [(start, ids)]
+
+    def routed_experts(self) -> Any:
+        if not self.routing:
+            return None
+        import torch
+
+        return torch.cat([c for _, c in self.routing])
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -95,6 +111,7 @@ class Sequence:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            routed_experts=self.routed_experts() if self.status.done and self.routing else None,
         )
 
 

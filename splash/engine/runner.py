@@ -303,6 +303,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
             "kv_reserve_bytes": facts[0]["reserve_bytes"]}
     engine = LLMEngine(runner, alloc, sched, tokenizer=tok, eos_token_ids=sorted(eos),
                        vocab_size=cfg.vocab_size, model_name=name, info=info)
+    engine.checkpoint_path = os.path.abspath(path)  # what a memory resume without backup re-reads
     if world > 1:
         try:
             attach_switching(engine, cfg, net, auto=auto, schedule=schedule, mode=switch_mode, theta=theta,

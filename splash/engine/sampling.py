@@ -20,6 +20,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0 = only the chosen)
     skip_special_tokens: bool = True
+    return_routed_experts: bool = False  # MoE expert ids per token and layer (RL routing replay)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,7 +58,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and (not integer(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

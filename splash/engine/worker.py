@@ -121,6 +121,15 @@ register_handler("unload", _on_unload)
 register_handler("tables", _on_tables)
 
 
+def _on_weights(state: WorkerState, plan: StepPlan) -> None:
+    from splash.engine.weights import on_weights_plan  # weight updates, memory release (RL)
+
+    on_weights_plan(state, plan)
+
+
+register_handler("weights", _on_weights)
+
+
 def _step_kinds() -> dict[str, str]:
     from splash.engine.runner import STEP_KINDS
 

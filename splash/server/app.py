@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes, /health, /metrics, API-key check, engine lifespan.
+"""The FastAPI app: OpenAI routes, SGLang's native routes, /health, /metrics, API key, engine lifespan.
 
 `create_app` takes an already-built engine (the `AsyncEngine` interface: `generate`, `abort`,
 `stats`, `tokenizer`, `max_model_len`, `kv_pool_tokens`, `start`, `shutdown`) so tests and the CLI
@@ -34,8 +34,12 @@ log = logging.getLogger("splash.server")
 MAX_BODY_BYTES = 64 * 2**20
 
 
+OPEN_PATHS = ("/health", "/metrics")  # what a load balancer or Prometheus polls without the key
+
+
 class APIKeyMiddleware:
-    """Require `Authorization: Bearer KEY` on /v1/*; /health and /metrics stay open (as in vLLM).
+    """Require `Authorization: Bearer KEY` on every route (/v1/*, the native /generate, weight updates,
+    memory release, ...); only /health and /metrics stay open (as in vLLM).
 
     Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnects pass through untouched,
     and it runs before body parsing, so an unauthenticated client never learns about body errors.
@@ -46,7 +50,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             got = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(got, self.expected):
                 msg = ("Missing API key: send it as 'Authorization: Bearer KEY'" if not got else
@@ -162,6 +166,11 @@ def create_app(engine: Any, model_name: str | None = None, api_key: str | None =
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(serving, req, request)
+
+    from splash.server import native, weights
+
+    native.install(app, serving, engine, name)  # /generate, /abort_request, /pause_generation, ...
+    weights.install(app, engine)  # /update_weights_from_*, /release_memory_occupation, ...
 
     @app.get("/health")
     async def health() -> Response:

@@ -220,14 +220,16 @@ class Serving:
             return self.tokenizer.decode([tid])
 
     # ---- running --------------------------------------------------------------------------------
-    async def generate(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str
-                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run one engine request per prompt; yield (prompt index, snapshot) as they arrive.
+    async def generate(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str,
+                       ids: list[str] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run one engine request per prompt; yield (prompt index, snapshot) as they arrive. `ids`
+        names the engine requests (the native API's `rid`), else they derive from `base_id`.
 
         On any exit before all finish (client gone, error, cancellation) every unfinished request is
         aborted, which frees its KV pages.
         """
-        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        if ids is None:
+            ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         for p in prompts:
             self.metrics.prompt_tokens.inc(len(p))
         if len(prompts) == 1:

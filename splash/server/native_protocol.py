@@ -1,0 +1,130 @@
+"""Pydantic shapes of SGLang's native API (`/generate`, weight updates, memory release).
+
+Field names and defaults follow SGLang (`GenerateReqInput`, its `sampling_params`, the update and
+memory requests), so RL clients written for SGLang (slime, verl's HTTP rollout) work unchanged.
+Unknown fields are refused (a typo is a 400 naming it); fields SGLang has but splash does not
+implement are accepted only at their neutral value (`unsupported()`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from splash.server.protocol import INT64_MAX, MAX_N
+
+TokenIds = list[StrictInt]
+
+
+class _Native(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class NativeSamplingParams(_Native):
+    """SGLang's `sampling_params` of /generate."""
+
+    max_new_tokens: int | None = Field(None, ge=1)  # None: SGLang's 128, capped by the context
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # accepted; the byte-level decoders have no such choice
+    no_stop_trim: bool = False
+    sampling_seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
+    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None
+    custom_params: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = []
+        for name, neutral in (("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                              ("repetition_penalty", 1.0)):
+            if getattr(self, name) != neutral:
+                out.append((name, f"{name} is not supported; send {neutral:g} or leave it out"))
+        for name in ("json_schema", "regex", "ebnf", "logit_bias", "custom_params"):
+            if getattr(self, name):
+                out.append((name, f"{name} is not supported"))
+        if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
+            out.append(("sampling_seed", "seed and sampling_seed disagree; send one"))
+        return out
+
+
+class GenerateRequest(_Native):
+    """POST /generate: `text` or `input_ids` (one prompt, or a batch of them)."""
+
+    text: str | list[str] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    return_routed_experts: bool = False
+    # SGLang fields accepted at their neutral value only
+    return_hidden_states: bool = False
+    lora_path: str | None = None
+    image_data: Any = None
+    session_params: Any = None
+    custom_logit_processor: str | None = None
+    data_parallel_rank: int | None = None
+
+
+class AbortRequest(_Native):
+    rid: str | list[str] = ""
+    abort_all: bool = False
+
+
+class PauseRequest(_Native):
+    mode: str = "abort"
+
+
+class UpdateFromDiskRequest(_Native):
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+class InitGroupRequest(_Native):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str | None = None
+
+
+class UpdateFromDistributedRequest(_Native):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[StrictInt]]
+    group_name: str = "weight_update_group"
+    weight_version: str | None = None
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+class DestroyGroupRequest(_Native):
+    group_name: str = "weight_update_group"
+
+
+class MemoryRequest(_Native):
+    tags: list[str] | None = None
