@@ -302,6 +302,51 @@ def test_auto_layout_switches_without_changing_tokens(group, ckpt, tmp_path):
     close(logits, ref_logits, "auto")
 
 
+def test_auto_switch_back_by_the_regret_guard_changes_no_token(group, ckpt, tmp_path):
+    """The same crafted theta makes auto leave DOP; a synthetic step-time source (no wall clock) then
+    says every other layout runs 5x slower than DOP on this machine: the regret guard switches back,
+    counts it, blocks the layout it left, and no token or logit changes."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    import json
+
+    from splash.calibration import runtime_prior
+    from splash.config import ModelConfig
+    from splash.correction import CorrectionConfig
+    from splash.sizes import AttentionSizes
+
+    path, ref, ref_logits = ckpt
+    theta = runtime_prior(2, AttentionSizes(ModelConfig.from_hf(path), "fp64", "fp64")).to_dict()
+    theta["latency"] = 0.01  # DOP's three collectives per layer: DP and TP predicted far faster
+    f = tmp_path / "theta.json"
+    f.write_text(json.dumps(theta))
+    eng = build_engine(model=path, rank_group=group, num_kv_pages=96, theta=str(f), min_dwell_steps=2,
+                       **ENGINE)
+    fb = eng.switcher.feedback
+    fb.correction.config = CorrectionConfig(min_samples=1)  # the batch is short: judge on few steps
+    fb.guard.window = 2
+    fb.timer = lambda layout, key, predicted: 0.001 if layout == "dop" else 0.005
+    try:
+        toks, logits, errors = run(eng, PROMPTS)
+        st = eng.stats()
+        events = [e for e in eng.switcher.events if e.refused is None]
+        decisions = list(eng.switcher.decisions)
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert toks == ref
+    close(logits, ref_logits, "auto with a switch back")
+    backs = [e for e in events if e.cause == "guard"]
+    assert st["num_switch_backs"] == len(backs) >= 1 and sum(st["switch_backs_total"].values()) == len(backs)
+    first = events.index(backs[0])
+    assert events[first - 1].cause == "auto" and backs[0].dst == "dop" == events[first - 1].src
+    assert not any(e.dst == backs[0].src for e in events[first + 1:]), "the layout it left is blocked"
+    assert any(d.reason.startswith("switch back") for d in decisions)
+    assert st["theta_correction"]["dop"]["steps"] > 0 and st["regret_verdicts"][0]["switch_back"]
+    rec = next(d for d in decisions if d.switch)
+    assert set(rec.corrected_s) == set(rec.observed_s) == {"tp", "dp", "cp", "dop"} and rec.kind
+
+
 def test_schedule_parsing_and_bad_input():
     assert parse_schedule("8:dp, 2:CP") == [(2, "cp"), (8, "dp")]
     for bad, msg in (("8-dp", "STEP:LAYOUT"), ("x:dp", "STEP:LAYOUT"), ("3:pp", "unknown layout"),

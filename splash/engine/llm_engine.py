@@ -113,6 +113,8 @@ class LLMEngine:
             return
         self._closed = True
         try:
+            if self.switcher is not None:
+                self.switcher.close()  # logs the prior and how far the online correction moved it
             self.abort_all()
         finally:
             stop = getattr(self.runner, "shutdown", None)

@@ -1,0 +1,186 @@
+"""Online correction of the cost model from the engine's own step times (pure Python + numpy).
+
+A prior theta (a calibration made on another day, or a profile made for other hardware) is off for the
+machine's state by a factor that differs per layout and batch size, and that drifts: one layout's step
+time varies 10-20% between runs on a shared machine. The runtime reports every step it runs
+(`observe`: layout, batch shape, predicted and measured seconds); `estimate` gives the policy the
+factor to multiply a prediction by and how uncertain it is:
+
+- "measured": the median of this layout's last `window` measured/predicted ratios in this cell (a
+  batch-size bucket, decode-only or with prefill rows), once it holds `min_samples` fresh ones.
+  The median, not a mean: one step that a neighbour's job stalled does not move it.
+- "borrowed": the nearest bucket of this layout holding fresh samples (same mix), with uncertainty
+  `per_bucket` per bucket of distance: a ratio carries over to nearby batch sizes only roughly.
+- "scale": a layout not run near this batch keeps its prior's shape relative to the others: the
+  machine-wide factor (geometric mean of the other layouts' factors here), uncertainty `unmeasured`.
+- "prior": nothing measured yet: factor 1, uncertainty `unmeasured`.
+The policy prices a candidate at factor x prediction and, for a switch into it, asks for `uncertainty`
+more lead on top of its margin (policy.decide). Samples older than `stale_steps` steps stop counting
+(the machine moved on); steps are the clock, so everything here is deterministic given its inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from splash.config import ConfigError
+
+MIXES = ("decode", "prefill")
+
+
+def bucket(requests: int) -> int:
+    """Batch-size bucket of a step with `requests` requests holding rows: 1, 2, 3-4, 5-8, 9-16, ..."""
+    return max(0, math.ceil(math.log2(max(1, int(requests)))))
+
+
+def bucket_label(b: int) -> str:
+    lo, hi = (1, 1) if b == 0 else (2 ** (b - 1) + 1, 2 ** b)
+    return f"B={lo}" if lo == hi else f"B={lo}-{hi}"
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """What makes two steps comparable: batch-size bucket and whether any request prefills."""
+
+    bucket: int
+    mix: str = "decode"
+
+    @classmethod
+    def of(cls, rows: Iterable[int]) -> StepKey:
+        """The key of a step from its rows per request (requests with 0 rows do not count)."""
+        active = [int(q) for q in rows if int(q) > 0]
+        return cls(bucket(len(active)), "prefill" if any(q > 1 for q in active) else "decode")
+
+    @property
+    def label(self) -> str:
+        return f"{self.mix} {bucket_label(self.bucket)}"
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    window: int = 16  # recent ratios per (layout, cell) the median runs over
+    min_samples: int = 3  # fresh samples before a cell counts as measured
+    stale_steps: int = 2000  # a sample older than this many engine steps no longer counts
+    per_bucket: float = 0.05  # uncertainty per bucket of distance when borrowing a neighbour's ratio
+    unmeasured: float = 0.10  # uncertainty of a layout not run near this batch (its prior's shape)
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.min_samples < 1 or self.min_samples > self.window:
+            raise ConfigError(f"correction: need 1 <= min_samples <= window, got {self.min_samples} and "
+                              f"{self.window}")
+        if self.stale_steps < 1:
+            raise ConfigError(f"correction: stale_steps must be >= 1, got {self.stale_steps}")
+        if self.per_bucket < 0 or self.unmeasured < 0:
+            raise ConfigError("correction: uncertainties must be >= 0")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The correction in force for one layout on one kind of step."""
+
+    factor: float  # multiply the cost model's prediction by this
+    uncertainty: float  # extra relative lead a switch into this layout must show
+    source: str  # "measured" | "borrowed" | "scale" | "prior"
+    samples: int  # fresh ratios behind it (0 for scale/prior)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"factor": round(self.factor, 4), "uncertainty": round(self.uncertainty, 4),
+                "source": self.source, "samples": self.samples}
+
+
+class StepCorrection:
+    """Per layout and StepKey, the recent measured/predicted ratios of the steps the engine ran."""
+
+    def __init__(self, config: CorrectionConfig = CorrectionConfig()) -> None:
+        self.config = config
+        self.cells: dict[tuple[str, StepKey], deque[tuple[int, float]]] = {}
+        self.steps: dict[str, int] = {}  # steps observed per layout (for the summary)
+        self.last_step = 0
+
+    def observe(self, layout: str, key: StepKey, predicted_s: float, measured_s: float, step: int) -> None:
+        """One step that ran in `layout`: its cost-model prediction and its measured seconds."""
+        if not (0 < predicted_s < math.inf and 0 < measured_s < math.inf):
+            return  # nothing to learn from an empty or unpriced step
+        cell = self.cells.setdefault((layout, key), deque(maxlen=self.config.window))
+        cell.append((int(step), measured_s / predicted_s))
+        self.steps[layout] = self.steps.get(layout, 0) + 1
+        self.last_step = max(self.last_step, int(step))
+
+    def fresh(self, layout: str, key: StepKey, step: int | None = None) -> list[float]:
+        """The ratios of a cell that still count at `step` (default: the latest step observed)."""
+        now = self.last_step if step is None else int(step)
+        cell = self.cells.get((layout, key), ())
+        return [r for s, r in cell if now - s < self.config.stale_steps]
+
+    def own(self, layout: str, key: StepKey, step: int | None = None) -> Estimate | None:
+        """This layout's own estimate at `key`: measured here or borrowed from the nearest bucket."""
+        c = self.config
+        here = self.fresh(layout, key, step)
+        if len(here) >= c.min_samples:
+            return Estimate(float(np.median(here)), 0.0, "measured", len(here))
+        near = None
+        for (lay, k), _ in self.cells.items():
+            if lay != layout or k.mix != key.mix or k == key:
+                continue
+            vals = self.fresh(lay, k, step)
+            if len(vals) < c.min_samples:
+                continue
+            d = abs(k.bucket - key.bucket)
+            if near is None or (d, -len(vals)) < (near[0], -len(near[1])):
+                near = (d, vals)
+        if near is None:
+            return None
+        return Estimate(float(np.median(near[1])), c.per_bucket * near[0], "borrowed", len(near[1]))
+
+    def estimate(self, layout: str, key: StepKey, layouts: Iterable[str],
+                 step: int | None = None) -> Estimate:
+        """The factor and uncertainty for `layout` at `key`; `layouts`: all candidates (for the scale)."""
+        mine = self.own(layout, key, step)
+        if mine is not None:
+            return mine
+        others = [e for lay in layouts if lay != layout and (e := self.own(lay, key, step)) is not None]
+        if others:
+            scale = float(np.exp(np.mean([np.log(e.factor) for e in others])))
+            return Estimate(scale, self.config.unmeasured, "scale", 0)
+        return Estimate(1.0, self.config.unmeasured, "prior", 0)
+
+    def estimates(self, layouts: Iterable[str], key: StepKey, step: int | None = None) -> dict[str, Estimate]:
+        lays = list(layouts)
+        return {lay: self.estimate(lay, key, lays, step) for lay in lays}
+
+    def observed_s(self, layout: str, key: StepKey, predicted_s: float,
+                   step: int | None = None) -> float | None:
+        """What this layout's recent steps say a step like this takes (its measured ratio x the
+        prediction), or None when it has not run such steps recently."""
+        e = self.own(layout, key, step)
+        return e.factor * predicted_s if e is not None and e.source == "measured" else None
+
+    def summary(self) -> dict[str, Any]:
+        """How far the measurements moved the prior: per layout, the median ratio over its fresh
+        samples and per cell, with sample counts."""
+        out: dict[str, Any] = {}
+        for (lay, key), _ in sorted(self.cells.items(), key=lambda kv: (kv[0][0], kv[0][1].mix,
+                                                                         kv[0][1].bucket)):
+            vals = self.fresh(lay, key)
+            if not vals:
+                continue
+            d = out.setdefault(lay, {"steps": self.steps.get(lay, 0), "cells": {}})
+            d["cells"][key.label] = {"ratio": round(float(np.median(vals)), 4), "samples": len(vals)}
+        for lay, d in out.items():
+            allv = [r for (la, k), _ in self.cells.items() if la == lay for r in self.fresh(la, k)]
+            d["ratio"] = round(float(np.median(allv)), 4)
+        return out
+
+
+def describe(summary: Mapping[str, Any]) -> str:
+    """One line for the log: each layout's overall factor and its sample count."""
+    if not summary:
+        return "no steps measured yet"
+    return ", ".join(f"{lay} x{d['ratio']:.2f} ({d['steps']} steps, {len(d['cells'])} cells)"
+                     for lay, d in summary.items())
