@@ -1,4 +1,4 @@
-"""Online correction of the cost model from the engine's own step times (pure Python + numpy).
+"""Online correction of the cost model from the engine's own step times (pure Python, no torch).
 
 A prior theta (a calibration made on another day, or a profile made for other hardware) is off for the
 machine's state by a factor that differs per layout and batch size, and that drifts: one layout's step
@@ -26,8 +26,6 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from splash.config import ConfigError
 
@@ -123,7 +121,7 @@ class StepCorrection:
         c = self.config
         here = self.fresh(layout, key, step)
         if len(here) >= c.min_samples:
-            return Estimate(float(np.median(here)), 0.0, "measured", len(here))
+            return Estimate(float(_median(here)), 0.0, "measured", len(here))
         near = None
         for (lay, k), _ in self.cells.items():
             if lay != layout or k.mix != key.mix or k == key:
@@ -136,7 +134,7 @@ class StepCorrection:
                 near = (d, vals)
         if near is None:
             return None
-        return Estimate(float(np.median(near[1])), c.per_bucket * near[0], "borrowed", len(near[1]))
+        return Estimate(float(_median(near[1])), c.per_bucket * near[0], "borrowed", len(near[1]))
 
     def estimate(self, layout: str, key: StepKey, layouts: Iterable[str],
                  step: int | None = None) -> Estimate:
@@ -146,7 +144,7 @@ class StepCorrection:
             return mine
         others = [e for lay in layouts if lay != layout and (e := self.own(lay, key, step)) is not None]
         if others:
-            scale = float(np.exp(np.mean([np.log(e.factor) for e in others])))
+            scale = math.exp(sum(math.log(e.factor) for e in others) / len(others))
             return Estimate(scale, self.config.unmeasured, "scale", 0)
         return Estimate(1.0, self.config.unmeasured, "prior", 0)
 
@@ -171,11 +169,20 @@ class StepCorrection:
             if not vals:
                 continue
             d = out.setdefault(lay, {"steps": self.steps.get(lay, 0), "cells": {}})
-            d["cells"][key.label] = {"ratio": round(float(np.median(vals)), 4), "samples": len(vals)}
+            d["cells"][key.label] = {"ratio": round(float(_median(vals)), 4), "samples": len(vals)}
         for lay, d in out.items():
             allv = [r for (la, k), _ in self.cells.items() if la == lay for r in self.fresh(la, k)]
-            d["ratio"] = round(float(np.median(allv)), 4)
+            d["ratio"] = round(float(_median(allv)), 4)
         return out
+
+
+def _median(values: Iterable[float]) -> float:
+    """Median of a short list (a few dozen at most): no numpy call on the step's critical path."""
+    v = sorted(values)
+    n = len(v)
+    if not n:
+        raise ValueError("median of nothing")
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
 def describe(summary: Mapping[str, Any]) -> str:

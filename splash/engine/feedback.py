@@ -96,6 +96,12 @@ class StepFeedback:
                                              self.page_size).total
         return self._prices[layout]
 
+    def note_prices(self, plan: Any, live: list[Any], prices: dict[str, float]) -> None:
+        """Predictions the Policy just made for this step's batch: kept, so the log does not redo them."""
+        self.batch(plan, live)
+        for lay, t in prices.items():
+            self._prices.setdefault(lay, t)
+
     # ---- what the policy and the log see -------------------------------------------------------------
     def estimates(self, plan: Any, step: int) -> tuple[StepKey, dict[str, Estimate]]:
         key = StepKey.of(s.num_new for s in plan.seqs)

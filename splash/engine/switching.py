@@ -424,6 +424,8 @@ class SwitchController:
         dwell = 0 if fb is not None and fb.guard.probation is not None else self.steps_since_switch
         d = decide(self.sizes, self.theta, batch, cur, dwell, cfg, corr or None)
         chosen = d.layout.label.lower()
+        if fb is not None:
+            fb.note_prices(plan, live, {lay.label.lower(): e.predicted for lay, e in d.evals.items()})
         reason = d.reason
         ruled = [lay for lay in LAYOUTS if lay not in ok and lay not in blocked]
         if ruled:
