@@ -24,6 +24,8 @@ from splash.regret import RegretGuard, Verdict
 log = logging.getLogger("splash.switch")
 
 REPRICE = 8  # steps a cached prediction of an unchanged batch shape is reused (contexts grow slowly)
+SAMPLE_GAP = 8  # a step whose shape changed is a sample only this many steps after the last pricing:
+#                 building a Batch costs ~0.2 ms, and prefill chunks change shape every step
 Timer = Callable[[str, StepKey, float], float]  # (layout, key, predicted s) -> "measured" s
 
 
@@ -61,6 +63,8 @@ class StepFeedback:
         wall = time.perf_counter() - self._t0
         step, layout, key, plan, live = self._step
         self._step = None
+        if not self.priced(plan) and self._batch is not None and plan.step - self._batch[1] < SAMPLE_GAP:
+            return None  # a new shape right after the last pricing: let this step go unsampled
         predicted = self.price(layout, plan, live)
         measured = self.timer(layout, key, predicted) if self.timer is not None else wall
         self.correction.observe(layout, key, predicted, measured, step)
@@ -76,11 +80,16 @@ class StepFeedback:
         return self.guard.observe(step, layout, key.bucket, measured, counter)
 
     # ---- prices ----------------------------------------------------------------------------------------
+    def priced(self, plan: Any) -> bool:
+        """Whether the cached Batch is this step's (same shape, recent enough)."""
+        c = self._batch
+        return (c is not None and c[0] == tuple((s.req_id, s.num_new) for s in plan.seqs)
+                and plan.step - c[1] < REPRICE)
+
     def batch(self, plan: Any, live: list[Any]) -> Any:
         """The step's Batch, reused while its shape (requests and their rows) holds for REPRICE steps."""
-        sig = tuple((s.req_id, s.num_new) for s in plan.seqs)
-        c = self._batch
-        if c is None or c[0] != sig or plan.step - c[1] >= REPRICE:
+        if not self.priced(plan):
+            sig = tuple((s.req_id, s.num_new) for s in plan.seqs)
             self._batch = (sig, plan.step, self.batch_of(plan, live))
             self._prices = {}
         return self._batch[2]
