@@ -9,8 +9,12 @@ factor to multiply a prediction by and how uncertain it is:
 - "measured": the median of this layout's last `window` measured/predicted ratios in this cell (a
   batch-size bucket, decode-only or with prefill rows), once it holds `min_samples` fresh ones.
   The median, not a mean: one step that a neighbour's job stalled does not move it.
-- "borrowed": the nearest bucket of this layout holding fresh samples (same mix), with uncertainty
-  `per_bucket` per bucket of distance: a ratio carries over to nearby batch sizes only roughly.
+- "relative": measured in another bucket (the nearest, same mix) next to other layouts: its ratio
+  relative to theirs there, times theirs here, with uncertainty `per_bucket` per bucket of distance.
+  The prior's error in how a step grows with the batch is shared by every layout and cancels (on the
+  2-core VM the ratio of one layout varies 0.4-0.7 between buckets); only the layout's own difference
+  carries over.
+- "borrowed": no reference there: the nearest bucket's absolute ratio, same uncertainty.
 - "scale": a layout not run near this batch keeps its prior's shape relative to the others: the
   machine-wide factor (geometric mean of the other layouts' factors here), uncertainty `unmeasured`.
 - "prior": nothing measured yet: factor 1, uncertainty `unmeasured`.
@@ -84,7 +88,7 @@ class Estimate:
 
     factor: float  # multiply the cost model's prediction by this
     uncertainty: float  # extra relative lead a switch into this layout must show
-    source: str  # "measured" | "borrowed" | "scale" | "prior"
+    source: str  # "measured" | "relative" | "borrowed" | "scale" | "prior"
     samples: int  # fresh ratios behind it (0 for scale/prior)
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,33 +120,62 @@ class StepCorrection:
         cell = self.cells.get((layout, key), ())
         return [r for s, r in cell if now - s < self.config.stale_steps]
 
-    def own(self, layout: str, key: StepKey, step: int | None = None) -> Estimate | None:
-        """This layout's own estimate at `key`: measured here or borrowed from the nearest bucket."""
-        c = self.config
+    def measured(self, layout: str, key: StepKey, step: int | None = None) -> Estimate | None:
+        """This layout's own pace on exactly this kind of step, or None (fewer than min_samples)."""
         here = self.fresh(layout, key, step)
-        if len(here) >= c.min_samples:
-            return Estimate(float(_median(here)), 0.0, "measured", len(here))
-        near = None
-        for (lay, k), _ in self.cells.items():
-            if lay != layout or k.mix != key.mix or k == key:
-                continue
-            vals = self.fresh(lay, k, step)
-            if len(vals) < c.min_samples:
-                continue
-            d = abs(k.bucket - key.bucket)
-            if near is None or (d, -len(vals)) < (near[0], -len(near[1])):
-                near = (d, vals)
-        if near is None:
+        if len(here) >= self.config.min_samples:
+            return Estimate(_median(here), 0.0, "measured", len(here))
+        return None
+
+    def _buckets(self, layout: str, key: StepKey, step: int | None) -> list[tuple[int, StepKey]]:
+        """(distance, key) of the other buckets (same mix) where `layout` is measured, nearest first."""
+        near = [(abs(k.bucket - key.bucket), k) for (lay, k) in self.cells
+                if lay == layout and k.mix == key.mix and k != key
+                and len(self.fresh(lay, k, step)) >= self.config.min_samples]
+        return sorted(near, key=lambda dk: (dk[0], dk[1].bucket))
+
+    def own(self, layout: str, key: StepKey, step: int | None = None) -> Estimate | None:
+        """This layout's absolute pace at `key`: measured here, else its ratio in the nearest bucket
+        (uncertainty `per_bucket` per bucket of distance)."""
+        mine = self.measured(layout, key, step)
+        if mine is not None:
+            return mine
+        near = self._buckets(layout, key, step)
+        if not near:
             return None
-        return Estimate(float(_median(near[1])), c.per_bucket * near[0], "borrowed", len(near[1]))
+        d, k = near[0]
+        vals = self.fresh(layout, k, step)
+        return Estimate(_median(vals), self.config.per_bucket * d, "borrowed", len(vals))
+
+    def relative(self, layout: str, key: StepKey, layouts: Iterable[str],
+                 step: int | None = None) -> Estimate | None:
+        """`layout` measured in another bucket next to other layouts: its pace *relative* to them
+        there, applied to their pace here. The prior's error in how a step grows with the batch is
+        shared by every layout and cancels; only the layout's own difference is carried over."""
+        others = [lay for lay in layouts if lay != layout]
+        for d, k in self._buckets(layout, key, step):
+            refs = [(m, e) for lay in others if (m := self.measured(lay, k, step)) is not None
+                    and (e := self.own(lay, key, step)) is not None]
+            if not refs:
+                continue
+            mine = self.measured(layout, k, step)
+            assert mine is not None
+            there = math.exp(sum(math.log(m.factor) for m, _ in refs) / len(refs))
+            here = math.exp(sum(math.log(e.factor) for _, e in refs) / len(refs))
+            unsure = self.config.per_bucket * d + max(e.uncertainty for _, e in refs)
+            return Estimate(mine.factor / there * here, unsure, "relative", mine.samples)
+        return None
 
     def estimate(self, layout: str, key: StepKey, layouts: Iterable[str],
                  step: int | None = None) -> Estimate:
-        """The factor and uncertainty for `layout` at `key`; `layouts`: all candidates (for the scale)."""
-        mine = self.own(layout, key, step)
-        if mine is not None:
-            return mine
-        others = [e for lay in layouts if lay != layout and (e := self.own(lay, key, step)) is not None]
+        """The factor and uncertainty for `layout` at `key`; `layouts`: all candidates (the others are
+        the reference for a relative or scale estimate)."""
+        lays = list(layouts)
+        for e in (self.measured(layout, key, step), self.relative(layout, key, lays, step),
+                  self.own(layout, key, step)):
+            if e is not None:
+                return e
+        others = [e for lay in lays if lay != layout and (e := self.own(lay, key, step)) is not None]
         if others:
             scale = math.exp(sum(math.log(e.factor) for e in others) / len(others))
             return Estimate(scale, self.config.unmeasured, "scale", 0)
@@ -156,8 +189,8 @@ class StepCorrection:
                    step: int | None = None) -> float | None:
         """What this layout's recent steps say a step like this takes (its measured ratio x the
         prediction), or None when it has not run such steps recently."""
-        e = self.own(layout, key, step)
-        return e.factor * predicted_s if e is not None and e.source == "measured" else None
+        e = self.measured(layout, key, step)
+        return e.factor * predicted_s if e is not None else None
 
     def summary(self) -> dict[str, Any]:
         """How far the measurements moved the prior: per layout, the median ratio over its fresh

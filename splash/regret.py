@@ -3,9 +3,10 @@
 The policy switches on predictions; a prediction can be wrong for this machine today. So after a
 switch src -> dst chosen by the policy, the guard watches dst's next `window` measured steps (after
 `settle` steps that may still pay for the switch) and compares each with what src would have taken
-on the same batch: src's own recent pace on comparable steps (same batch-size bucket, or a neighbour
-one; the runtime computes it as src's measured ratio x src's prediction for this batch, see
-`correction.StepCorrection.own`). If the median of measured(dst) / counterfactual(src) exceeds
+on the same batch: src's own recent pace on comparable steps (the same batch-size bucket and mix;
+the runtime computes it as src's measured ratio there x src's prediction for this batch, see
+`correction.StepCorrection.measured`). A probation that finds fewer than `min_samples` comparable
+steps within `patience` steps keeps the switch. If the median of measured(dst) / counterfactual(src) exceeds
 1 + margin, the switch made things slower: the guard asks to switch back and blocks dst in the
 buckets it was tried on for `block_steps` steps. Hysteresis: a switch back is not itself watched, and
 a blocked layout is no candidate, so the pair cannot flap. Pure and step-clocked: deterministic.
@@ -53,7 +54,7 @@ class Verdict:
 
 class RegretGuard:
     def __init__(self, margin: float = 0.05, window: int = 8, settle: int = 1, block_steps: int = 2000,
-                 patience: int = 64) -> None:
+                 patience: int = 64, min_samples: int = 3) -> None:
         if not 0 <= margin < 1:
             raise ConfigError(f"regret guard: margin must be in [0, 1), got {margin}")
         if window < 1 or settle < 0 or block_steps < 0 or patience < window:
@@ -61,6 +62,7 @@ class RegretGuard:
                               "patience >= window")
         self.margin, self.window, self.settle = margin, window, settle
         self.block_steps, self.patience = block_steps, patience
+        self.min_samples = min_samples  # fewest comparable steps a switch back rests on (<= window)
         self.probation: Probation | None = None
         self.blocks: dict[tuple[str, int], int] = {}  # (layout, bucket) -> blocked until this step
         self.verdicts: list[Verdict] = []
@@ -97,7 +99,8 @@ class RegretGuard:
         assert p is not None
         self.probation = None
         regret = float(np.median(p.regrets)) if p.regrets else float("nan")
-        back = bool(p.regrets) and regret > 1 + self.margin
+        enough = len(p.regrets) >= min(self.min_samples, self.window)
+        back = enough and regret > 1 + self.margin
         if back:
             for b in p.buckets:
                 self.blocks[(p.dst, b)] = step + self.block_steps
@@ -105,14 +108,22 @@ class RegretGuard:
             why = (f"{p.dst} ran {regret - 1:.1%} slower than {p.src} would have on comparable steps "
                    f"(median of {len(p.regrets)}) > margin {self.margin:.1%}: back to {p.src}, {p.dst} "
                    f"blocked there for {self.block_steps} steps")
-        elif p.regrets:
+        elif enough:
             why = (f"{p.dst} paces at {regret:.2f}x {p.src} on comparable steps (median of "
                    f"{len(p.regrets)}): switch kept")
         else:
-            why = f"no step of {p.dst} comparable with {p.src}'s recent ones: switch kept"
+            why = (f"only {len(p.regrets)} step(s) of {p.dst} comparable with {p.src}'s recent ones in "
+                   f"{p.seen} steps: switch kept")
         v = Verdict(p.src, p.dst, back, regret, len(p.regrets), int(step), why)
         self.verdicts.append(v)
         return v
+
+    @property
+    def holding(self) -> bool:
+        """Whether the policy should wait for the verdict: a probation within its first settle + window
+        steps (past that, comparable steps are scarce and the policy's own correction may move)."""
+        p = self.probation
+        return p is not None and p.seen < self.settle + self.window
 
     def blocked(self, layout: str, bucket: int, step: int) -> bool:
         """Whether the guard keeps `layout` out of the candidates at this bucket now."""

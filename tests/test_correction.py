@@ -68,6 +68,21 @@ def test_borrowed_scale_prior_and_staleness():
         CorrectionConfig(window=2, min_samples=3)
 
 
+def test_relative_estimate_carries_a_layouts_difference_not_the_priors_batch_error():
+    """The prior is off by a factor that changes with the batch size (0.5 at B=3-4, 0.8 at B=1) for
+    every layout; TP ran 20% slower than DOP at B=3-4. At B=1, where only DOP ran, TP is priced 20%
+    above DOP's factor there, not at its own B=3-4 factor."""
+    c = StepCorrection(CorrectionConfig(min_samples=2, per_bucket=0.05))
+    for step in range(2):
+        c.observe("dop", StepKey(2), 0.01, 0.005, step)
+        c.observe("tp", StepKey(2), 0.01, 0.006, step)
+        c.observe("dop", DEC1, 0.01, 0.008, step + 10)
+    e = c.estimate("tp", DEC1, ["tp", "dop"])
+    assert (e.source, e.factor, e.uncertainty) == ("relative", pytest.approx(0.96), pytest.approx(0.10))
+    assert c.own("tp", DEC1).factor == pytest.approx(0.6), "its absolute ratio would say 0.6"
+    assert c.measured("tp", DEC1) is None and c.measured("dop", DEC1).factor == pytest.approx(0.8)
+
+
 def _theta(**kw) -> Theta:
     base = dict(ranks=2, memory_bytes=4 * GIB, flops_proj=1e11, flops_att=1e11, bw_weights=2e9, bw_kv=2e9,
                 link_bw=1e9, latency=2e-4, t0=0.013)  # TP leads DOP by ~10% at B=2
@@ -117,8 +132,8 @@ def test_guard_keeps_a_good_switch_and_ends_on_other_moves():
     g.switched(10, "tp", "dp", voluntary=True)
     assert g.observe(11, "tp", 0, 1.0, 0.01) is None and g.probation is None, "layout changed: unjudged"
     g.switched(20, "dp", "tp", voluntary=True)
-    out = [g.observe(21 + i, "tp", 0, 1.0, None) for i in range(5)]  # nothing comparable
-    assert out[-1] is not None and not out[-1].switch_back and "comparable" in out[-1].reason
+    out = [g.observe(21 + i, "tp", 0, 1.0, None if i else 0.01) for i in range(5)]  # 1 comparable step
+    assert out[-1] is not None and not out[-1].switch_back and "only 1 step(s)" in out[-1].reason
     with pytest.raises(ConfigError):
         RegretGuard(window=4, patience=2)
 
@@ -137,7 +152,7 @@ def test_loop_on_a_synthetic_machine_switches_back_once_and_stays():
         est = corr.estimates(["tp", "dop"], key, step)
         layouts = tuple(Layout.parse(lay) for lay in ("tp", "dop")
                         if lay == cur or not guard.blocked(lay, key.bucket, step))
-        dwell = 0 if guard.probation else since  # the guard judges first (as the engine does)
+        dwell = 0 if guard.holding else since  # the guard judges first (as the engine does)
         d = decide(SIZES, th, batch, cur, dwell, PolicyConfig(cfg.margin, cfg.min_dwell, layouts, None),
                    {Layout.parse(k): (e.factor, e.uncertainty) for k, e in est.items()})
         dst = back.src if back is not None else (d.layout.label.lower() if d.switch else cur)
@@ -150,7 +165,7 @@ def test_loop_on_a_synthetic_machine_switches_back_once_and_stays():
         pred = {lay: e.predicted for lay, e in ((k.label.lower(), v) for k, v in d.evals.items())}
         corr.observe(cur, key, pred[cur], pred[cur] * truth[cur], step)
         src = guard.probation.src if guard.probation else None
-        cf = corr.own(src, key, step) if src else None
+        cf = corr.measured(src, key, step) if src else None
         v = guard.observe(step, cur, key.bucket, pred[cur] * truth[cur],
                           cf.factor * pred[src] if cf is not None else None)
         back = v if v is not None and v.switch_back else None

@@ -7,7 +7,8 @@ the runtime's side. `begin` (just before the step runs) notes the layout and the
 step, after a CUDA synchronize - prices the step in the layout that ran it (Eq 10 on the prior
 theta, cached while the batch keeps its shape) and reports both. A step that switched layouts is not
 a sample (it also moved state). During a probation the guard also gets the counterfactual: what the
-source layout's own recent pace on comparable steps says this batch would have taken there.
+source layout's own recent pace on steps of the same kind (batch-size bucket, mix) says this batch
+would have taken there; a step of a kind the source has not run recently is not compared.
 `timer` replaces the clock with a synthetic step-time source (tests: deterministic, no wall clock).
 """
 
@@ -63,8 +64,9 @@ class StepFeedback:
         wall = time.perf_counter() - self._t0
         step, layout, key, plan, live = self._step
         self._step = None
-        if not self.priced(plan) and self._batch is not None and plan.step - self._batch[1] < SAMPLE_GAP:
-            return None  # a new shape right after the last pricing: let this step go unsampled
+        if (self.guard.probation is None and not self.priced(plan) and self._batch is not None
+                and plan.step - self._batch[1] < SAMPLE_GAP):
+            return None  # a new shape right after the last pricing: unsampled (the guard needs them all)
         predicted = self.price(layout, plan, live)
         measured = self.timer(layout, key, predicted) if self.timer is not None else wall
         self.correction.observe(layout, key, predicted, measured, step)
@@ -72,10 +74,9 @@ class StepFeedback:
         if p is None:
             return None
         counter = None
-        if layout == p.dst:
-            src = self.correction.own(p.src, key, step)
-            near = self.correction.config.per_bucket  # measured in the same or the next bucket
-            if src is not None and src.uncertainty <= near:
+        if layout == p.dst:  # comparable: the source measured on this very kind of step
+            src = self.correction.measured(p.src, key, step)
+            if src is not None:
                 counter = src.factor * self.price(p.src, plan, live)
         return self.guard.observe(step, layout, key.bucket, measured, counter)
 

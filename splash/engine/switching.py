@@ -421,8 +421,15 @@ class SwitchController:
         cfg = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in ok))
         corr = {Layout.parse(lay): (e.factor, e.uncertainty) for lay, e in est.items()}
         # While the regret guard judges the last switch, only a forced move may leave (dwell not reached).
-        dwell = 0 if fb is not None and fb.guard.probation is not None else self.steps_since_switch
+        dwell = 0 if fb is not None and fb.guard.holding else self.steps_since_switch
         d = decide(self.sizes, self.theta, batch, cur, dwell, cfg, corr or None)
+        here = Layout.parse(cur)
+        if d.switch and est and est[cur].source != "measured" and d.evals[here].fits:
+            # Measure before leaping: until the current layout has run a few steps of this kind, its
+            # pace here is a guess too, and the guard would have nothing to compare the switch with.
+            d = dataclasses.replace(d, layout=here, switch=False, reason=f"{d.reason}; but {cur} has not run "
+                                    f"steps like this one ({kind.label}) yet: measuring it first")
+            self._last_eval = None  # look again next step
         chosen = d.layout.label.lower()
         if fb is not None:
             fb.note_prices(plan, live, {lay.label.lower(): e.predicted for lay, e in d.evals.items()})
