@@ -6,11 +6,15 @@ unless it is the current layout, when the switch into it fits too (Eq 5: max(M(a
 Delta_layer + R <= H, one layer in transit). The fastest feasible layout l* is adopted only when it
 beats the current one by a relative margin and the current layout has run `min_dwell` steps -
 unless the current layout no longer fits, which forces the move at once.
+`corrections` (optional, from the runtime's `correction.StepCorrection`) multiply each layout's
+prediction by what its measured steps say, and a layout known only by its prior must lead by its
+`uncertainty` on top of the margin (it is ranked by its time x (1 + uncertainty)).
 `decide` is a pure function; `Policy` only carries (current layout, steps since the last switch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,17 +55,30 @@ class LayoutEval:
     switch_fits: bool  # Eq 5 (True for the current layout)
     switch_exposed_s: float  # Eq 7 estimate of the switch from the current layout
     kv_pool_tokens: int  # KV tokens one rank could hold in this layout with the batch's weights
+    factor: float = 1.0  # online correction: measured / predicted (1: the prior as is)
+    uncertainty: float = 0.0  # extra lead a switch into this layout must show
 
     @property
     def time(self) -> float:
+        """The step time the policy believes: the prediction times the correction."""
+        return self.cost.total * self.factor
+
+    @property
+    def predicted(self) -> float:
+        """Eq 10 on theta alone."""
         return self.cost.total
+
+    def score(self, current: Layout | None) -> float:
+        """What the argmin ranks: the time, made pessimistic by the uncertainty unless already running."""
+        return self.time if self.layout is current else self.time * (1 + self.uncertainty)
 
     @property
     def feasible(self) -> bool:
         return self.fits and self.switch_fits
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step_s": self.time, "memory_gib": self.memory_bytes / 2**30, "fits": self.fits,
+        return {"step_s": self.time, "predicted_s": self.predicted, "factor": self.factor,
+                "uncertainty": self.uncertainty, "memory_gib": self.memory_bytes / 2**30, "fits": self.fits,
                 "switch_peak_gib": self.switch_peak_bytes / 2**30, "switch_fits": self.switch_fits,
                 "switch_exposed_s": self.switch_exposed_s, "kv_pool_tokens_per_rank": self.kv_pool_tokens,
                 "feasible": self.feasible}
@@ -124,10 +141,12 @@ def resident_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: i
 
 
 def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout | None,
-             config: PolicyConfig = PolicyConfig()) -> dict[Layout, LayoutEval]:
+             config: PolicyConfig = PolicyConfig(),
+             corrections: Mapping[Layout, tuple[float, float]] | None = None) -> dict[Layout, LayoutEval]:
     """Time, steady-state fit (Eq 6) and switch fit (Eq 5) of every candidate on the live batch.
 
-    `current=None` evaluates a fresh start (no switch, so Eq 5 does not apply).
+    `current=None` evaluates a fresh start (no switch, so Eq 5 does not apply). `corrections`: per
+    layout (factor, uncertainty) from measured steps (absent: (1, 0), the prior as is).
     """
     T, P = theta.ranks, config.page_size
     sizes.cfg.check_ranks(T)
@@ -151,18 +170,23 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
             exposed, _ = switch_time(w, kv, cost, theta)
         fixed = sizes.fixed_bytes_per_rank(T) + sizes.attention_weight_bytes(lay.sharded, T) + R
         pool = max(0, int((H - fixed) // sizes.k))
-        out[lay] = LayoutEval(lay, cost, float(steady.max(initial=0)), fits, peak, sw_fits, exposed, pool)
+        f, u = (corrections or {}).get(lay, (1.0, 0.0))
+        out[lay] = LayoutEval(lay, cost, float(steady.max(initial=0)), fits, peak, sw_fits, exposed, pool,
+                              float(f), float(u))
     return out
 
 
 def decide(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout | str | None,
-           steps_since_switch: int, config: PolicyConfig = PolicyConfig()) -> Decision:
+           steps_since_switch: int, config: PolicyConfig = PolicyConfig(),
+           corrections: Mapping[Layout, tuple[float, float]] | None = None) -> Decision:
     """pi(x; theta): the layout to run this step, and why. Pure: no state is kept.
 
     `current=None` asks which layout to start in: the fastest layout that fits, no hysteresis.
+    `corrections`: see `evaluate`; a candidate's lead is measured on its score (time x (1 +
+    uncertainty)), so an unmeasured layout must beat the current one by margin and uncertainty.
     """
     current = None if current is None else Layout.parse(current)
-    evals = evaluate(sizes, theta, batch, current, config)
+    evals = evaluate(sizes, theta, batch, current, config, corrections)
     feasible = [lay for lay in config.layouts if evals[lay].feasible]
     if not feasible:
         why = "no candidate layout fits this batch; stay and let admission shed load"
@@ -171,7 +195,7 @@ def decide(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout | 
             return Decision(fallback, False, f"no candidate layout fits this batch "
                             f"({fallback.label} needs the least memory)", None, evals)
         return Decision(current, False, why, None, evals)
-    best = min(feasible, key=lambda lay: evals[lay].time)
+    best = min(feasible, key=lambda lay: evals[lay].score(current))
     if current is None:
         return Decision(best, False, f"{best.label} is the fastest layout that fits", best, evals)
     cur_eval = evals.get(current)
@@ -180,16 +204,22 @@ def decide(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout | 
         why = f"{why}; forced to fastest feasible {best.label}"
         return Decision(best, best is not current, why, best, evals)
     if best is current:
+        quick = min(feasible, key=lambda lay: evals[lay].time)
+        if quick is not current:  # faster on paper, but not by enough to cover what is not measured
+            lead = 1 - evals[quick].time / cur_eval.time if cur_eval.time > 0 else 0.0
+            return Decision(current, False, f"{quick.label} leads by {lead:.1%} but is unmeasured here "
+                            f"(+{evals[quick].uncertainty:.0%}): {current.label} stays", best, evals)
         return Decision(current, False, f"{current.label} is the fastest feasible layout", best, evals)
-    t_best, t_cur = evals[best].time, cur_eval.time
+    t_best, t_cur = evals[best].score(current), cur_eval.time
     lead = 1 - t_best / t_cur if t_cur > 0 else 0.0
+    unsure = f" (its time +{evals[best].uncertainty:.0%} unmeasured)" if evals[best].uncertainty else ""
     if steps_since_switch < config.min_dwell:
         return Decision(current, False, f"{best.label} leads by {lead:.1%} but dwell "
                         f"{steps_since_switch}/{config.min_dwell} steps not reached", best, evals)
     if lead < config.margin:
-        return Decision(current, False, f"{best.label} leads by {lead:.1%} < margin {config.margin:.1%}",
-                        best, evals)
-    return Decision(best, True, f"{best.label} leads {current.label} by {lead:.1%} >= margin "
+        return Decision(current, False, f"{best.label} leads by {lead:.1%}{unsure} < margin "
+                        f"{config.margin:.1%}", best, evals)
+    return Decision(best, True, f"{best.label} leads {current.label} by {lead:.1%}{unsure} >= margin "
                     f"{config.margin:.1%}", best, evals)
 
 

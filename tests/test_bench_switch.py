@@ -50,7 +50,8 @@ def test_bench_switch_json(tmp_path):
 def test_bench_rollout_json(tmp_path):
     png = tmp_path / "rollout.png"
     out = splash("bench", "rollout", "--tp", "2", "--quick", "--requests", "6", "--output-max", "6",
-                 "--runs", "dp,dop,auto", "--min-dwell-steps", "1", "--json", "--quiet", "--plot", str(png))
+                 "--runs", "dp,dop,auto", "--min-dwell-steps", "1", "--theta", "h200", "--json", "--quiet",
+                 "--plot", str(png))
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout)
     assert set(doc["runs"]) == {"dp", "dop", "auto"}
@@ -67,8 +68,14 @@ def test_bench_rollout_json(tmp_path):
     assert set(ph["runs"]) == set(doc["runs"]) and ph["oracle"]["wide_layout"] in {"dp", "dop"}
     bound, gated = ph["oracle"]["makespan_s"], ph["oracle_gated"]["makespan_s"]
     assert 0 < bound <= gated + 1e-9, "gating by memory can only restrict the oracle"
-    assert all("kv_tokens" in x for x in doc["runs"]["auto"]["timeline"])
+    auto = doc["runs"]["auto"]
+    assert all("kv_tokens" in x and "switch_back" in x for x in auto["timeline"])
     assert png.stat().st_size > 0
+    # auto ran on the h200 profile prior, corrected online; the ratios come per repeat too
+    assert "profile:h200" in auto["theta_source"] and auto["theta_correction"]["dop"]["steps"] > 0
+    assert len(doc["auto_vs_best_fixed_each"]) == 1 and doc["auto_vs_best_fixed"] > 0
+    want = {"predicted_ms", "corrected_ms", "observed_ms", "correction"}
+    assert all(want <= set(d) for d in auto["decision_log"])
 
 
 def test_bench_bad_input_is_one_line():

@@ -9,7 +9,8 @@ the page accounting of every rank balances (each used page in exactly one live t
 tables follow the running layout's placement rule) and the runner's layout is the allocator's;
 overlapped and blocking modes give bit-identical logits; a batch with fewer requests than ranks
 (ranks owning nothing) switches too; a switch refused for memory leaves the engine serving in its
-layout; `layout="auto"` with a crafted theta switches and changes no token.
+layout; `layout="auto"` with a crafted theta switches and changes no token, nor does the regret
+guard's switch back (forced by a synthetic step-time source).
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def group(request):
     g.close()
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+def greedy(new: int = NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
 
 
 def accounting_errors(eng) -> list[str]:
@@ -94,7 +95,7 @@ def accounting_errors(eng) -> list[str]:
     return errs
 
 
-def run(eng, prompts):
+def run(eng, prompts, new=NEW):
     """Greedy tokens per prompt, {(prompt, position): logits row}, and per-step accounting errors."""
     logits: dict[tuple[int, int], torch.Tensor] = {}
     errors: list[str] = []
@@ -107,7 +108,7 @@ def run(eng, prompts):
 
     eng.logits_hook = hook
     for i, p in enumerate(prompts):
-        eng.add_request(str(i), prompt_token_ids=p, params=greedy())
+        eng.add_request(str(i), prompt_token_ids=p, params=greedy(new))
     done: dict[int, list[int]] = {}
     while eng.has_unfinished():
         for o in eng.step():
@@ -300,6 +301,58 @@ def test_auto_layout_switches_without_changing_tokens(group, ckpt, tmp_path):
     assert not errors, errors[:5]
     assert toks == ref
     close(logits, ref_logits, "auto")
+
+
+def test_auto_switch_back_by_the_regret_guard_changes_no_token(group, ckpt, tmp_path):
+    """The same crafted theta makes auto leave DOP once its dwell ends (in the decode phase); a synthetic
+    step-time source (no wall clock) then says every other layout runs 5x slower than DOP on this
+    machine: the regret guard switches back, counts it, blocks the layout it left, and every token and
+    logit equals the unswitched single-rank engine's (16 tokens per request: a longer decode phase)."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    import json
+
+    from splash.calibration import runtime_prior
+    from splash.config import ModelConfig
+    from splash.correction import CorrectionConfig
+    from splash.sizes import AttentionSizes
+
+    path, _, _ = ckpt
+    new = 16
+    one = build_engine(model=path, num_kv_pages=96, **ENGINE)
+    try:
+        ref, ref_logits, _ = run(one, PROMPTS, new)
+    finally:
+        one.shutdown()
+    theta = runtime_prior(2, AttentionSizes(ModelConfig.from_hf(path), "fp64", "fp64")).to_dict()
+    theta["latency"] = 0.01  # DOP's three collectives per layer: DP and TP predicted far faster
+    f = tmp_path / "theta.json"
+    f.write_text(json.dumps(theta))
+    eng = build_engine(model=path, rank_group=group, num_kv_pages=96, theta=str(f), min_dwell_steps=14,
+                       **ENGINE)
+    fb = eng.switcher.feedback
+    fb.correction.config = CorrectionConfig(min_samples=1)  # a short batch: judge on few steps
+    fb.guard.window, fb.guard.settle = 2, 0
+    fb.timer = lambda layout, key, predicted: 0.001 if layout == "dop" else 0.005
+    try:
+        toks, logits, errors = run(eng, PROMPTS, new)
+        st = eng.stats()
+        events = [e for e in eng.switcher.events if e.refused is None]
+        decisions = list(eng.switcher.decisions)
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert toks == ref
+    close(logits, ref_logits, "auto with a switch back")
+    backs = [e for e in events if e.cause == "guard"]
+    assert st["num_switch_backs"] == len(backs) >= 1 and sum(st["switch_backs_total"].values()) == len(backs)
+    first = events.index(backs[0])
+    assert events[first - 1].cause == "auto" and backs[0].dst == "dop" == events[first - 1].src
+    assert not any(e.dst == backs[0].src for e in events[first + 1:]), "the layout it left is blocked"
+    assert any(d.reason.startswith("switch back") for d in decisions)
+    assert st["theta_correction"]["dop"]["steps"] > 0 and st["regret_verdicts"][0]["switch_back"]
+    rec = next(d for d in decisions if d.switch)
+    assert set(rec.corrected_s) == set(rec.observed_s) == {"tp", "dp", "cp", "dop"} and rec.kind
 
 
 def test_schedule_parsing_and_bad_input():

@@ -1,6 +1,7 @@
 """pi(x; theta): argmin over the feasible set, Eq 6 / Eq 5 rejection, margin and dwell."""
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -153,7 +154,8 @@ def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
     ctl = SimpleNamespace(alloc=SimpleNamespace(layout="dop"), sched=SimpleNamespace(waiting=[object()]),
                           distinct_tokens=distinct.get, fits=lambda lay, live, rows=None: True, _batch=batch,
                           sizes=SIZES, theta=th, policy_cfg=PolicyConfig(page_size=16, min_dwell=0),
-                          steps_since_switch=5, decisions=[], _last_eval=None)
+                          steps_since_switch=5, decisions=[], _last_eval=None, feedback=None)
+    ctl._record = functools.partial(SwitchController._record, ctl)
     live = [SimpleNamespace(seq_id=i, owner=i % 2) for i in range(4)]
 
     def step(n, seqs=live):

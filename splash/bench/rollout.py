@@ -101,7 +101,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-tokens", type=positive_int, default=None,
                    help="KV tokens per rank under DP (sets the memory budget; default: twice the longest "
                         "request)")
-    p.add_argument("--theta", default=None, metavar="FILE", help="calibrated theta for auto")
+    p.add_argument("--theta", default=None, metavar="FILE|PROFILE",
+                   help="auto's prior: a calibrated theta file or a hardware profile (cpu, h200, b200, dcu)")
     p.add_argument("--switch-margin", type=float, default=0.05)
     p.add_argument("--min-dwell-steps", type=int, default=8)
     p.add_argument("--switch-mode", default="overlapped", choices=("overlapped", "blocking"))
@@ -137,6 +138,16 @@ def budget_bytes(group: Any, args: argparse.Namespace, kv_tokens: int) -> int:
     return int(max(st["weight_bytes_per_rank"]) + st["kv_reserve_bytes"] + pages * per_page + per_page // 2)
 
 
+def snapshot(eng: Any) -> dict[str, Any]:
+    """The few `stats()` fields the timeline needs, read directly: the full stats (with auto's
+    correction summary) every step would time the bench's own bookkeeping into auto's makespan."""
+    a, sched, sw = eng.allocator, eng.scheduler, eng.switcher
+    return {"layout": a.layout, "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+            "num_requests": len(eng.requests), "generation_tokens_total": eng.generation_tokens_total,
+            "kv_pages_used_per_rank": a.num_used, "page_size": a.page_size,
+            "num_switch_backs": sum(sw.switch_backs.values()) if sw is not None else 0}
+
+
 def distinct_held(st: dict[str, Any]) -> int:
     """Distinct KV tokens the live requests hold now (TP replicates every page on every rank)."""
     used = st["kv_pages_used_per_rank"]
@@ -167,17 +178,18 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
             eng.add_request(str(i), prompt_token_ids=p,
                             params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         t0 = time.perf_counter()
-        gen0 = 0
+        gen0 = backs0 = 0
         while eng.has_unfinished():
             layout_before = eng.allocator.layout
             eng.step(final_only=True)
-            st = eng.stats()
+            st = snapshot(eng)
             now = time.perf_counter() - t0
             timeline.append({"t": now, "layout": st["layout"], "from": layout_before,
                              "running": st["num_running"], "waiting": st["num_waiting"],
                              "tokens": st["generation_tokens_total"] - gen0,
-                             "kv_tokens": distinct_held(st), "kv_final_tokens": final_tokens(eng)})
-            gen0 = st["generation_tokens_total"]
+                             "kv_tokens": distinct_held(st), "kv_final_tokens": final_tokens(eng),
+                             "switch_back": st.get("num_switch_backs", 0) > backs0})
+            gen0, backs0 = st["generation_tokens_total"], st.get("num_switch_backs", 0)
             if bar is not None:
                 bar.set_postfix_str(f"{layout}: {len(prompts) - st['num_requests']}/{len(prompts)} done, "
                                     f"{st['layout']}", refresh=False)
@@ -190,7 +202,7 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
         eng.shutdown()
     gen = st["generation_tokens_total"]
     return {"throughput_tok_s": gen / makespan, "makespan_s": makespan,
-            "switches": st.get("num_switches", 0),
+            "switches": st.get("num_switches", 0), "switch_backs": st.get("num_switch_backs", 0),
             "total_tok_s": (gen + st["prompt_tokens_total"]) / makespan,
             "generated_tokens": gen, "steps": st["steps"], "preemptions": st["num_preemptions"],
             "refusals": st.get("switch_refusals", 0),
@@ -199,23 +211,54 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
             "max_running": max((x["running"] for x in timeline), default=0),
             "switch_events": events, "decisions": len(decisions), "decision_log": changes(decisions),
             "timeline": timeline,
-            "switches_total": st.get("switches_total", {})}
+            "switches_total": st.get("switches_total", {}),
+            "theta_source": st.get("theta_source"), "theta_correction": st.get("theta_correction"),
+            "regret_verdicts": st.get("regret_verdicts", [])}
 
 
 def changes(decisions: list[Any]) -> list[dict[str, Any]]:
-    """The policy evaluations where its verdict moved (a switch, or another best or feasible set):
-    the evidence for each switch auto made, or did not make, with the predicted step times."""
+    """The policy evaluations where its verdict moved (a switch or a switch back, or another best or
+    feasible set): the evidence for each switch auto made, or did not make, with every layout's
+    predicted (prior), corrected and observed step time and the correction in force."""
+    def ms(d: dict[str, float | None]) -> dict[str, float | None]:
+        return {k: None if v is None else round(v * 1e3, 2) for k, v in d.items()}
+
     out: list[dict[str, Any]] = []
     prev = None
     for d in decisions:
-        best = min(d.feasible, key=lambda lay: d.times_s[lay]) if d.feasible else None
+        times = d.corrected_s or d.times_s
+        best = min(d.feasible, key=lambda lay: times[lay]) if d.feasible else None
         now = (d.current, best, tuple(d.feasible))
         if d.switch or now != prev:
             out.append({"step": d.step, "current": d.current, "chosen": d.chosen, "switch": d.switch,
-                        "batch": d.batch, "feasible": d.feasible, "reason": d.reason,
-                        "predicted_ms": {k: round(v * 1e3, 2) for k, v in d.times_s.items()}})
+                        "batch": d.batch, "kind": d.kind, "feasible": d.feasible, "reason": d.reason,
+                        "predicted_ms": ms(d.times_s), "corrected_ms": ms(d.corrected_s),
+                        "observed_ms": ms(d.observed_s), "correction": d.correction})
         prev = now
     return out
+
+
+def per_repeat(every: dict[str, list[dict[str, Any]]], repeats: int) -> dict[str, Any]:
+    """auto against the best fixed layout and against the gated per-phase oracle, repeat by repeat
+    (the runs of one repeat ran back to back, so the machine's state cancels best there)."""
+    from splash.bench.phases import analyse
+
+    if "auto" not in every or len(every) < 2:
+        return {}
+    vs_best, vs_oracle, best_each = [], [], []
+    for i in range(repeats):
+        runs = {lay: every[lay][i] for lay in every}
+        fixed = {k: v for k, v in runs.items() if k != "auto"}
+        best = max(fixed, key=lambda k: fixed[k]["throughput_tok_s"])
+        best_each.append(best)
+        vs_best.append(runs["auto"]["throughput_tok_s"] / fixed[best]["throughput_tok_s"])
+        gated = analyse(runs)["oracle_gated"]
+        if gated:
+            vs_oracle.append(gated["makespan_s"] / runs["auto"]["makespan_s"])
+    return {"auto_vs_best_fixed": float(np.median(vs_best)), "auto_vs_best_fixed_each": vs_best,
+            "best_fixed_each": best_each,
+            "auto_vs_oracle_gated": float(np.median(vs_oracle)) if vs_oracle else None,
+            "auto_vs_oracle_gated_each": vs_oracle}
 
 
 def rollout(args: argparse.Namespace) -> dict[str, Any]:
@@ -271,9 +314,12 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
 
     fixed = {k: v for k, v in results.items() if k != "auto"}
     best = max(fixed, key=lambda k: fixed[k]["throughput_tok_s"]) if fixed else None
+    of_medians = (results["auto"]["throughput_tok_s"] / fixed[best]["throughput_tok_s"]
+                  if "auto" in results and best else None)
     doc = {"runs": results, "best_fixed": best,
-           "auto_vs_best_fixed": (results["auto"]["throughput_tok_s"] / fixed[best]["throughput_tok_s"]
-                                  if "auto" in results and best else None),
+           # the median over repeats of auto / best fixed within each repeat (and each repeat's below)
+           "auto_vs_best_fixed": of_medians, "auto_vs_best_fixed_of_median_runs": of_medians,
+           **per_repeat(every, args.repeats),
            "phases": analyse(results),
            "workload": {**wl.__dict__, "prompt_tokens": int(sum(map(len, prompts))),
                         "output_tokens": int(sum(outs)),
@@ -300,14 +346,31 @@ def table(doc: dict[str, Any]) -> str:
                      f"{r['steps']:>6} {r['preemptions']:>7} {r['switches']:>8}")
     if doc.get("auto_vs_best_fixed"):
         a = doc["runs"]["auto"]
-        path = " ".join(f"{e['step']}:{e['src']}->{e['dst']}" for e in a["switch_events"] if not e["refused"])
-        lines.append(f"auto / best fixed ({doc['best_fixed']}): {doc['auto_vs_best_fixed']:.2f}x; auto "
-                     f"switched {path or 'never'}; {a['refusals']} refused")
+        path = " ".join(f"{e['step']}:{e['src']}->{e['dst']}{' (back)' if e['cause'] == 'guard' else ''}"
+                        for e in a["switch_events"] if not e["refused"])
+        rep = _each(doc.get("auto_vs_best_fixed_each"))
+        lines.append(f"auto / best fixed ({doc['best_fixed']}): {doc['auto_vs_best_fixed']:.2f}x{rep}; auto "
+                     f"switched {path or 'never'}; {a['refusals']} refused, {a.get('switch_backs', 0)} "
+                     "switched back")
+        if doc.get("auto_vs_oracle_gated"):
+            lines.append(f"auto / gated per-phase oracle: {doc['auto_vs_oracle_gated']:.2f}x"
+                         f"{_each(doc.get('auto_vs_oracle_gated_each'))}")
+        if a.get("theta_correction"):
+            from splash.correction import describe
+
+            lines.append(f"auto's prior: {a.get('theta_source')}; online correction (measured / predicted): "
+                         f"{describe(a['theta_correction'])}")
     if doc.get("phases"):
         from splash.bench.phases import lines as phase_lines
 
         lines += phase_lines(doc["phases"])
     return "\n".join(lines)
+
+
+def _each(xs: list[float] | None) -> str:
+    """' (median of 3 repeats: 1.01, 0.97, 1.04)' when there were several repeats."""
+    xs = xs or []
+    return f" (median of {len(xs)} repeats: {', '.join(f'{x:.2f}' for x in xs)})" if len(xs) > 1 else ""
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
@@ -326,6 +389,10 @@ def plot(doc: dict[str, Any], path: str) -> None:
         lw = 2.2 if name == "auto" else 1.0
         axes[0].step(t, [order[x["layout"]] + (0.08 if name == "auto" else 0) for x in tl], where="post",
                      label=name, lw=lw)
+        backs = [(x["t"], order[x["layout"]]) for x in tl if x.get("switch_back")]
+        if backs:
+            axes[0].scatter([b[0] for b in backs], [b[1] + 0.08 for b in backs], marker="x", s=60,
+                            color="red", zorder=5, label=f"{name}: switch back")
         axes[1].plot(t, [x["running"] for x in tl], label=name, lw=lw)
         tok = np.array([x["tokens"] for x in tl], dtype=float)
         dt = np.diff(np.concatenate([[0.0], t]))

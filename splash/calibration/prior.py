@@ -4,14 +4,17 @@
 layer: the collectives each layout issues (TP one all-reduce; DP one all-gather; CP two all-to-alls
 and an all-gather for the exact merge; DOP two all-to-alls and an all-reduce), no overlap of attention
 with those collectives (they are issued and waited on in turn, so eta = 0), and activations exchanged
-in the model's dtype. `load_or_default_theta` is what an engine calls for `--theta FILE`; without a
-file it uses `default_theta`: on CPU rates measured on the development VM (stated as such in the log),
-on CUDA the H200 profile prior.
+in the model's dtype. `load_or_default_theta` is what an engine calls for `--theta FILE|PROFILE`: a
+calibrated file, or a profile name (`cpu`: the built-in CPU prior, rates measured on the development
+VM; `h200`, `b200`, `dcu`/`bw1000`: `runtime_prior` of that hardware profile); without either it uses
+`default_theta`: the CPU prior on CPU, on CUDA the H200 profile prior. Either way `--layout auto`
+then corrects the prior online from the engine's own step times (splash/correction.py).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -56,14 +59,45 @@ def runtime_prior(ranks: int, sizes: AttentionSizes, profile: str = "cpu") -> Th
     return Theta.from_dict(d)
 
 
+def profile_theta(name: str, ranks: int, sizes: AttentionSizes) -> Theta:
+    """The prior `--theta NAME` stands for: `cpu` is the built-in CPU default (rates measured on the
+    development VM), any other profile of splash/hardware.py its `runtime_prior`."""
+    from splash.hardware import PROFILES
+
+    name = name.lower()
+    if name not in PROFILES:
+        raise ConfigError(f"unknown hardware profile {name!r}; choose one of {', '.join(sorted(PROFILES))}")
+    return default_theta(ranks, sizes, "cpu") if name == "cpu" else runtime_prior(ranks, sizes, name)
+
+
+def is_profile_name(spec: str) -> bool:
+    """Whether `--theta SPEC` names a hardware profile (an existing file of that name wins)."""
+    from splash.hardware import PROFILES
+
+    return spec.lower() in PROFILES and not os.path.exists(spec)
+
+
 def load_or_default_theta(path: str | None, ranks: int, cfg: ModelConfig, dtype: str = "bf16",
                           device: str | None = None) -> tuple[Theta, str]:
-    """(theta, where it came from): the calibrated file if given, else `default_theta` for the device.
+    """(theta, where it came from): the calibrated file or the hardware profile `path` names if given,
+    else `default_theta` for the device.
 
     A file calibrated for another number of ranks is refused (its latencies and busiest-rank loads
     were fitted at that T). Either way one log line says which theta the policy runs on.
     """
+    if path and is_profile_name(path):
+        theta = profile_theta(path, ranks, AttentionSizes(cfg, dtype, dtype))
+        src = (f"profile prior '{theta.source}' (--theta {path}: not measured on this machine; corrected "
+               "online from the engine's step times)")
+        log.info("layout policy: %s", src)
+        return theta, src
     if path:
+        if not os.path.exists(path):
+            from splash.hardware import PROFILES
+
+            raise ConfigError(f"--theta {path!r} is neither a theta file nor a hardware profile; pass a file "
+                              f"written by `splash calibrate --tp {ranks} --out FILE` or one of "
+                              f"{', '.join(sorted(PROFILES))}")
         theta = Theta.load(path)
         if theta.ranks != ranks:
             raise ConfigError(f"{path} was calibrated for {theta.ranks} ranks but the engine runs on "

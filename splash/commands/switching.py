@@ -23,9 +23,10 @@ def add_switch_args(p: argparse.ArgumentParser, layout: bool = True) -> None:
     p.add_argument("--switch-mode", default="overlapped", choices=("overlapped", "blocking"),
                    help="overlapped (default): layer i+1's state moves while layer i computes; blocking: "
                         "all transfers first (for comparison)")
-    p.add_argument("--theta", default=None, metavar="FILE",
-                   help="calibrated theta for --layout auto (`splash calibrate --out FILE`); default: the "
-                        "device's built-in profile prior")
+    p.add_argument("--theta", default=None, metavar="FILE|PROFILE",
+                   help="the prior --layout auto starts from: a calibrated theta (`splash calibrate --out "
+                        "FILE`) or a hardware profile (cpu, h200, b200, dcu); default: the device's built-in "
+                        "prior. Either way auto corrects it online from the engine's own step times")
     p.add_argument("--switch-margin", type=_fraction, default=0.05,
                    help="auto: switch when another feasible layout is predicted this fraction faster "
                         "(default 0.05)")

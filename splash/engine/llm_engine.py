@@ -116,6 +116,8 @@ class LLMEngine(RLControl):
             return
         self._closed = True
         try:
+            if self.switcher is not None:
+                self.switcher.close()  # logs the prior and how far the online correction moved it
             self.abort_all()
         finally:
             stop = getattr(self.runner, "shutdown", None)

@@ -139,7 +139,7 @@ class SwitchEvent:
     step: int
     src: str
     dst: str
-    cause: str  # "schedule" | "auto" | "request"
+    cause: str  # "schedule" | "auto" | "request" | "guard" (a switch back, splash/regret.py)
     mode: str
     refused: str | None = None
     message: str = ""
@@ -163,10 +163,15 @@ class LayoutDecision:
     chosen: str
     switch: bool
     reason: str
-    times_s: dict[str, float]  # predicted step time per layout
+    times_s: dict[str, float]  # predicted step time per layout (Eq 10 on the prior theta)
     feasible: list[str]
     batch: int
     rows: int
+    corrected_s: dict[str, float] = field(default_factory=dict)  # times_s x the correction in force
+    observed_s: dict[str, float | None] = field(default_factory=dict)  # recent measured pace on such
+    #                                      steps (None: not run on such steps recently)
+    correction: dict[str, dict[str, Any]] = field(default_factory=dict)  # per layout Estimate.to_dict()
+    kind: str = ""  # the step kind the correction is keyed by ("decode B=3-4")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -241,6 +246,11 @@ class SwitchController:
         self.switches: dict[tuple[str, str], int] = {}
         self.refusals = 0
         self.exposed: list[float] = []  # every switch's exposed seconds (histogram source)
+        self.switch_backs: dict[tuple[str, str], int] = {}  # the regret guard's switches back, committed
+        self._switch_back: Any = None  # a guard Verdict asking to go back at the next step
+        self.feedback: Any = None  # StepFeedback (auto): the step clock behind the online correction
+        if auto:
+            self._init_feedback(margin)
 
     # ---- the policy (auto) ---------------------------------------------------------------------------
     def _init_policy(self, dtype: Any, margin: float, min_dwell: int, budget: bool) -> None:
@@ -259,6 +269,17 @@ class SwitchController:
         d.update(memory_bytes=1e18, reserve_bytes=0.0, act_bytes=dtype_bytes(dt))
         self.theta = Theta.from_dict(d)
         self.policy_cfg = PolicyConfig(margin=margin, min_dwell=min_dwell, page_size=P)
+
+    def _init_feedback(self, margin: float) -> None:
+        from splash.engine.feedback import StepFeedback
+
+        dev = getattr(getattr(self.engine.runner, "local", self.engine.runner), "device", None)
+        sync = None
+        if getattr(dev, "type", None) == "cuda":
+            def sync() -> None:
+                torch.cuda.synchronize(dev)
+        self.feedback = StepFeedback(self.sizes, self.theta, self.policy_cfg.page_size, LAYOUTS, margin,
+                                     self._batch, sync)
 
     def _batch(self, plan: StepPlan, live: list[Any]) -> Any:
         """The Policy's x: every sequence holding pages, s_i including this step's rows, q_i, owners,
@@ -364,7 +385,6 @@ class SwitchController:
         """Evaluate the Policy on the live batch. Memory feasibility is the engine's own page accounting
         (`fits`, exactly what the planner will check); the Policy prices each candidate (Eq 10) and
         applies its margin and dwell."""
-        from splash.costmodel import step_cost
         from splash.layouts import Layout
         from splash.policy import decide
 
@@ -388,29 +408,63 @@ class SwitchController:
                 and self.steps_since_switch != self.policy_cfg.min_dwell):
             return None
         self._last_eval = (key, plan.step)
-        batch = self._batch(plan, live)
+        fb = self.feedback
+        batch = fb.batch(plan, live) if fb is not None else self._batch(plan, live)
         rows = {s.req_id: s.num_new for s in plan.seqs}
-        ok = [lay for lay in cands if lay == cur or self.fits(lay, live, rows)]
+        kind, est = fb.estimates(plan, plan.step) if fb is not None else (None, {})
+        blocked = fb.blocked(kind, plan.step) if fb is not None else []
+        ok = [lay for lay in cands if lay == cur or (lay not in blocked and self.fits(lay, live, rows))]
         cfg = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in ok))
-        d = decide(self.sizes, self.theta, batch, cur, self.steps_since_switch, cfg)
+        corr = {Layout.parse(lay): (e.factor, e.uncertainty) for lay, e in est.items()}
+        # While the regret guard judges the last switch, only a forced move may leave (dwell not reached).
+        dwell = 0 if fb is not None and fb.guard.holding else self.steps_since_switch
+        d = decide(self.sizes, self.theta, batch, cur, dwell, cfg, corr or None)
+        here = Layout.parse(cur)
+        if d.switch and est and est[cur].source != "measured" and d.evals[here].fits:
+            # Measure before leaping: until the current layout has run a few steps of this kind, its
+            # pace here is a guess too, and the guard would have nothing to compare the switch with.
+            d = dataclasses.replace(d, layout=here, switch=False, reason=f"{d.reason}; but {cur} has not run "
+                                    f"steps like this one ({kind.label}) yet: measuring it first")
+            self._last_eval = None  # look again next step
         chosen = d.layout.label.lower()
-        times = {lay.label.lower(): t for lay, t in d.times.items()}
-        for lay in LAYOUTS:  # price the layouts memory ruled out too, for the log
-            if lay not in times:
-                times[lay] = step_cost(Layout.parse(lay), self.sizes, batch, self.theta, cfg.page_size).total
+        if fb is not None:
+            fb.note_prices(plan, live, {lay.label.lower(): e.predicted for lay, e in d.evals.items()})
         reason = d.reason
-        if len(ok) < len(LAYOUTS):
+        ruled = [lay for lay in LAYOUTS if lay not in ok and lay not in blocked]
+        if ruled:
             why = "memory or the queue" if queued else "memory"
-            reason += f" ({why} rules out {','.join(lay for lay in LAYOUTS if lay not in ok)})"
-        rec = LayoutDecision(plan.step, cur, chosen, d.switch, reason, {lay: times[lay] for lay in LAYOUTS},
-                             sorted(lay.label.lower() for lay in d.feasible), batch.size, batch.n_rows)
-        self.decisions.append(rec)
+            reason += f" ({why} rules out {','.join(ruled)})"
+        if blocked:
+            reason += f" ({','.join(blocked)} blocked after a switch back)"
+        rec = self._record(plan, live, batch, cur, chosen, d.switch, reason,
+                           sorted(lay.label.lower() for lay in d.feasible), kind, est)
         if log.isEnabledFor(logging.DEBUG) or d.switch:
-            msg = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in rec.times_s.items())
-            (log.info if d.switch else log.debug)("step %d: layout %s -> %s (%s); predicted %s; B=%d rows=%d",
-                                                  plan.step, cur, chosen, reason, msg, batch.size,
-                                                  batch.n_rows)
+            msg = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in rec.corrected_s.items())
+            (log.info if d.switch else log.debug)("step %d: layout %s -> %s (%s); predicted (corrected) %s; "
+                                                  "B=%d rows=%d", plan.step, cur, chosen, reason, msg,
+                                                  batch.size, batch.n_rows)
         return chosen if d.switch and chosen != cur else None
+
+    def _record(self, plan: StepPlan, live: list[Any], batch: Any, cur: str, chosen: str, switch: bool,
+                reason: str, feasible: list[str], kind: Any, est: dict[str, Any]) -> LayoutDecision:
+        """A LayoutDecision with every layout's predicted, corrected and observed step time."""
+        from splash.costmodel import step_cost
+        from splash.layouts import Layout
+
+        fb = self.feedback
+        if fb is not None:
+            times = {lay: fb.price(lay, plan, live) for lay in LAYOUTS}
+        else:
+            times = {lay: step_cost(Layout.parse(lay), self.sizes, batch, self.theta,
+                                    self.policy_cfg.page_size).total for lay in LAYOUTS}
+        corrected = {lay: times[lay] * (est[lay].factor if lay in est else 1.0) for lay in LAYOUTS}
+        observed = ({lay: fb.correction.observed_s(lay, kind, times[lay], plan.step) for lay in LAYOUTS}
+                    if fb is not None else {})
+        rec = LayoutDecision(plan.step, cur, chosen, switch, reason, times, feasible, batch.size,
+                             batch.n_rows, corrected, observed, {lay: e.to_dict() for lay, e in est.items()},
+                             kind.label if kind is not None else "")
+        self.decisions.append(rec)
+        return rec
 
     # ---- requests from outside (benchmarks, tests) ------------------------------------------------
     def request(self, dst: str, mode: str | None = None) -> None:
@@ -436,9 +490,33 @@ class SwitchController:
             mode = m or mode
             self._requested = None
         live = [s for s in self.sched.running if s.pages and any(p >= 0 for row in s.pages for p in row)]
+        back, self._switch_back = self._switch_back, None
+        if cause == "" and back is not None and back.dst == cur and live:
+            dst, cause = back.src, "guard"
+            self._record_back(plan, live, back)
         if self.auto and cause == "":
             dst = self._decide(plan, live)
             cause = "auto"
+        try:
+            self._switch_to(st, dst, cause, mode, live)
+        finally:
+            if self.feedback is not None:
+                self.feedback.begin(st.plan, live, self.alloc.layout, switching=self.pending is not None)
+
+    def _record_back(self, plan: StepPlan, live: list[Any], back: Any) -> None:
+        """The guard's switch back, in the decision log like the Policy's verdicts."""
+        fb = self.feedback
+        batch = fb.batch(plan, live)
+        kind, est = fb.estimates(plan, plan.step)
+        rec = self._record(plan, live, batch, back.dst, back.src, True, f"switch back: {back.reason}",
+                           [back.src], kind, est)
+        log.info("step %d: %s; observed %s", plan.step, rec.reason,
+                 " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in rec.observed_s.items() if v is not None))
+
+    def _switch_to(self, st: Any, dst: str | None, cause: str, mode: str, live: list[Any]) -> None:
+        """Plan the switch into `dst` (None: none) and rewrite `st.plan` into it, or log the refusal."""
+        plan = st.plan
+        cur = self.alloc.layout
         if dst is None or dst == cur:
             self.steps_since_switch += 1
             return
@@ -489,7 +567,13 @@ class SwitchController:
         return max(seq.num_tokens, min(limit, ctx))
 
     def after_execute(self, st: Any) -> None:
-        """The step ran on every rank: commit the switch (if one travelled with it)."""
+        """The step ran on every rank: record its time (auto); commit the switch that travelled with it."""
+        if self.feedback is not None:
+            verdict = self.feedback.end()
+            if verdict is not None:
+                self._switch_back = verdict if verdict.switch_back else None
+                (log.info if verdict.switch_back else log.debug)("step %d: regret guard: %s", st.plan.step,
+                                                                 verdict.reason)
         sw, self.pending = self.pending, None
         if sw is None:
             return
@@ -521,6 +605,11 @@ class SwitchController:
             self.exposed.append(ev.exposed_s)
         self.switches[(sw.src, sw.dst)] = self.switches.get((sw.src, sw.dst), 0) + 1
         self.steps_since_switch = 0
+        cause = ev.cause if ev is not None else ""
+        if cause == "guard":
+            self.switch_backs[(sw.src, sw.dst)] = self.switch_backs.get((sw.src, sw.dst), 0) + 1
+        if self.feedback is not None:
+            self.feedback.guard.switched(st.plan.step, sw.src, sw.dst, voluntary=cause == "auto")
         log.info("step %d: switched %s -> %s (%s, %s): %.0f B/layer, exposed %.1f ms", st.plan.step, sw.src,
                  sw.dst, ev.cause if ev else "?", sw.mode, ev.bytes_per_layer if ev else 0,
                  (ev.exposed_s if ev else 0) * 1e3)
@@ -545,7 +634,23 @@ class SwitchController:
             "switch_exposed_seconds": list(self.exposed),
             "theta_source": self.theta_source if self.auto else None,
             "weight_pages_withheld": [len(w) for w in self.withheld],
+            "num_switch_backs": sum(self.switch_backs.values()),
+            "switch_backs_total": {f"{a}->{b}": n for (a, b), n in sorted(self.switch_backs.items())},
+            "theta_correction": self.feedback.correction.summary() if self.feedback is not None else None,
+            "regret_verdicts": ([v.to_dict() for v in self.feedback.guard.verdicts[-20:]]
+                                if self.feedback is not None else []),
         }
+
+    def close(self) -> None:
+        """At shutdown: one log line saying which prior the policy ran on and how far the measured
+        steps moved it."""
+        if self.feedback is None:
+            return
+        from splash.correction import describe
+
+        log.info("layout policy: prior %s; online correction (measured / predicted): %s; %d switch back(s)",
+                 self.theta.source or self.theta_source, describe(self.feedback.correction.summary()),
+                 sum(self.switch_backs.values()))
 
 
 def replica_bytes(model: Any, world: int) -> int:

@@ -1,0 +1,122 @@
+"""Rank 0's step clock for `--layout auto`: time every step, price it, feed the correction and the guard.
+
+The analytical core keeps the learning (`splash.correction.StepCorrection`: measured/predicted per
+layout and kind of step; `splash.regret.RegretGuard`: was the last switch worth it); this module is
+the runtime's side. `begin` (just before the step runs) notes the layout and the step's batch;
+`end` (right after) reads the clock - `runner.execute`'s wall time, as `splash calibrate` times a
+step, after a CUDA synchronize - prices the step in the layout that ran it (Eq 10 on the prior
+theta, cached while the batch keeps its shape) and reports both. A step that switched layouts is not
+a sample (it also moved state). During a probation the guard also gets the counterfactual: what the
+source layout's own recent pace on steps of the same kind (batch-size bucket, mix) says this batch
+would have taken there; a step of a kind the source has not run recently is not compared.
+`timer` replaces the clock with a synthetic step-time source (tests: deterministic, no wall clock).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from splash.correction import CorrectionConfig, Estimate, StepCorrection, StepKey
+from splash.regret import RegretGuard, Verdict
+
+log = logging.getLogger("splash.switch")
+
+REPRICE = 8  # steps a cached prediction of an unchanged batch shape is reused (contexts grow slowly)
+SAMPLE_GAP = 8  # a step whose shape changed is a sample only this many steps after the last pricing:
+#                 building a Batch costs ~0.2 ms, and prefill chunks change shape every step
+Timer = Callable[[str, StepKey, float], float]  # (layout, key, predicted s) -> "measured" s
+
+
+class StepFeedback:
+    def __init__(self, sizes: Any, theta: Any, page_size: int | None, layouts: Sequence[str], margin: float,
+                 batch_of: Callable[[Any, list[Any]], Any], sync: Callable[[], None] | None = None,
+                 config: CorrectionConfig = CorrectionConfig()) -> None:
+        self.sizes, self.theta, self.page_size = sizes, theta, page_size
+        self.layouts = tuple(layouts)
+        self.batch_of = batch_of  # (plan, live) -> costmodel.Batch, the controller's view of a step
+        self.sync = sync
+        self.correction = StepCorrection(config)
+        self.guard = RegretGuard(margin=margin)
+        self.timer: Timer | None = None
+        self._step: tuple[int, str, StepKey, Any, list[Any]] | None = None  # the step under the clock
+        self._t0 = 0.0
+        self._batch: tuple[Any, int, Any] | None = None  # (shape signature, step, Batch)
+        self._prices: dict[str, float] = {}  # layout -> prediction for the cached batch
+
+    # ---- the clock -----------------------------------------------------------------------------------
+    def begin(self, plan: Any, live: list[Any], layout: str, switching: bool) -> None:
+        """The step `plan` is about to run in `layout` (`switching`: it also switches: no sample)."""
+        if switching or not plan.seqs:
+            self._step = None
+            return
+        self._step = (plan.step, layout, StepKey.of(s.num_new for s in plan.seqs), plan, live)
+        self._t0 = time.perf_counter()
+
+    def end(self) -> Verdict | None:
+        """The step ran: record it; a guard Verdict when this step ends a probation."""
+        if self._step is None:
+            return None
+        if self.sync is not None:
+            self.sync()
+        wall = time.perf_counter() - self._t0
+        step, layout, key, plan, live = self._step
+        self._step = None
+        if (self.guard.probation is None and not self.priced(plan) and self._batch is not None
+                and plan.step - self._batch[1] < SAMPLE_GAP):
+            return None  # a new shape right after the last pricing: unsampled (the guard needs them all)
+        predicted = self.price(layout, plan, live)
+        measured = self.timer(layout, key, predicted) if self.timer is not None else wall
+        self.correction.observe(layout, key, predicted, measured, step)
+        p = self.guard.probation
+        if p is None:
+            return None
+        counter = None
+        if layout == p.dst:  # comparable: the source measured on this very kind of step
+            src = self.correction.measured(p.src, key, step)
+            if src is not None:
+                counter = src.factor * self.price(p.src, plan, live)
+        return self.guard.observe(step, layout, key.bucket, measured, counter)
+
+    # ---- prices ----------------------------------------------------------------------------------------
+    def priced(self, plan: Any) -> bool:
+        """Whether the cached Batch is this step's (same shape, recent enough)."""
+        c = self._batch
+        return (c is not None and c[0] == tuple((s.req_id, s.num_new) for s in plan.seqs)
+                and plan.step - c[1] < REPRICE)
+
+    def batch(self, plan: Any, live: list[Any]) -> Any:
+        """The step's Batch, reused while its shape (requests and their rows) holds for REPRICE steps."""
+        if not self.priced(plan):
+            sig = tuple((s.req_id, s.num_new) for s in plan.seqs)
+            self._batch = (sig, plan.step, self.batch_of(plan, live))
+            self._prices = {}
+        return self._batch[2]
+
+    def price(self, layout: str, plan: Any, live: list[Any]) -> float:
+        """Eq 10 on the prior theta for this step in `layout` (cached with the batch)."""
+        from splash.costmodel import step_cost
+        from splash.layouts import Layout
+
+        b = self.batch(plan, live)
+        if layout not in self._prices:
+            self._prices[layout] = step_cost(Layout.parse(layout), self.sizes, b, self.theta,
+                                             self.page_size).total
+        return self._prices[layout]
+
+    def note_prices(self, plan: Any, live: list[Any], prices: dict[str, float]) -> None:
+        """Predictions the Policy just made for this step's batch: kept, so the log does not redo them."""
+        self.batch(plan, live)
+        for lay, t in prices.items():
+            self._prices.setdefault(lay, t)
+
+    # ---- what the policy and the log see -------------------------------------------------------------
+    def estimates(self, plan: Any, step: int) -> tuple[StepKey, dict[str, Estimate]]:
+        key = StepKey.of(s.num_new for s in plan.seqs)
+        return key, self.correction.estimates(self.layouts, key, step)
+
+    def blocked(self, key: StepKey, step: int) -> list[str]:
+        """Layouts the guard keeps out of this kind of step now (after a switch back)."""
+        return [lay for lay in self.layouts if self.guard.blocked(lay, key.bucket, step)]
