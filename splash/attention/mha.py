@@ -10,10 +10,12 @@ it for prefill chunks (rows ~ keys), never for decode rows (one row per context)
 one place that decides, per chunk (`chunk_costs`); `SPLASH_ATTN_FORM=absorbed|mha` (or the engine's
 `attention_form`) pins either form everywhere, for tests and before/after measurements.
 
-Attention runs through torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`), which
-also returns the log-sum-exp CP's exact merge needs; it wants one head size for q, k and v, so v is
-zero-padded to d_nope + d_r (the padded columns are dropped). Causal by position: a row at position p
-sees the keys at positions <= p that the caller passes (CP: only this rank's share).
+On CPU, attention runs through torch's flash kernel (`_scaled_dot_product_flash_attention_for_cpu`),
+which also returns the log-sum-exp CP's exact merge needs; it wants one head size for q, k and v, so v
+is zero-padded to d_nope + d_r (the padded columns are dropped). Other devices take the plain
+matmul-softmax-matmul (`attend_math`; scores in float32 for bf16/fp16, as the absorbed kernel).
+Causal by position: a row at position p sees the keys at positions <= p that the caller passes (CP:
+only this rank's share).
 """
 
 from __future__ import annotations
@@ -142,15 +144,17 @@ def attend(mla: MLA, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Ten
         return q_nope.new_zeros(n, h, d_v), none
     k, v = decompress(mla, latent)
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [h, n, E]
-    e = q.shape[-1]
-    v = F.pad(v, (0, e - d_v)) if e > d_v else v
-    m = k.shape[1]
+    e, m = q.shape[-1], k.shape[1]
     visible = key_pos[None, :] <= q_pos[:, None]  # [n, m]
+    if q.device.type != "cpu":  # the flash kernel below is CPU's
+        return attend_math(q, k, v, visible, scale, lse)
     causal = n == m and bool((key_pos == q_pos).all()) and bool((key_pos[1:] > key_pos[:-1]).all())
     mask = None
     if not causal:
         mask = torch.zeros((), dtype=q.dtype).expand(n, m).masked_fill(~visible, float("-inf"))
-    if e < d_v:  # (no DeepSeek shape: d_v <= d_nope) pad the queries and keys instead
+    if e > d_v:
+        v = F.pad(v, (0, e - d_v))
+    elif e < d_v:  # (no DeepSeek shape: d_v <= d_nope) pad the queries and keys instead
         q, k = F.pad(q, (0, d_v - e)), F.pad(k, (0, d_v - e))
     o, total = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q[None], k[None], v[None], 0.0, causal, attn_mask=mask, scale=scale)
@@ -163,3 +167,15 @@ def attend(mla: MLA, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Ten
         total = total.masked_fill(blind[:, None], float("-inf"))
         out = out.masked_fill(blind[:, None, None], 0)
     return out, total
+
+
+def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q [h, n, E], k [h, m, E], v [h, m, d_v], visible [n, m] -> (out [n, h, d_v], lse [n, h] or None)
+    without the flash kernel (devices other than the CPU)."""
+    acc = acc_dtype(q.dtype)
+    s = torch.matmul(q, k.transpose(1, 2)).to(acc).mul_(scale)  # [h, n, m]
+    s.masked_fill_(~visible[None], float("-inf"))
+    total = torch.logsumexp(s, dim=-1).transpose(0, 1) if lse else None
+    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0).to(v.dtype)  # no visible key: 0
+    return torch.matmul(p, v).transpose(0, 1), total
