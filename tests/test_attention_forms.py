@@ -46,9 +46,10 @@ def test_cost_rule_picks_mha_for_prefill_and_absorbed_for_decode(monkeypatch):
         mha.set_form("latent")
 
 
-def test_flash_path_equals_the_plain_one_with_blind_rows_and_lse():
-    """The CPU flash kernel path of `attend` and `attend_math` (other devices) agree in float64, incl.
-    the log-sum-exp CP merges with and rows that see no key (CP: a rank without their pages)."""
+def test_blocked_attention_equals_one_block_with_blind_rows_and_lse():
+    """`attend_blocked` in blocks of 2 query rows (CPU) equals one block (other devices) and a direct
+    softmax in float64, incl. the log-sum-exp CP merges with, and rows that see no key (CP: a rank
+    without their pages) get 0 and lse -inf."""
     from test_layouts_dist import full_mla
 
     mla = full_mla()
@@ -59,13 +60,16 @@ def test_flash_path_equals_the_plain_one_with_blind_rows_and_lse():
     latent = torch.randn(m, mla.d_c + mla.d_rope, generator=g, dtype=torch.float64)
     key_pos = torch.tensor([3, 4, 5, 6, 7, 12, 13, 14, 15])  # a rank's share of the positions
     q_pos = torch.tensor([1, 2, 5, 13, 20])  # rows 0 and 1 see no key here
-    out, lse = mha.attend(mla, q_nope, q_pe, latent, key_pos, q_pos, 0.3, lse=True)
     k, v = mha.decompress(mla, latent)
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)
-    out2, lse2 = mha.attend_math(q, k, v, key_pos[None, :] <= q_pos[:, None], 0.3, True)
-    assert torch.allclose(out, out2, atol=1e-13) and torch.equal(out[:2], torch.zeros_like(out[:2]))
-    assert torch.equal(lse[:2], torch.full_like(lse[:2], float("-inf")))
-    assert torch.allclose(lse[2:], lse2[2:], atol=1e-13)
+    out, lse = mha.attend_blocked(q, k, v, q_pos, key_pos, 0.3, True, 2)
+    out1, lse1 = mha.attend_blocked(q, k, v, q_pos, key_pos, 0.3, True, n)
+    s = (q @ k.transpose(1, 2) * 0.3).masked_fill((key_pos[None, :] > q_pos[:, None])[None], float("-inf"))
+    ref, ref_lse = (torch.softmax(s[:, 2:], -1) @ v).transpose(0, 1), torch.logsumexp(s[:, 2:], -1).t()
+    for o, t in ((out, lse), (out1, lse1)):
+        assert torch.allclose(o[2:], ref, atol=1e-13) and torch.allclose(t[2:], ref_lse, atol=1e-13)
+        assert torch.equal(o[:2], torch.zeros_like(o[:2]))
+        assert torch.equal(t[:2], torch.full_like(t[:2], float("-inf")))
 
 
 # ---- the engine on two ranks -------------------------------------------------------------------------
