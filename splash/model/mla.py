@@ -4,7 +4,9 @@ The per-token work every rank repeats (`prepare`: q_a + norm or the raw x, kv_a 
 roped k_pe) is separate from the per-head work (`q_heads`, `out_heads`) so a layout can run the head
 part over all heads (DP, CP) or a slice of them (TP, DOP), and `set_heads` swaps the slice when the
 layout switches. Absorbed: q_lat = q_nope W_UK, so scores are q_lat . c_kv + q_pe . k_pe against the
-cached latent directly, and the output latent goes through W_UV then o_proj.
+cached latent directly, and the output latent goes through W_UV then o_proj. The MHA form of long
+chunks (splash/attention/mha.py) uses the parts instead: `q_parts` (q_nope, q_pe) against keys and
+values decompressed with w_uk / w_uv, values straight to `o_proj`.
 
 Head-tensor layout for switching (`head_tensors` / `set_heads`): "q_b" [h, d_nope+d_rope, q_in],
 "w_uk" [h, d_nope, d_c], "w_uv" [h, d_c, d_v] (all head-major), "o" [d, h, d_v] (o_proj columns).
