@@ -138,7 +138,10 @@ def test_layouts_match_transformers_and_single_rank(group, ckpts):
     for kind, (path, ref, ref_logits) in ckpts.items():
         cfg = ModelConfig.from_hf(path)
         for layout in LAYOUTS:
-            eng = build_engine(model=path, layout=layout, rank_group=group, num_kv_pages=64, **ENGINE)
+            # The absorbed form throughout: the byte counts below are its (the paper's) formulas; the
+            # MHA form of prefill chunks is checked in tests/test_attention_forms.py.
+            eng = build_engine(model=path, layout=layout, rank_group=group, num_kv_pages=64,
+                               attention_form="absorbed", **ENGINE)
             try:
                 st = eng.stats()
                 assert (st["layout"], st["ranks"]) == (layout, world)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
+from splash.attention import mha
 from splash.attention.dop import eq4_bytes
 from splash.attention.registry import NAMES, make_layout
 from splash.config import ModelConfig
@@ -33,6 +34,7 @@ CFG = ModelConfig(
 )
 DT = torch.float64
 P = 4  # page size
+FORMS = ("absorbed", "mha", "auto")  # auto mixes them: in "mixed", the 6-row first chunk takes MHA
 LAYER = 1  # attend layer 1 of a 2-layer pool, so a wrong layer index reads junk
 NUM_PAGES = 24
 D = CFG.kv_lora_rank + CFG.qk_rope_head_dim
@@ -136,8 +138,20 @@ def _expected_writes(seqs: list[SeqSlice], rank: int) -> dict[int, int]:
     return out
 
 
-def run_layouts(comm, rank: int, world: int, names=NAMES) -> dict:
-    """Every case x layout on this rank; checks the KV writes here, returns outputs and bytes."""
+def run_layouts(comm, rank: int, world: int, names=NAMES, forms=FORMS) -> dict:
+    """Every case x layout x attention form on this rank; checks the KV writes here, returns outputs and
+    bytes, keyed (case, layout, form)."""
+    results = {}
+    for form in forms:
+        mha.set_form(form)
+        try:
+            results.update(_run_form(comm, rank, world, names, form))
+        finally:
+            mha.set_form("auto")
+    return results
+
+
+def _run_form(comm, rank: int, world: int, names, form: str) -> dict:
     full = full_mla()
     results = {}
     for ci, (cname, case) in enumerate(cases(world).items()):
@@ -158,7 +172,7 @@ def run_layouts(comm, rank: int, world: int, names=NAMES) -> dict:
             assert set(changed[LAYER].nonzero().flatten().tolist()) == set(want), f"{name}: wrong slots"
             for slot, row in want.items():
                 assert torch.equal(pool.flat_layer(LAYER)[slot], latent_new[row]), f"{name}: slot {slot}"
-            results[(cname, name)] = (out, dict(comm.stats.current))
+            results[(cname, name, form)] = (out, dict(comm.stats.current))
     return results
 
 
@@ -179,9 +193,34 @@ def _references(world: int) -> dict[str, torch.Tensor]:
 def test_layouts_on_one_rank_match_reference() -> None:
     refs = _references(1)
     res = run_layouts(LocalCommunicator(), 0, 1, names=(*NAMES, "local"))
-    for (cname, name), (out, _) in res.items():
+    assert {k[2] for k in res} == set(FORMS)
+    for (cname, name, form), (out, _) in res.items():
         err = (out - refs[cname]).abs().max().item()
-        assert err < 1e-12, f"{name}/{cname} at T=1: max error {err:.2e}"
+        assert err < 1e-12, f"{name}/{cname}/{form} at T=1: max error {err:.2e}"
+
+
+def test_mha_form_in_bf16_is_as_close_as_the_absorbed_form() -> None:
+    """bf16 (the serving dtype): both forms stay within rounding of the float64 attention, and the MHA
+    form (keys and values decompressed in bf16, the flash kernel) is no further from it than absorbed."""
+    case = [(0, 10, 0), (10, 1, 0), (14, 1, 0), (5, 6, 0)]
+    q_in, latent_new, hist = inputs(case, seed=3)
+    ref = reference(full_mla(), case, q_in, latent_new, hist)
+    bf = full_mla().to(torch.bfloat16)
+    err = {}
+    for form in ("absorbed", "mha"):
+        mha.set_form(form)
+        try:
+            layout = make_layout("local")
+            seqs, pool = build_plan(case, hist, "all", 1, 0, seed=5)
+            pool.data, pool.dtype = pool.data.bfloat16(), torch.bfloat16
+            ctx = ForwardContext.build(seqs, kv=pool, layout=layout, comm=LocalCommunicator(), page_size=P)
+            out = layout.attention(LAYER, bf, q_in.bfloat16(), latent_new.bfloat16(), ctx)
+        finally:
+            mha.set_form("auto")
+        assert out.dtype == torch.bfloat16
+        err[form] = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err["absorbed"] < 0.05 and err["mha"] < 0.05, err
+    assert err["mha"] < 1.5 * err["absorbed"], err
 
 
 @pytest.mark.slow
@@ -192,14 +231,16 @@ def test_layouts_match_reference_on_gloo_ranks(world: int) -> None:
     d, b = CFG.hidden_size, 8
     d_c, d_r = CFG.kv_lora_rank, CFG.qk_rope_head_dim
     for key, (out0, _) in per_rank[0].items():
-        cname, name = key
+        cname, name, form = key
         ref = refs[cname]
         n = ref.shape[0]
         for r in range(world):
             out, _ = per_rank[r][key]
             err = (out - ref).abs().max().item()
-            assert err < 1e-12, f"{name}/{cname} T={world} rank {r}: max error {err:.2e}"
-            assert torch.equal(out, out0), f"{name}/{cname}: ranks 0 and {r} disagree"
+            assert err < 1e-12, f"{name}/{cname}/{form} T={world} rank {r}: max error {err:.2e}"
+            assert torch.equal(out, out0), f"{name}/{cname}/{form}: ranks 0 and {r} disagree"
+        if form != "absorbed":
+            continue  # the byte counts below are the absorbed form's (the paper's formulas)
         # Bytes summed over ranks, by the convention of splash/dist/stats.py.
         tot = {op: sum(per_rank[r][key][1].get((op, LAYER), 0) for r in range(world))
                for op in ("all_reduce", "all_gather", "all_to_all")}

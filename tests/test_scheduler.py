@@ -146,3 +146,72 @@ def test_queue_waits_for_pages_instead_of_failing():
     sched.add(b)
     st = sched.schedule()
     assert [s.req_id for s in st.plan.seqs] == [a.seq_id] and list(sched.waiting) == [b]
+
+
+def test_step_mixing_bounds_rows_per_step_and_keeps_decodes_running():
+    """A long prompt arriving while streams decode: every step carries every running stream's decode
+    row first, the prompt's chunk fills only what the budget leaves, and no step exceeds the budget;
+    with long_prefill_token_threshold two prompts share a step instead of the older taking it all."""
+    budget, streams = 16, 4
+    alloc = KVAllocator(200, page_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=512),
+                      alloc)
+    decoders = [make_seq([i + 1, i + 2], 40) for i in range(streams)]
+    for s in decoders:
+        sched.add(s)
+    st = sched.schedule()
+    sched.complete(st)
+    for s in decoders:
+        s.output_token_ids.append(7)
+    long = make_seq(list(range(1, 101)), 2)  # 100 prompt tokens
+    sched.add(long)
+    chunks = []
+    for _ in range(8):
+        st = sched.schedule()
+        ids = [sl.req_id for sl in st.plan.seqs]
+        assert ids[:streams] == [s.seq_id for s in decoders], "decode rows must come first, every step"
+        assert all(sl.num_new == 1 for sl in st.plan.seqs[:streams])
+        assert st.plan.num_rows <= budget
+        chunks += [sl.num_new for sl in st.plan.seqs if sl.req_id == long.seq_id]
+        sched.complete(st)
+        for s in decoders:
+            s.output_token_ids.append(7)
+    assert chunks[:7] == [budget - streams] * 7  # the prompt takes exactly what the decodes leave
+
+    # Two prompts queued together: without the cap the first takes the whole budget for steps, with it
+    # both advance in the same step (vLLM's --long-prefill-token-threshold).
+    for cap, want in ((0, [(0, 16)]), (8, [(0, 8), (0, 8)])):
+        alloc = KVAllocator(200, page_size=4)
+        cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=512,
+                              long_prefill_token_threshold=cap)
+        sched = Scheduler(cfg, alloc)
+        for i in range(2):
+            sched.add(make_seq(list(range(1 + i, 60 + i)), 2))
+        st = sched.schedule()
+        assert [(sl.start, sl.num_new) for sl in st.plan.seqs] == want
+        assert cfg.chunk(3, 100) == 3 and cfg.chunk(50, 5) == 5  # the cap is only an upper bound
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+
+
+@pytest.mark.parametrize("cap", [5, 16])
+def test_long_prefill_cap_keeps_tokens_exact(cap):
+    """The per-sequence cap changes how prompts are chunked, never what is computed."""
+    P = 4
+    alloc = KVAllocator(60, page_size=P)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=512,
+                                      long_prefill_token_threshold=cap), alloc)
+    seqs = [make_seq(list(range(1 + i, 30 + 3 * i)), 6) for i in range(3)]
+    chunks: list[int] = []
+    schedule = sched.schedule
+
+    def spy():
+        st = schedule()
+        chunks.extend(sl.num_new for sl in st.plan.seqs)
+        return st
+
+    sched.schedule = spy
+    run(sched, {0: seqs[:2], 3: seqs[2:]}, 1, P)
+    for s in seqs:
+        assert s.output_token_ids == reference(s.prompt_token_ids, 6)
+    assert max(chunks) == cap and alloc.num_used == [0]

@@ -3,17 +3,20 @@
 A layout receives the replicated per-token parts computed by the model (`q_in`, `latent_new`) and
 returns the attention output for *all* N rows, complete and replicated on every rank. It decides
 which heads the rank's MLA holds (`shards_projections`) and which ranks store which tokens' latent
-(`kv_ownership`, realised by the step plan's page tables).
+(`kv_ownership`, realised by the step plan's page tables). Each chunk is attended in the form that
+costs least (`splash.attention.mha`): decode rows absorbed over the latent, long prefill chunks in MHA
+form over decompressed keys; a step whose slices all take the absorbed form runs exactly as before.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
-from splash.attention import native
+from splash.attention import mha, native
 from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
 from splash.model.context import ForwardContext, SliceCtx
@@ -77,6 +80,55 @@ class Layout(ABC):
                 total[r] = t
             at += s.num_new
         return out, total
+
+    def forms(self, ctx: ForwardContext, key: str, idx: list[int] | None, mla: MLA, key_share: int = 1
+              ) -> mha.FormSplit | None:
+        """The slices `idx` (None: all) split by attention form, cached per step under `key`; None when
+        all take the absorbed form. Depends on the plan alone, so every rank splits alike."""
+        cache = self.__dict__.get("_forms")
+        if cache is None:
+            cache = self.__dict__["_forms"] = mha.FormCache()
+        return cache.get(ctx, key, idx, mla, key_share)
+
+    def attend_v(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, positions: torch.Tensor,
+                 split: mha.FormSplit, key: str, ctx: ForwardContext, lse: bool = False,
+                 latent_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Both forms for the rows of `split`'s slices (q_in [n, q_in], positions [n], slice after slice)
+        over the keys this rank holds -> (values [n, h, d_v] before o_proj, lse [n, h] or None).
+        Absorbed slices go through `attend_slices` then W_UV; MHA slices one by one over their context
+        latent: `latent_of(k)` -> (latent [m, D], positions [m]) of slice k, default this rank's pool."""
+        q_nope, q_pe = mla.q_parts(q_in, positions)
+        n, h = q_nope.shape[:2]
+        out = q_nope.new_empty(n, h, mla.d_v)
+        total = torch.empty(n, h, dtype=acc_dtype(q_nope.dtype), device=q_nope.device) if lse else None
+        scale = mla.softmax_scale
+        if split.absorbed:
+            r = split.abs_rows
+            o, t = self.attend_slices(layer_idx, split.absorbed, key + ".abs", mla.absorb(q_nope[r]), q_pe[r],
+                                      ctx, scale, lse)
+            out[r] = mla.uv(o)
+            if total is not None:
+                total[r] = t
+        for k, rows in zip(split.mha, split.mha_rows):
+            s = ctx.seqs[k]
+            lat, pos = latent_of(k) if latent_of is not None else self.keys(layer_idx, s, ctx)
+            o, t = mha.attend(mla, q_nope[rows], q_pe[rows], lat, pos, ctx.positions[s.rows], scale, lse)
+            out[rows] = o
+            if total is not None:
+                total[rows] = t
+        return out, total
+
+    def attend_out(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
+                   ctx: ForwardContext) -> torch.Tensor:
+        """Store the step's latent, attend every slice over the pages this rank holds for the heads it
+        holds, through o_proj -> [N, d] (a partial sum if heads are sharded). TP and the one-rank layout
+        are exactly this plus their reduce."""
+        split = self.forms(ctx, "all", None, mla)
+        if split is None:
+            return mla.out_heads(self.attend_held(layer_idx, mla, q_in, latent_new, ctx))
+        self.write_kv(layer_idx, latent_new, ctx)
+        return mla.o_proj(self.attend_v(layer_idx, mla, q_in, ctx.positions, split, "all", ctx)[0])
 
     def attend_held(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                     ctx: ForwardContext) -> torch.Tensor:

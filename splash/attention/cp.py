@@ -4,7 +4,9 @@ Every rank runs all N rows for all heads against the keys it stores, giving a pa
 its log-sum-exp. The merge is split by heads: an all-to-all gives rank j every rank's partials for
 head slice j, rank j merges them exactly (`kernel.merge`, in rank order), and an all-gather of the
 merged slices gives every rank the same full [N, H, d_c] - bit-identical on all ranks, so each runs
-the same W_UV/o_proj and no reduce is needed. Per rank this sends about 2(T-1)/T * N*H*d_c elements
+the same W_UV/o_proj and no reduce is needed. A step with a chunk in MHA form (splash/attention/mha.py)
+merges in value space instead ([N, H, d_v], every row through W_UV first): the merge is linear, so
+that is exact too, and o_proj follows. Per rank this sends about 2(T-1)/T * N*H*d_c elements
 instead of the (T-1) * N*H*d_c an all-gather of whole partials would.
 """
 
@@ -35,13 +37,22 @@ class CPLayout(Layout):
                   ctx: ForwardContext) -> torch.Tensor:
         check_heads(mla, ctx, False, self.name)
         self.write_kv(layer_idx, latent_new, ctx)
-        q_lat, q_pe = mla.q_heads(q_in, ctx.positions)
-        # The kernel keeps the lse in float32 for bf16/fp16 models; so does the wire.
-        out, lse = self.attend_slices(layer_idx, None, "all", q_lat, q_pe, ctx, mla.softmax_scale, lse=True)
+        # A chunk in MHA form leaves partials in value space [N, H, d_v]: the merge is linear, so merging
+        # there is exact too; then every row goes there (absorbed ones through W_UV first).
+        split = self.forms(ctx, "all", None, mla, key_share=ctx.world)
+        if split is None:
+            q_lat, q_pe = mla.q_heads(q_in, ctx.positions)
+            # The kernel keeps the lse in float32 for bf16/fp16 models; so does the wire.
+            out, lse = self.attend_slices(layer_idx, None, "all", q_lat, q_pe, ctx, mla.softmax_scale,
+                                          lse=True)
+            finish = mla.out_heads
+        else:
+            out, lse = self.attend_v(layer_idx, mla, q_in, ctx.positions, split, "all", ctx, lse=True)
+            finish = mla.o_proj
         assert lse is not None
         world = ctx.world
         if world == 1:
-            return mla.out_heads(out)
+            return finish(out)
         n, heads, d_c = out.shape
         h = heads // world
         comm, counts = ctx.comm, [n] * world
@@ -51,4 +62,4 @@ class CPLayout(Layout):
         parts_l = h_l.wait().view(world, n, h).unbind(0)
         mine = merge(list(parts_o), list(parts_l))  # [N, h, d_c]: my head slice, merged exactly
         full = comm.all_gather(mine, tag=layer_idx)  # [world, N, h, d_c]
-        return mla.out_heads(full.transpose(0, 1).reshape(n, heads, d_c))
+        return finish(full.transpose(0, 1).reshape(n, heads, d_c))

@@ -27,10 +27,12 @@ class OwnerRows:
     mine_rows: torch.Tensor    # [counts[rank]] row ids of this rank's slices
 
     @classmethod
-    def of(cls, ctx: ForwardContext) -> OwnerRows:
+    def of(cls, ctx: ForwardContext, idx: list[int] | None = None) -> OwnerRows:
+        """Of the slices `idx` (positions in ctx.seqs, batch order; None: all)."""
         world = ctx.world
         groups: list[list[int]] = [[] for _ in range(world)]
-        for s in ctx.seqs:
+        ks = range(len(ctx.seqs)) if idx is None else idx
+        for s in (ctx.seqs[k] for k in ks):
             if not 0 <= s.owner < world:
                 raise ValueError(f"request {s.req_id}: owner rank {s.owner} outside 0..{world - 1}")
             groups[s.owner].extend(range(s.row_start, s.row_start + s.num_new))
@@ -39,7 +41,7 @@ class OwnerRows:
         def lt(v: list[int]) -> torch.Tensor:
             return torch.tensor(v, dtype=torch.long, device=dev)
 
-        mine = [k for k, s in enumerate(ctx.seqs) if s.owner == ctx.rank]
+        mine = [k for k in ks if ctx.seqs[k].owner == ctx.rank]
         return cls(counts=[len(g) for g in groups], order=lt([i for g in groups for i in g]), mine=mine,
                    mine_rows=lt(groups[ctx.rank]))
 
@@ -51,9 +53,9 @@ class OwnerRowsCache:
         self._ctx: ForwardContext | None = None
         self._rows: OwnerRows | None = None
 
-    def get(self, ctx: ForwardContext) -> OwnerRows:
+    def get(self, ctx: ForwardContext, idx: list[int] | None = None) -> OwnerRows:
         if self._ctx is not ctx or self._rows is None:
-            self._ctx, self._rows = ctx, OwnerRows.of(ctx)
+            self._ctx, self._rows = ctx, OwnerRows.of(ctx, idx)
         return self._rows
 
 
@@ -77,7 +79,11 @@ class DPLayout(Layout):
         own = self._own.get(ctx)
         self.write_kv(layer_idx, latent_new, ctx)
         rows = own.mine_rows
-        if rows.numel():
+        split = self.forms(ctx, "mine", own.mine, mla) if rows.numel() else None
+        if split is not None:  # some owned chunk is cheaper in MHA form
+            v, _ = self.attend_v(layer_idx, mla, q_in[rows], ctx.positions[rows], split, "mine", ctx)
+            mine = mla.o_proj(v)
+        elif rows.numel():
             q_lat, q_pe = mla.q_heads(q_in[rows], ctx.positions[rows])
             mine = mla.out_heads(attend_owned(layer_idx, self, q_lat, q_pe, own, ctx, mla.softmax_scale))
         else:  # an idle rank still joins the gather

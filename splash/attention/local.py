@@ -30,7 +30,7 @@ class LocalLayout(Layout):
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
-        return mla.out_heads(self.attend_held(layer_idx, mla, q_in, latent_new, ctx))
+        return self.attend_out(layer_idx, mla, q_in, latent_new, ctx)
 
 
 class BatchedLocalLayout(LocalLayout):

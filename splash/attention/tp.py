@@ -30,5 +30,4 @@ class TPLayout(Layout):
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
         check_heads(mla, ctx, True, self.name)
-        out = self.attend_held(layer_idx, mla, q_in, latent_new, ctx)
-        return ctx.comm.all_reduce(mla.out_heads(out), tag=layer_idx)
+        return ctx.comm.all_reduce(self.attend_out(layer_idx, mla, q_in, latent_new, ctx), tag=layer_idx)

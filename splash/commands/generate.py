@@ -68,6 +68,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step (prefill chunk size); default max(512, max-num-seqs)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length (default: model's)")
+    add_mixing_args(p)
     p.add_argument("--memory-per-rank", default=None,
                    help="memory budget per rank for weights + KV cache, e.g. 2GiB "
                         "(default: from the machine)")
@@ -81,6 +82,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default 300)")
 
 
+def add_mixing_args(p: argparse.ArgumentParser) -> None:
+    """How a step mixes prefill with decode, and the attention form of chunks (docs/performance.md)."""
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="at most N prompt tokens per request per step, so several prompts share a step's "
+                        "budget (vLLM's flag; default 0: only --max-num-batched-tokens caps a chunk)")
+    p.add_argument("--attention-form", choices=("auto", "absorbed", "mha"), default=None,
+                   help="MLA attention form of each chunk: auto (default: the cheaper one per chunk, MHA "
+                        "for long prefill chunks), or one pinned everywhere (measurements)")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from splash.commands.switching import switch_kwargs
 
@@ -90,7 +101,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "memory_per_rank": args.memory_per_rank, "page_size": args.page_size, "tp": args.tp,
             "layout": args.layout, "nnodes": args.nnodes, "node_rank": args.node_rank,
             "dist_init_addr": args.dist_init_addr, "collective_timeout_s": args.collective_timeout,
-            "enforce_eager": getattr(args, "enforce_eager", False), **switch_kwargs(args)}
+            "enforce_eager": getattr(args, "enforce_eager", False),
+            "long_prefill_token_threshold": args.long_prefill_token_threshold,
+            "attention_form": args.attention_form,
+            **switch_kwargs(args)}
 
 
 def follow_as_worker(args: argparse.Namespace) -> bool:

@@ -202,7 +202,8 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                  collective_timeout_s: float | None = None, threads: int | None = None,
                  expert_parallel: str = "auto", switch_schedule: Any = None,
                  switch_mode: str = "overlapped", theta: str | None = None, switch_margin: float = 0.05,
-                 min_dwell_steps: int = 8) -> Any:
+                 min_dwell_steps: int = 8, long_prefill_token_threshold: int = 0,
+                 attention_form: str | None = None) -> Any:
     """Load `model` ('tiny' or a checkpoint directory) on T ranks and build the LLMEngine (rank 0).
 
     T = 1 runs in this process. T > 1 starts the rank group (rank 0 here, this node's other ranks as
@@ -212,6 +213,9 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     `layout`: "tp" | "dp" | "cp" | "dop", or "auto" (the default when T > 1: the layout policy switches
     live, see splash/engine/switching.py); `switch_schedule` "STEP:LAYOUT,..." forces switches;
     `switch_mode` "overlapped" | "blocking"; `theta` a calibrated theta JSON for "auto".
+    `long_prefill_token_threshold` caps one prompt's chunk per step (0: only the step budget does);
+    `attention_form` "auto" | "absorbed" | "mha" (splash/attention/mha.py; auto picks per chunk; None:
+    SPLASH_ATTN_FORM, else auto).
     """
     from splash.config import ConfigError, ModelConfig
     from splash.dist.groups import DEFAULT_TIMEOUT_S, local_grid, parse_device
@@ -228,6 +232,11 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
         raise ConfigError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if page_size < 1:
         raise ConfigError(f"page_size must be >= 1, got {page_size}")
+    from splash.attention.mha import FORMS, form
+
+    attention_form = form() if attention_form is None else str(attention_form).strip().lower()
+    if attention_form not in FORMS:
+        raise ConfigError(f"unknown attention form {attention_form!r}; choose one of {', '.join(FORMS)}")
     asked = ranks if ranks is not None else tp
     if rank_group is not None:
         launch = rank_group.launch
@@ -259,6 +268,12 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
         raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(512, max_num_seqs)
+    try:  # refused before any rank starts
+        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len,
+                                long_prefill_token_threshold=long_prefill_token_threshold)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if memory_per_rank is not None:
         parse_bytes(memory_per_rank)  # a typo fails here, before any rank starts
     from splash.engine.switching import attach_switching, resolve_layout
@@ -270,7 +285,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                       num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                       device_type=dev.type, seed=seed, expert_parallel=expert_parallel,
-                      switching=auto or bool(schedule))
+                      switching=auto or bool(schedule), attention_form=attention_form)
     if world == 1:
         state = load_rank(spec, local_grid(dev))
         runner: Any = state.runner
@@ -289,8 +304,6 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
         group.owner = runner
     net = runner.model if world == 1 else runner.local.model
     alloc = KVAllocator([f["pages"] for f in facts], page_size, world=world, layout=layout)
-    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len)
     tok = _load_tokenizer(path)
     eos = set(cfg.eos_token_ids)
     tok_eos = getattr(tok, "eos_token_id", None)

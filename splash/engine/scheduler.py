@@ -1,11 +1,17 @@
 """Continuous batching with chunked prefill, a per-step token budget and preemption by recompute.
 
 Each step: running sequences first (decodes, then unfinished prefill chunks), each growing its page
-table for the rows it gets; a sequence that cannot grow preempts the most recently admitted one not
-yet scheduled this step (its pages are freed and it goes back to the front of the queue, to be
-recomputed from prompt + generated tokens). Then queued sequences are admitted while the budget, the
-`max_num_seqs` bound and the real per-rank free pages allow (a queued sequence is admitted only if
-the pool could hold every token it already has, so its own prefill never preempts anyone).
+table for the rows it gets; every sequence's rows count against one per-step budget
+(`max_num_batched_tokens`, vLLM's semantics: decode rows and prefill chunks alike), and a prompt's
+chunk is further capped at `long_prefill_token_threshold` tokens per step when that is set (vLLM's
+flag: several prompts then share a step's budget instead of the oldest taking all of it). Decodes go
+first, so a step never holds a running stream back for a prompt: the budget bounds how much prefill
+rides along with them (the TTFT/ITL trade-off, docs/performance.md). A sequence that cannot grow
+preempts the most recently admitted one not yet scheduled this step (its pages are freed and it goes
+back to the front of the queue, to be recomputed from prompt + generated tokens). Then queued sequences
+are admitted while the budget, the `max_num_seqs` bound and the real per-rank free pages allow (a
+queued sequence is admitted only if the pool could hold every token it already has, so its own
+prefill never preempts anyone).
 
 Under DP/DOP each sequence is owned by one rank, chosen at admission: among the ranks whose free pages
 hold the sequence now, the one with the least *projected* KV - the pages its running sequences will
@@ -27,12 +33,23 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
+    long_prefill_token_threshold: int = 0  # > 0: at most this many prompt tokens per sequence per step
 
     def __post_init__(self) -> None:
         for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{k} must be a positive integer, got {v!r}")
+        v = self.long_prefill_token_threshold
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"long_prefill_token_threshold must be 0 (off) or a positive integer, got {v!r}")
+
+    def chunk(self, pending: int, budget: int) -> int:
+        """Rows a sequence with `pending` uncomputed tokens gets in a step with `budget` left."""
+        cap = self.long_prefill_token_threshold
+        if 0 < cap < pending:
+            pending = cap
+        return min(pending, budget)
 
 
 @dataclass
@@ -164,7 +181,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            k = min(seq.num_tokens - seq.num_computed, budget)
+            k = self.cfg.chunk(seq.num_tokens - seq.num_computed, budget)
             if k <= 0:
                 continue  # nothing new to feed (its last sampled token is still pending)
             while not self.alloc.can_grow(seq.pages, seq.num_computed + k, seq.owner):
@@ -201,7 +218,7 @@ class Scheduler:
             if owner is None:
                 break  # no rank can hold it yet: keep it (and everyone behind it) queued
             self.waiting.popleft()
-            k = min(seq.num_tokens - seq.num_computed, budget)
+            k = self.cfg.chunk(seq.num_tokens - seq.num_computed, budget)
             seq.owner = owner
             self._charge(seq)
             seq.status = SeqStatus.RUNNING

@@ -40,6 +40,7 @@ class EngineSpec:
     # splash/engine/switching.py); without one, the default pool leaves them free (nothing else would
     # check that they fit: no budget, no Eq 5/6 pages).
     switching: bool = False
+    attention_form: str = "auto"  # "auto" | "absorbed" | "mha": chunk forms (splash/attention/mha.py)
 
 
 @dataclass
@@ -70,6 +71,9 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
 
     if spec.seed is not None:
         torch.manual_seed(spec.seed)
+    from splash.attention.mha import set_form
+
+    set_form(spec.attention_form)
     dev = rank_device(spec, grid)
     path = resolve_model_path(spec.model)
     cfg = ModelConfig.from_hf(path)

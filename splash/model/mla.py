@@ -1,10 +1,12 @@
-"""Multi-head latent attention (MLA) in the absorbed form, over a set of held heads.
+"""Multi-head latent attention (MLA) over a set of held heads: absorbed form here, MHA form's pieces too.
 
 The per-token work every rank repeats (`prepare`: q_a + norm or the raw x, kv_a -> normed c_kv ++
 roped k_pe) is separate from the per-head work (`q_heads`, `out_heads`) so a layout can run the head
 part over all heads (DP, CP) or a slice of them (TP, DOP), and `set_heads` swaps the slice when the
 layout switches. Absorbed: q_lat = q_nope W_UK, so scores are q_lat . c_kv + q_pe . k_pe against the
-cached latent directly, and the output latent goes through W_UV then o_proj.
+cached latent directly, and the output latent goes through W_UV then o_proj. The MHA form of long
+chunks (splash/attention/mha.py) uses the parts instead: `q_parts` (q_nope, q_pe) against keys and
+values decompressed with w_uk / w_uv, values straight to `o_proj`.
 
 Head-tensor layout for switching (`head_tensors` / `set_heads`): "q_b" [h, d_nope+d_rope, q_in],
 "w_uk" [h, d_nope, d_c], "w_uv" [h, d_c, d_v] (all head-major), "o" [d, h, d_v] (o_proj columns).
@@ -153,18 +155,33 @@ class MLA(nn.Module):
         k_pe = rot.apply(kv[:, d_c:], rot.tables(positions))
         return q_in, torch.cat([m["kv_a_norm"].forward(kv[:, :d_c]), k_pe], dim=-1)
 
-    def q_heads(self, q_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Held heads' absorbed queries: (q_lat [N, h, d_c], roped q_pe [N, h, d_rope])."""
+    def q_parts(self, q_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held heads' queries before absorption: (q_nope [N, h, d_nope], roped q_pe [N, h, d_rope]);
+        the MHA form (splash/attention/mha.py) scores them against decompressed keys."""
         b, dn, rot = self._buffers, self.d_nope, self.rotary
         q = F.linear(q_in, b["q_b"]).view(q_in.shape[0], len(self.heads), dn + self.d_rope)
-        q_pe = rot.apply(q[..., dn:], rot.tables(positions))
-        q_lat = torch.bmm(q[..., :dn].transpose(0, 1), b["w_uk"]).transpose(0, 1)
-        return q_lat, q_pe
+        return q[..., :dn], rot.apply(q[..., dn:], rot.tables(positions))
+
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [N, h, d_nope] -> q_lat = q_nope W_UK [N, h, d_c], scored against the latent directly."""
+        return torch.bmm(q_nope.transpose(0, 1), self._buffers["w_uk"]).transpose(0, 1)
+
+    def q_heads(self, q_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held heads' absorbed queries: (q_lat [N, h, d_c], roped q_pe [N, h, d_rope])."""
+        q_nope, q_pe = self.q_parts(q_in, positions)
+        return self.absorb(q_nope), q_pe
+
+    def uv(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [N, h, d_c] -> per-head values [N, h, d_v] (W_UV)."""
+        return torch.bmm(o_lat.transpose(0, 1), self._buffers["w_uv"]).transpose(0, 1)
+
+    def o_proj(self, v: torch.Tensor) -> torch.Tensor:
+        """v [N, h, d_v] -> [N, d] over held heads (a partial sum if sharded; the o_proj bias, if any, is
+        added by the rank holding head 0)."""
+        b = self._buffers
+        v = v.reshape(v.shape[0], len(self.heads) * self.d_v)
+        return F.linear(v, b["o_w"], b["o_bias"] if self.heads.start == 0 else None)
 
     def out_heads(self, o_lat: torch.Tensor) -> torch.Tensor:
-        """o_lat [N, h, d_c] -> [N, d]: W_UV then o_proj over held heads (a partial sum if sharded;
-        the o_proj bias, if any, is added by the rank holding head 0)."""
-        b = self._buffers
-        n = o_lat.shape[0]
-        v = torch.bmm(o_lat.transpose(0, 1), b["w_uv"]).transpose(0, 1).reshape(n, len(self.heads) * self.d_v)
-        return F.linear(v, b["o_w"], b["o_bias"] if self.heads.start == 0 else None)
+        """o_lat [N, h, d_c] -> [N, d]: W_UV then o_proj over held heads."""
+        return self.o_proj(self.uv(o_lat))
