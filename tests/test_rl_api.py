@@ -298,7 +298,9 @@ def test_stream_routed_experts_and_info(server, ckpts):
         arr = np.frombuffer(base64.b64decode(m["routed_experts"]), dtype=np.int32).reshape(
             m["routed_experts_shape"])
         assert arr.shape == tuple(want.shape) and (arr == want.numpy()).all()
-    r = post(server, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {"n": 3, "max_new_tokens": 2},
+    # sampled (temperature 1): ignore_eos, or a sample may end after one token
+    r = post(server, "/generate", {"input_ids": PROMPTS[0],
+                                   "sampling_params": {"n": 3, "max_new_tokens": 2, "ignore_eos": True},
                                    "return_logprob": True, "top_logprobs_num": 2})
     objs = r.json()
     assert [o["index"] for o in objs] == [0, 1, 2] and all(len(o["output_ids"]) == 2 for o in objs)
