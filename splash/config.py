@@ -267,22 +267,18 @@ PRESETS: dict[str, ModelConfig] = {
         first_k_dense_replace=1, max_position_embeddings=4096, rope_theta=10000.0,
         rope_scaling=None, bos_token_id=256, eos_token_id=257, pad_token_id=258,
     ),
-    # The built-in benchmark model: DeepSeek-V3's real MLA per-head dims (latent 512 + rope 64, nope 128,
-    # v 128; 16 heads = what one rank of DeepSeek-V3 holds at TP=8) on a small body (hidden 512, 4 layers,
-    # 8 experts) and tiny's tokenizer, so benchmarks exercise the shapes deployments and peer kernels use
-    # (vLLM's CPU MLA kernel wants head dim 576) while still fitting a laptop. Not for tests: ~120 MB.
-    # The same checkpoint as the one issue 13's "before" table was measured on (seed 0).
-    "small": ModelConfig(
-        name="small", model_type="deepseek_v3", vocab_size=320, hidden_size=512,
-        intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=16, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=2, topk_group=1, topk_method="noaux_tc",
-        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
-        first_k_dense_replace=1, max_position_embeddings=4096, rope_theta=10000.0,
-        rope_scaling=None, bos_token_id=256, eos_token_id=257, pad_token_id=258,
-    ),
 }
+
+# The built-in benchmark model: DeepSeek-V3's real MLA per-head dims (latent 512 + rope 64, nope 128,
+# v 128; 16 heads = what one rank of DeepSeek-V3 holds at TP=8) on a small body (hidden 512, 4 layers,
+# 8 experts) and tiny's tokenizer, so benchmarks exercise the shapes deployments and peer kernels use
+# (vLLM's CPU MLA kernel wants head dim 576) while still fitting a laptop. Not for tests: ~120 MB.
+# The same checkpoint as the one issue 13's "before" table was measured on (seed 0).
+PRESETS["small"] = dataclasses.replace(
+    PRESETS["tiny"], name="small", hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+    num_attention_heads=16, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128,
+)
 
 
 def resolve_model_config(model: str) -> ModelConfig:

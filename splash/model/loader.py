@@ -19,6 +19,19 @@ from safetensors import safe_open
 from splash.config import ConfigError
 
 Span = tuple[int, int] | None
+
+
+def span_index(nd: int, rows: Span = None, cols: Span = None, mid: Span = None) -> tuple[slice, ...]:
+    """The index of a tensor's block by spans of dim 0 (`rows`), dim 1 (`mid`) and the last dim (`cols`):
+    how every reader (file or in-memory) cuts a rank's share."""
+    idx = [slice(None)] * nd
+    if rows:
+        idx[0] = slice(*rows)
+    if mid:
+        idx[1] = slice(*mid)
+    if cols:
+        idx[-1] = slice(*cols)
+    return tuple(idx)
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 
 
@@ -83,14 +96,7 @@ class CheckpointReader:
             return sl[:]
         if mid and nd != 3:
             raise ValueError(f"{name}: a dim-1 span needs a 3-D tensor, this one has {nd} dims")
-        idx = [slice(None)] * nd
-        if rows:
-            idx[0] = slice(*rows)
-        if mid:
-            idx[1] = slice(*mid)
-        if cols:
-            idx[-1] = slice(*cols)
-        return sl[tuple(idx)]
+        return sl[span_index(nd, rows, cols, mid)]
 
     def get(self, name: str, dtype: torch.dtype, device: torch.device | str | None = None,
             rows: Span = None, cols: Span = None, mid: Span = None) -> torch.Tensor:

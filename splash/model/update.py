@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from splash.model.loader import Span
+from splash.model.loader import Span, span_index
 
 FLOAT_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}
@@ -65,14 +65,7 @@ class TensorReader:
     def get(self, name: str, dtype: torch.dtype, device: torch.device | str | None = None,
             rows: Span = None, cols: Span = None, mid: Span = None) -> torch.Tensor:
         t = self.tensors[name]
-        idx: list[slice] = [slice(None)] * t.dim()
-        if rows:
-            idx[0] = slice(*rows)
-        if mid:
-            idx[1] = slice(*mid)
-        if cols:
-            idx[-1] = slice(*cols)
-        t = t[tuple(idx)].to(dtype)
+        t = t[span_index(t.dim(), rows, cols, mid)].to(dtype)
         return (t.to(device) if device is not None else t).contiguous()
 
     def close(self) -> None:
