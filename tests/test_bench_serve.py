@@ -90,3 +90,60 @@ def test_bench_unreachable_server():
     r = bench("--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1", timeout=60)
     assert r.returncode == 2
     assert "splash bench serve:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_mixed_workload_lengths(server):
+    r = bench("--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "3", "--input-len", "8",
+              "--output-len", "2", "--long-input-len", "40", "--long-fraction", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["total_input_tokens"] == 3 * 40 and out["long_fraction"] == 1 and out["long_input_len"] == 40
+    r = bench("--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "8", "--input-len", "8",
+              "--output-len", "2", "--long-input-len", "40", "--long-fraction", "0.5", "--seed", "3",
+              "--json")
+    out = json.loads(r.stdout)
+    longs = (out["total_input_tokens"] - 8 * 8) / (40 - 8)
+    assert longs == int(longs) and 0 <= longs <= 8, out["total_input_tokens"]
+    assert "num_switches" not in out  # one rank: no live switches to report
+
+
+@pytest.mark.parametrize("args", [["--long-fraction", "1.5", "--long-input-len", "8"],
+                                  ["--long-fraction", "0.5"]])
+def test_bench_bad_mixed_arguments(args):
+    r = bench("--base-url", "http://127.0.0.1:9", *args, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("splash bench serve:") and "long" in r.stderr
+
+
+def test_switch_stalls_marks_the_gaps_that_wait_across_a_switch():
+    from splash.bench.serve_switches import switch_stalls
+
+    wall0 = 1000.0
+    gaps = [(0.10, 0.05), (0.30, 0.20), (0.32, 0.02), (0.50, 0.04)]  # (end, length) from the first send
+    events = [{"time": 1000.15, "ended": 1000.25, "src": "tp", "dst": "dop", "cause": "auto",
+               "exposed_s": 0.01},
+              {"time": 999.0, "ended": 999.5, "src": "dop", "dst": "tp", "cause": "auto"}]  # before the load
+    out = switch_stalls(gaps, events, wall0)
+    assert out["num_switches"] == 1
+    [sw] = out["switches"]
+    assert sw["deliveries_across"] == 1 and sw["max_itl_across_ms"] == pytest.approx(200.0)
+    assert sw["step_ms"] == pytest.approx(100.0) and sw["exposed_ms"] == pytest.approx(10.0)
+    assert out["switch_is_worst_stall"] is True
+    out = switch_stalls([*gaps, (0.9, 0.3)], events, wall0)
+    assert out["switch_is_worst_stall"] is False and out["max_itl_across_switch_ms"] == pytest.approx(200.0)
+
+
+def test_bench_marks_live_switches_of_a_two_rank_server():
+    srv = ServeProcess(["--model", "tiny", "--dtype", "float32", "--tp", "2", "--layout", "tp",
+                        "--max-model-len", "128", "--switch-schedule", "4:dop,10:tp"])
+    try:
+        r = bench("--base-url", srv.url, "--num-prompts", "4", "--input-len", "8", "--output-len", "16",
+                  "--max-concurrency", "4", "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["num_switches"] == 2, out.get("switches")
+        assert [(s["src"], s["dst"]) for s in out["switches"]] == [("tp", "dop"), ("dop", "tp")]
+        for s in out["switches"]:
+            assert s["step_ms"] > 0 and s["deliveries_across"] >= 1  # 4 streams were decoding through it
+            assert 0 < s["max_itl_across_ms"] <= out["max_itl_ms"] + 1e-6
+    finally:
+        srv.close()

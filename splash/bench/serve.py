@@ -50,6 +50,10 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="requests (default 100; 64 with --peer)")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    p.add_argument("--long-input-len", type=int, default=None,
+                   help="a mixed workload: this prompt length for --long-fraction of the requests")
+    p.add_argument("--long-fraction", type=float, default=0.0,
+                   help="share of requests with --long-input-len prompts (seeded draw; default 0)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrival rate in requests/s (default inf: send all at once)")
     p.add_argument("--max-concurrency", type=int, default=None,
@@ -77,6 +81,10 @@ def _check_args(a: argparse.Namespace) -> str | None:
         return f"--num-prompts must be >= 1, got {a.num_prompts}"
     if a.input_len < 1 or a.output_len < 1:
         return "--input-len and --output-len must be >= 1"
+    if not 0.0 <= a.long_fraction <= 1.0:
+        return f"--long-fraction must be between 0 and 1, got {a.long_fraction}"
+    if a.long_fraction > 0 and (a.long_input_len is None or a.long_input_len < 1):
+        return "--long-fraction needs --long-input-len N (N >= 1)"
     if not a.request_rate > 0:
         return f"--request-rate must be > 0 (or inf), got {a.request_rate}"
     if a.max_concurrency is not None and a.max_concurrency < 1:
@@ -173,11 +181,14 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
         if not vocab:
             raise RuntimeError("the server does not report vocab_size; pass --vocab-size")
         max_len = card.get("max_model_len")
-        if max_len and a.input_len + a.output_len > max_len:
-            raise RuntimeError(f"--input-len + --output-len = {a.input_len + a.output_len} exceeds the "
+        longest = max(a.input_len, a.long_input_len or 0) if a.long_fraction > 0 else a.input_len
+        if max_len and longest + a.output_len > max_len:
+            raise RuntimeError(f"prompt + --output-len = {longest + a.output_len} exceeds the "
                                f"model's context ({max_len})")
         rng = random.Random(a.seed)
-        prompts = [[rng.randrange(int(vocab)) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+        lens = [a.long_input_len if a.long_fraction > 0 and rng.random() < a.long_fraction else a.input_len
+                for _ in range(a.num_prompts)]
+        prompts = [[rng.randrange(int(vocab)) for _ in range(n)] for n in lens]
         delays, t = [], 0.0
         for _ in prompts:
             delays.append(t)
@@ -187,7 +198,7 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
         from splash.progress import progress_bar
 
         bar = progress_bar(a.num_prompts, "requests", "req", disable=a.disable_tqdm)
-        start = time.perf_counter()
+        wall0, start = time.time(), time.perf_counter()
 
         async def send(ids: list[int], delay: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
@@ -204,7 +215,14 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
         results = await asyncio.gather(*(send(p, d) for p, d in zip(prompts, delays)))
         duration = time.perf_counter() - start
         bar.close()
+        from splash.bench.serve_switches import fetch_events, switch_stalls
+
+        events = await fetch_events(client)
     out = summarize(a, card["id"], results, duration)
+    gaps = [(t - start, x) for r in results if r.ok for t, x in zip(r.times, r.itl)]
+    out["max_itl_ms"] = max((g for _, g in gaps), default=0.0) * 1e3  # the worst stall
+    if events:
+        out.update(switch_stalls(gaps, events, wall0))
     if getattr(a, "peer", None):  # side by side: every ITL with when it ended, for the ITL-over-time plot
         out["itl_timeline"] = itl_timeline(results, start)
     return out
@@ -224,7 +242,8 @@ def summarize(a: argparse.Namespace, model: str, results: list[RequestResult], d
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     out: dict[str, Any] = {
         "base_url": a.base_url, "model": model, "num_prompts": a.num_prompts, "input_len": a.input_len,
-        "output_len": a.output_len,
+        "output_len": a.output_len, "long_input_len": a.long_input_len if a.long_fraction > 0 else None,
+        "long_fraction": a.long_fraction,
         "request_rate": a.request_rate if math.isfinite(a.request_rate) else "inf",
         "max_concurrency": a.max_concurrency, "seed": a.seed,
         "completed": len(ok), "failed": len(results) - len(ok),
@@ -255,6 +274,8 @@ def format_table(r: dict[str, Any]) -> str:
     row("Benchmark duration (s):", r["duration_s"])
     row("Total input tokens:", r["total_input_tokens"], "<10")
     row("Total generated tokens:", r["total_output_tokens"], "<10")
+    if r.get("long_fraction"):
+        row("Long prompts (share x tokens):", f"{r['long_fraction']:g} x {r['long_input_len']}", "<10")
     row("Request throughput (req/s):", r["request_throughput"])
     row("Output token throughput (tok/s):", r["output_throughput"])
     row("Total token throughput (tok/s):", r["total_token_throughput"])
@@ -265,6 +286,12 @@ def format_table(r: dict[str, Any]) -> str:
         row(f"Mean {name} (ms):", r[f"mean_{key}_ms"])
         row(f"Median {name} (ms):", r[f"median_{key}_ms"])
         row(f"P99 {name} (ms):", r[f"p99_{key}_ms"])
+    row("Max ITL (ms):", r.get("max_itl_ms", 0.0))
+    if r.get("num_switches"):
+        lines.append("{s:{c}^{n}}".format(s="Live layout switches", n=w + 12, c="-"))
+        row("Switches during the load:", r["num_switches"], "<10")
+        row("Max ITL across a switch (ms):", r["max_itl_across_switch_ms"])
+        row("A switch was the worst stall:", str(r["switch_is_worst_stall"]), "<10")
     lines.append("=" * (w + 12))
     for e in r["errors"]:
         lines.append(f"error: {e}")

@@ -97,7 +97,9 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     doc: dict[str, Any] = {"model": a.model, "dtype": a.dtype, "tp": a.tp, "layout": a.layout,
                            "num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
-                           "max_concurrency": a.max_concurrency, "peer": a.peer}
+                           "max_concurrency": a.max_concurrency, "peer": a.peer,
+                           "long_input_len": a.long_input_len if a.long_fraction > 0 else None,
+                           "long_fraction": a.long_fraction}
     doc["splash"] = serve_and_load(a, splash_command(a, port, name), env, port, "splash serve")
     port = free_port()
     peer_cmd = vllm_command(a, py, path, port, name)
@@ -125,7 +127,6 @@ def serve_and_load(a: argparse.Namespace, cmd: list[str], env: dict[str, str], p
             out = asyncio.run(benchmark(a))
         finally:
             a.base_url = None
-        out["max_itl_ms"] = max((ms for _, ms in out["itl_timeline"]), default=0.0)  # the worst stall
         out["startup_s"] = startup
         out["server_pid"] = proc.pid
         out["server_log"] = proc.log_path
@@ -152,6 +153,8 @@ def table(doc: dict[str, Any]) -> str:
         body = format_table(doc[key]).splitlines()
         parts.append(f"{title} (server up in {doc[key].get('startup_s', 0):.0f} s)\n" + "\n".join(body))
     lay = f", layout {doc['layout']}" if doc.get("layout") else ""
+    if doc.get("long_fraction"):
+        lay += f"; {doc['long_fraction']:g} of the prompts {doc['long_input_len']} tokens"
     head = (f"serve, splash vs vLLM CPU: {doc['model']} {doc['dtype']}, {doc['tp']} rank(s){lay}; "
             f"{doc['num_prompts']} streamed completions of {doc['input_len']} + {doc['output_len']} tokens "
             f"at concurrency {doc['max_concurrency']}, ignore_eos")
@@ -176,6 +179,11 @@ def plot(doc: dict[str, Any], path: str) -> None:
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=5, alpha=0.5, color=color, linewidths=0)
         p99 = doc[key]["p99_itl_ms"]
         ax.axhline(p99, color="k", lw=0.8, ls="--")
+        for i, sw in enumerate(doc[key].get("switches") or []):  # live layout switches (splash, T > 1)
+            ax.axvline(sw["t_s"], color="tab:red", lw=0.8, alpha=0.7,
+                       label="live switch" if i == 0 else None)
+        if doc[key].get("switches"):
+            ax.legend(loc="upper right", fontsize=8)
         ax.set_title(f"{label}: mean ITL {doc[key]['mean_itl_ms']:.1f} ms, P99 {p99:.1f} ms (dashed)",
                      fontsize=9)
         ax.set_ylabel("inter-token latency, ms")

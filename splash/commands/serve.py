@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="name clients send as `model` (default: the --model value)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float64 (default: per device)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="bound on the running batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default 2048 x ranks, vLLM's CPU server default)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
     from splash.commands.generate import add_mixing_args
 
@@ -82,6 +83,7 @@ def build_engine(args: argparse.Namespace) -> Any:
 
     kw = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k, None) is not None}
     kw.update(switch_kwargs(args))
+    kw["serving"] = True  # the server's default token budget (splash.engine.scheduler.default_token_budget)
     if getattr(args, "enforce_eager", False):
         from splash.attention import native
 

@@ -203,7 +203,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                  expert_parallel: str = "auto", switch_schedule: Any = None,
                  switch_mode: str = "overlapped", theta: str | None = None, switch_margin: float = 0.05,
                  min_dwell_steps: int = 8, long_prefill_token_threshold: int = 0,
-                 attention_form: str | None = None) -> Any:
+                 attention_form: str | None = None, serving: bool = False) -> Any:
     """Load `model` ('tiny' or a checkpoint directory) on T ranks and build the LLMEngine (rank 0).
 
     T = 1 runs in this process. T > 1 starts the rank group (rank 0 here, this node's other ranks as
@@ -215,7 +215,8 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     `switch_mode` "overlapped" | "blocking"; `theta` a calibrated theta JSON for "auto".
     `long_prefill_token_threshold` caps one prompt's chunk per step (0: only the step budget does);
     `attention_form` "auto" | "absorbed" | "mha" (splash/attention/mha.py; auto picks per chunk; None:
-    SPLASH_ATTN_FORM, else auto).
+    SPLASH_ATTN_FORM, else auto). `serving`: an HTTP server's engine (only the default token budget differs,
+    see `default_token_budget`).
     """
     from splash.config import ConfigError, ModelConfig
     from splash.dist.groups import DEFAULT_TIMEOUT_S, local_grid, parse_device
@@ -223,7 +224,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     from splash.engine.group import RankGroup
     from splash.engine.llm_engine import LLMEngine
     from splash.engine.plan import LAYOUTS
-    from splash.engine.scheduler import SchedulerConfig
+    from splash.engine.scheduler import SchedulerConfig, default_token_budget
     from splash.engine.spec import EngineSpec, load_rank, model_name
     from splash.kv.allocator import KVAllocator
     from splash.model import resolve_model_path
@@ -267,7 +268,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     if max_model_len < 2:
         raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(512, max_num_seqs)
+        max_num_batched_tokens = default_token_budget(world, max_num_seqs, serving)
     try:  # refused before any rank starts
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len,

@@ -52,6 +52,21 @@ class SchedulerConfig:
         return min(pending, budget)
 
 
+def default_token_budget(world: int, max_num_seqs: int, serving: bool) -> int:
+    """`max_num_batched_tokens` when none is given.
+
+    A server takes vLLM's CPU server default, 2048 x T: a wave of prompts arriving together is prefilled
+    in one step instead of a chunk per step, so streams that started decoding after the first chunk
+    are not held back by the rest of their own wave (that made P99 inter-token latency ~5x vLLM's at 512).
+    The price is a longer single stall when one long prompt arrives (docs/performance.md, "TTFT vs
+    ITL"). Offline engines keep max(512, max_num_seqs): without streams there is no ITL to protect and
+    it keeps the activation reserve small.
+    """
+    if serving:
+        return max(2048 * world, max_num_seqs)
+    return max(512, max_num_seqs)
+
+
 @dataclass
 class ScheduledStep:
     """A plan plus the sequences behind its slices (same order), kept on rank 0 only."""

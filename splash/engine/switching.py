@@ -148,7 +148,8 @@ class SwitchEvent:
     exposed_s: float = 0.0  # rank 0's time inside the executor
     total_s: float = 0.0
     plan_s: float = 0.0  # rank 0's planning time
-    time: float = field(default_factory=time.time)
+    time: float = field(default_factory=time.time)  # wall clock when it was planned into a step
+    ended: float = 0.0  # wall clock when that step had run on every rank (0: refused)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -599,6 +600,7 @@ class SwitchController:
         ev = self._pending_event
         self._pending_event = None
         if ev is not None:
+            ev.ended = time.time()
             if timing is not None:
                 ev.exposed_s, ev.total_s = timing.exposed_s, timing.total_s
             self.events.append(ev)
@@ -632,6 +634,7 @@ class SwitchController:
             "num_switches": sum(self.switches.values()),
             "switch_refusals": self.refusals,
             "switch_exposed_seconds": list(self.exposed),
+            "switch_events": [e.to_dict() for e in list(self.events)[-64:]],  # (bench serve marks them)
             "theta_source": self.theta_source if self.auto else None,
             "weight_pages_withheld": [len(w) for w in self.withheld],
             "num_switch_backs": sum(self.switch_backs.values()),
