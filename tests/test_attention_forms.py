@@ -72,6 +72,41 @@ def test_blocked_attention_equals_one_block_with_blind_rows_and_lse():
         assert torch.equal(t[:2], torch.full_like(t[:2], float("-inf")))
 
 
+@pytest.mark.parametrize("group_keys", [8192, 10])
+def test_chunks_decompressed_together_equal_each_alone(monkeypatch, group_keys):
+    """`attend_many` (one GEMM over several chunks' contexts, with W_UK and W_UV side by side) equals a
+    direct float64 reference per chunk from the head-major weights; a chunk with no context gets 0 and
+    lse -inf, and a small group bound (several GEMMs) changes nothing."""
+    from test_layouts_dist import full_mla
+
+    monkeypatch.setattr(mha, "_GROUP_KEYS", group_keys)
+    mla = full_mla()
+    g = torch.Generator().manual_seed(5)
+    h, dn, dr = mla.num_heads, mla.d_nope, mla.d_rope
+    chunks = []
+    for n, m in ((4, 7), (3, 0), (6, 6), (2, 9)):
+        chunks.append(mha.Chunk(torch.randn(n, h, dn, generator=g, dtype=torch.float64),
+                                torch.randn(n, h, dr, generator=g, dtype=torch.float64),
+                                torch.randn(m, mla.d_c + dr, generator=g, dtype=torch.float64),
+                                torch.arange(m), torch.arange(m - n, m) if m else torch.arange(n)))
+    got = mha.attend_many(mla, chunks, 0.25, lse=True)
+    for c, (o, t) in zip(chunks, got):
+        n = c.q_nope.shape[0]
+        if c.latent.shape[0] == 0:
+            assert torch.equal(o, torch.zeros(n, h, mla.d_v, dtype=torch.float64))
+            assert torch.equal(t, torch.full((n, h), float("-inf"), dtype=torch.float64))
+            continue
+        lat, k_pe = c.latent[:, :mla.d_c], c.latent[:, mla.d_c:]
+        k_nope = torch.einsum("mc,hdc->hmd", lat, mla.w_uk)
+        v = torch.einsum("mc,hcd->hmd", lat, mla.w_uv)
+        s = torch.einsum("nhd,hmd->hnm", c.q_nope, k_nope) + torch.einsum("nhd,md->hnm", c.q_pe, k_pe)
+        s = s * 0.25
+        s = s.masked_fill((c.key_pos[None, :] > c.q_pos[:, None])[None], float("-inf"))
+        ref = torch.einsum("hnm,hmd->nhd", torch.softmax(s, -1), v)
+        assert torch.allclose(o, ref, atol=1e-12)
+        assert torch.allclose(t, torch.logsumexp(s, -1).t(), atol=1e-12)
+
+
 # ---- the engine on two ranks -------------------------------------------------------------------------
 NEW = 5
 P = 4

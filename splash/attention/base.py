@@ -110,10 +110,12 @@ class Layout(ABC):
             out[r] = mla.uv(o)
             if total is not None:
                 total[r] = t
+        chunks = []
         for k, rows in zip(split.mha, split.mha_rows):
             s = ctx.seqs[k]
             lat, pos = latent_of(k) if latent_of is not None else self.keys(layer_idx, s, ctx)
-            o, t = mha.attend(mla, q_nope[rows], q_pe[rows], lat, pos, ctx.positions[s.rows], scale, lse)
+            chunks.append(mha.Chunk(q_nope[rows], q_pe[rows], lat, pos, ctx.positions[s.rows]))
+        for rows, (o, t) in zip(split.mha_rows, mha.attend_many(mla, chunks, scale, lse)):
             out[rows] = o
             if total is not None:
                 total[rows] = t

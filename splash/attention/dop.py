@@ -91,12 +91,14 @@ class DOPLayout(Layout):
             o_lat = self._exchange(layer_idx, mla, q_lat, q_pe, own, ctx, "mine.abs")
             out[rows] = mla.uv(o_lat[rows])
         prefixes = self._prefixes(layer_idx, split, ctx)
+        chunks = []
         for k, rows in zip(split.mha, split.mha_rows):
             s = ctx.seqs[k]
             lat = latent_new[rows] if k not in prefixes else torch.cat([prefixes[k], latent_new[rows]])
             pos = torch.arange(s.end, device=lat.device)
-            out[rows] = mha.attend(mla, q_nope[rows], q_pe[rows], lat, pos, ctx.positions[rows],
-                                   mla.softmax_scale)[0]
+            chunks.append(mha.Chunk(q_nope[rows], q_pe[rows], lat, pos, ctx.positions[rows]))
+        for rows, (o, _) in zip(split.mha_rows, mha.attend_many(mla, chunks, mla.softmax_scale)):
+            out[rows] = o
         return ctx.comm.all_reduce(mla.o_proj(out), tag=layer_idx)
 
     @staticmethod

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from splash.attention.kernel import acc_dtype
 
@@ -123,16 +122,38 @@ class FormCache:
 def decompress(mla: MLA, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Context latent [m, d_c + d_r] -> (keys [h, m, d_nope + d_r], values [h, m, d_v]) of held heads,
     contiguous (every query block multiplies them)."""
+    return decompress_many(mla, [latent])[0]
+
+
+def kv_weight(mla: MLA) -> torch.Tensor:
+    """[d_c, h * (d_nope + d_v)]: W_UK^T and W_UV of each held head side by side, so one GEMM decompresses
+    keys and values (about 1.4x two GEMMs on CPU). Made per call (a ~1 ms copy) rather than kept: nothing
+    to keep in step with weight updates, switches and memory release."""
     b = mla._buffers
+    w_uk, w_uv = b["w_uk"], b["w_uv"]  # [h, d_nope, d_c], [h, d_c, d_v]
+    h, dn, d_c = w_uk.shape
+    w = w_uk.new_empty(d_c, h, dn + w_uv.shape[-1])
+    w[:, :, :dn] = w_uk.permute(2, 0, 1)
+    w[:, :, dn:] = w_uv.permute(1, 0, 2)
+    return w.view(d_c, -1)
+
+
+def decompress_many(mla: MLA, latents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`decompress` of several chunks' context latents with one GEMM over all of them (a step's prompts:
+    one [sum m, d_c] product instead of a small one per prompt)."""
     h, dn, dv, d_c = mla.num_heads, mla.d_nope, mla.d_v, mla.d_c
-    m = latent.shape[0]
-    c, k_pe = latent[:, :d_c], latent[:, d_c:]
-    k_nope = F.linear(c, b["w_uk"].reshape(h * dn, d_c)).view(m, h, dn)  # w_uk rows are kv_b's
-    v = torch.mm(c, b["w_uv"].permute(1, 0, 2).reshape(d_c, h * dv)).view(m, h, dv)
-    k = latent.new_empty(h, m, dn + k_pe.shape[-1])
-    k[:, :, :dn] = k_nope.transpose(0, 1)
-    k[:, :, dn:] = k_pe
-    return k, v.transpose(0, 1).contiguous()
+    flat = latents[0] if len(latents) == 1 else torch.cat(latents)
+    kv = torch.mm(flat[:, :d_c], kv_weight(mla)).view(-1, h, dn + dv)
+    out, at = [], 0
+    for lat in latents:
+        m = lat.shape[0]
+        part = kv[at:at + m]
+        k = lat.new_empty(h, m, dn + lat.shape[1] - d_c)
+        k[:, :, :dn] = part[:, :, :dn].transpose(0, 1)
+        k[:, :, dn:] = lat[:, d_c:]
+        out.append((k, part[:, :, dn:].transpose(0, 1).contiguous()))
+        at += m
+    return out
 
 
 def attend(mla: MLA, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, key_pos: torch.Tensor,
@@ -141,14 +162,56 @@ def attend(mla: MLA, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Ten
     """One chunk in MHA form: rows q_nope [n, h, d_nope], q_pe [n, h, d_r] over context latent
     [m, d_c + d_r] at key_pos [m] (ascending) -> (values [n, h, d_v], lse [n, h] or None). A row that
     sees no key gets 0 and lse -inf, as from the absorbed kernel."""
-    n, h, _ = q_nope.shape
-    if latent.shape[0] == 0:
-        none = torch.full((n, h), float("-inf"), dtype=acc_dtype(q_nope.dtype), device=q_nope.device)
-        return q_nope.new_zeros(n, h, mla.d_v), none if lse else None
-    k, v = decompress(mla, latent)
-    q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1).contiguous()  # [h, n, d_nope + d_r]
-    block = _BLOCK if q.device.type == "cpu" else n  # (elsewhere: no host sync per block)
-    return attend_blocked(q, k, v, q_pos, key_pos, scale, lse, block)
+    return attend_many(mla, [Chunk(q_nope, q_pe, latent, key_pos, q_pos)], scale, lse)[0]
+
+
+@dataclass
+class Chunk:
+    """One chunk's query rows and context, as `attend` takes them."""
+
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    latent: torch.Tensor
+    key_pos: torch.Tensor
+    q_pos: torch.Tensor
+
+
+_GROUP_KEYS = 8192  # context rows decompressed by one GEMM at most (bounds the step's extra memory)
+
+
+def attend_many(mla: MLA, chunks: list[Chunk], scale: float, lse: bool = False
+                ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`attend` of each chunk, decompressing the contexts of consecutive chunks together (up to
+    `_GROUP_KEYS` rows per GEMM)."""
+    results: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    group: list[Chunk] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        kvs = decompress_many(mla, [c.latent for c in group])
+        for c, (k, v) in zip(group, kvs):
+            q = torch.cat([c.q_nope, c.q_pe], dim=-1).transpose(0, 1).contiguous()  # [h, n, d_nope + d_r]
+            block = _BLOCK if q.device.type == "cpu" else q.shape[1]  # (elsewhere: no host sync per block)
+            results.append(attend_blocked(q, k, v, c.q_pos, c.key_pos, scale, lse, block))
+        group.clear()
+
+    rows = 0
+    for c in chunks:
+        if c.latent.shape[0] == 0:
+            flush()
+            rows = 0
+            n, h, _ = c.q_nope.shape
+            none = torch.full((n, h), float("-inf"), dtype=acc_dtype(c.q_nope.dtype), device=c.q_nope.device)
+            results.append((c.q_nope.new_zeros(n, h, mla.d_v), none if lse else None))
+            continue
+        if group and rows + c.latent.shape[0] > _GROUP_KEYS:
+            flush()
+            rows = 0
+        group.append(c)
+        rows += c.latent.shape[0]
+    flush()
+    return results
 
 
 def attend_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
