@@ -384,7 +384,14 @@ def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: 
     if layout is Layout.CP:
         return 2 * (T - 1) / T * N * H * (c.kv_lora_rank + 1) * b  # partial outputs + LSE merge
     # DOP, Eq 4: rows to owners [N, H/T, d_q] and head slices back [N, H/T, d_z], plus O's all-reduce
-    return (1 - 1 / T) * N * H * (c.latent_dim + c.kv_lora_rank) * b + allreduce
+    return eq4_bytes(N, H, c.kv_lora_rank, c.qk_rope_head_dim, T, b) + allreduce
+
+
+def eq4_bytes(rows: int, heads: int, d_c: int, d_r: int, world: int, elem_bytes: float) -> float:
+    """SPEC Eq 4, DOP's two all-to-alls: V_DOP = (1 - 1/T) * N * H * (d_q + d_z) * b, d_q = d_c + d_r,
+    d_z = d_c (the group's total per layer; per rank it depends on how many rows each rank owns). The
+    one definition: the cost model prices it, splash/attention/dop.py's exchange sends exactly it."""
+    return (1 - 1 / world) * rows * heads * ((d_c + d_r) + d_c) * elem_bytes
 
 
 def step_costs(sizes: AttentionSizes, batch: Batch, theta: Theta,

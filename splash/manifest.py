@@ -68,10 +68,7 @@ def as_requests(batch: Iterable[BatchItem], ranks: int) -> list[Request]:
 # ---- holdings: the blocks a rank holds in a layout ------------------------------------------------
 def held_heads(layout: Layout, rank: int, ranks: int, heads: int) -> frozenset[int]:
     """Head ids whose projection slices `rank` holds (every projection is sliced alike)."""
-    if not layout.sharded:
-        return frozenset(range(heads))
-    per = heads // ranks
-    return frozenset(range(rank * per, (rank + 1) * per))
+    return frozenset(layout.heads(rank, ranks, heads))
 
 
 def held_columns(ownership: Ownership, owners: np.ndarray, req: np.ndarray, pages: np.ndarray,

@@ -25,8 +25,8 @@ import pytest
 import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
-from splash.attention.dop import eq4_bytes
 from splash.config import ConfigError, ModelConfig
+from splash.costmodel import eq4_bytes
 from splash.dist.launch import WorkerError, free_port
 from splash.engine.group import GroupFailed, RankGroup
 from splash.engine.runner import build_engine

@@ -15,10 +15,10 @@ from splash.calibration.grid import GridPoint, split_holdout
 from splash.calibration.measure import Timing, measure
 from splash.calibration.prior import default_profile, runtime_prior
 from splash.costmodel import Theta
-from splash.layouts import Layout
+from splash.layouts import LAYOUTS, Layout
 from splash.sizes import AttentionSizes
 
-LAYOUT_NAMES = ("tp", "dp", "cp", "dop")
+LAYOUT_NAMES = tuple(lay.value for lay in LAYOUTS)
 
 
 @dataclass

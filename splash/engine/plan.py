@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-LAYOUTS = ("tp", "dp", "cp", "dop")
+from splash.layouts import LAYOUTS as CORE_LAYOUTS
+
+LAYOUTS = tuple(lay.value for lay in CORE_LAYOUTS)  # the names plans carry ("tp", "dp", "cp", "dop")
 # Plan kinds. "forward" (and later "switch") run the SPMD step on every rank; the others are control
 # messages of the rank group (splash/engine/worker.py): "load" carries an EngineSpec in `payload` and
 # makes every rank (re)build its model shard and KV pool, "unload" drops them, "stats" gathers each

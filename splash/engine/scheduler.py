@@ -145,7 +145,7 @@ class Scheduler:
         """Owner for DP/DOP: among ranks that can hold `seq` now, the least projected load (ties: most
         free pages, then lowest rank); None if no rank can. TP/CP ignore owners: always 0."""
         empty = self.alloc.empty_table()
-        if self.layout not in ("dp", "dop"):
+        if not self.alloc.layout_row.owned:
             return 0 if self.alloc.can_grow(empty, seq.num_tokens, 0) else None
         free = self.alloc.num_free
         fits = [r for r in range(self.alloc.world) if self.alloc.can_grow(empty, seq.num_tokens, r)]

@@ -31,14 +31,19 @@ from typing import Any
 
 import torch
 
+from splash.attention.registry import row
 from splash.config import ConfigError
 from splash.engine.plan import LAYOUTS, StepPlan
 
 log = logging.getLogger("splash.switch")
 
 MODES = ("overlapped", "blocking")
-REPLICATED = ("dp", "cp")  # layouts whose attention projections are replicated on every rank
 EXPOSED_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def replicas(layout: str) -> bool:
+    """Whether `layout` holds every head's projections on every rank (DP, CP): replicas take pool pages."""
+    return not row(layout).shards_projections
 
 
 # ---- forced schedules -------------------------------------------------------------------------------
@@ -219,7 +224,7 @@ class SwitchController:
         self.planner = SwitchPlanner(cfg, self.alloc, dtype)
         self.weight_pages = list(weight_pages) if weight_pages is not None else [0] * self.world
         self.withheld: list[list[int]] = [[] for _ in range(self.world)]
-        if self.alloc.layout in REPLICATED and any(self.weight_pages):
+        if replicas(self.alloc.layout) and any(self.weight_pages):
             short = [(r, a.num_pages, w) for r, (a, w) in enumerate(zip(self.alloc.ranks, self.weight_pages))
                      if w >= a.num_pages]
             if short:
@@ -289,7 +294,7 @@ class SwitchController:
         rows = {s.req_id: s.num_new for s in plan.seqs}
         contexts = [seq.num_computed + rows.get(seq.seq_id, 0) for seq in live]
         q = [rows.get(seq.seq_id, 0) for seq in live]
-        if self.alloc.layout in ("dp", "dop"):
+        if self.alloc.layout_row.owned:
             owners = [seq.owner for seq in live]
         else:  # owners the planner would choose: longest first onto the least-loaded rank
             owners = [0] * len(live)
@@ -305,18 +310,18 @@ class SwitchController:
 
     def capacity(self, dst: str) -> list[int]:
         """KV pages each rank can give requests in `dst` (the replicas' pages withheld in DP/CP)."""
-        return [a.num_pages + len(w) - (wp if dst in REPLICATED else 0)
+        return [a.num_pages + len(w) - (wp if replicas(dst) else 0)
                 for a, w, wp in zip(self.alloc.ranks, self.withheld, self.weight_pages)]
 
     def distinct_tokens(self, dst: str) -> int:
         """Distinct KV tokens the group holds in `dst` (TP replicates: one rank's share)."""
         cap = self.capacity(dst)
-        return (min(cap) if dst == "tp" else sum(cap)) * self.alloc.page_size
+        return row(dst).distinct(cap) * self.alloc.page_size
 
     def _replica_pages(self, dst: str) -> list[int]:
         """Pages per rank a switch into `dst` must find for projection replicas (entering DP/CP)."""
         src = self.alloc.layout
-        return [w if dst in REPLICATED and src not in REPLICATED else 0 for w in self.weight_pages]
+        return [w if replicas(dst) and not replicas(src) else 0 for w in self.weight_pages]
 
     def stranded(self, dst: str, live: list[Any]) -> str | None:
         """Why `dst` could not serve some running or waiting request as far as the current layout can
@@ -357,9 +362,9 @@ class SwitchController:
                 for seq in live]  # pages the destination table covers now (the planner's `n`)
         pages = [max(pages_for(self._projected(seq), P), n) for seq, n in zip(live, ends)]
         extra = self._replica_pages(dst)
-        if dst in ("dp", "dop") and src in ("dp", "dop"):
+        if row(dst).owned and row(src).owned:
             owners = [seq.owner for seq in live]
-        elif dst in ("dp", "dop"):
+        elif row(dst).owned:
             held = [[sum(p >= 0 for p in row) for row in seq.pages] for seq in live]
             lacks = [[n - h for h in hs] for n, hs in zip(ends, held)]
             avail = [f - e for f, e in zip(self.alloc.num_free, extra)]
@@ -553,7 +558,7 @@ class SwitchController:
                 for seq in live]
         self.planner.reserve = self._replica_pages(dst)
         # Leaving DP/CP gives the replicas' withheld pages back at commit: dst's Eq 6 has them.
-        self.planner.returned = [len(w) if dst not in REPLICATED else 0 for w in self.withheld]
+        self.planner.returned = [len(w) if not replicas(dst) else 0 for w in self.withheld]
         try:
             return self.planner.plan(dst, reqs, mode)
         finally:
@@ -591,9 +596,9 @@ class SwitchController:
                 self.sched._uncharge(seq)
                 seq.owner = sw.owners[rid]
                 self.sched._charge(seq)
-        if sw.dst in REPLICATED and src not in REPLICATED and any(self.weight_pages):
+        if replicas(sw.dst) and not replicas(src) and any(self.weight_pages):
             self.withheld = withhold(self.alloc, self.weight_pages)
-        elif sw.dst not in REPLICATED and src in REPLICATED and any(len(w) for w in self.withheld):
+        elif not replicas(sw.dst) and replicas(src) and any(len(w) for w in self.withheld):
             give_back(self.alloc, self.withheld)
             self.withheld = [[] for _ in range(self.world)]
         ev = self._pending_event

@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from splash.attention.base import Layout
+from splash.attention.base import AttentionLayout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 from splash.switch.executor import SwitchExecutor
 
 
-class SwitchLayout(Layout):
-    """Behaves as `dst` (same name, projections and KV ownership) with `executor.before_layer` first."""
+class SwitchLayout(AttentionLayout):
+    """Behaves as `dst` (same name and core layout) with `executor.before_layer` first."""
 
-    def __init__(self, executor: SwitchExecutor, dst: Layout) -> None:
+    def __init__(self, executor: SwitchExecutor, dst: AttentionLayout) -> None:
         if dst.name != executor.plan.dst:
             raise ValueError(f"switch plan goes to {executor.plan.dst}, the layout given is {dst.name}")
         self.executor, self.dst = executor, dst
         self.name = dst.name  # type: ignore[misc]
-        self.shards_projections = dst.shards_projections  # type: ignore[misc]
-        self.kv_ownership = dst.kv_ownership  # type: ignore[misc]
+        self.core = dst.core  # type: ignore[misc]
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:

@@ -27,6 +27,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
+from splash.attention.registry import row
 from splash.config import ModelConfig, dtype_bytes, normalize_dtype
 from splash.engine.plan import LAYOUTS
 from splash.kv.allocator import KVAllocator, page_ranks, pages_for
@@ -35,8 +36,6 @@ from splash.manifest import KVPages, Manifest, switch_manifest
 from splash.sizes import AttentionSizes
 from splash.switch.plan import MODES, Headroom, LayerSwitch, LiveRequest, SwitchPlan, SwitchRefusal
 
-SHARDED = ("tp", "dop")
-OWNED = ("dp", "dop")
 _ids = itertools.count(1)
 
 
@@ -46,11 +45,9 @@ def dtype_name(dtype: object) -> str:
 
 
 def head_range(layout: str, rank: int, world: int, heads: int) -> tuple[int, int]:
-    """Heads a rank holds in `layout` (the model's `held_heads`): its 1/T slice if sharded."""
-    if layout in SHARDED and world > 1:
-        per = heads // world
-        return rank * per, (rank + 1) * per
-    return 0, heads
+    """Heads a rank holds in `layout` (the layout table's rule), as the plan's picklable (start, stop)."""
+    held = row(layout).heads(rank, world, heads)
+    return held.start, held.stop
 
 
 class SwitchPlanner:
@@ -118,7 +115,7 @@ class SwitchPlanner:
         frees = [old[r, gone[r]].tolist() for r in range(T)]
         new_l = fresh.sum(axis=1).tolist()
         growth_l = _growth(dst, own, cols.n, cols.final, T).tolist()
-        batch = [(req.context, req.owner if src in OWNED else 0, o) for req, o in zip(live, owners)]
+        batch = [(req.context, req.owner if row(src).owned else 0, o) for req, o in zip(live, owners)]
         man = switch_manifest(self.sizes, Layout(src), Layout(dst), batch, T, P)
         L = self.cfg.num_hidden_layers
         w_growth = [(a - b) * L for a, b in zip(man.weights.recv_bytes, man.weights.freed_bytes)]
@@ -217,8 +214,8 @@ class SwitchPlanner:
     def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest], cols: _Columns,
                        free: list[int]) -> list[int] | SwitchRefusal:
         """DP/DOP owners: kept from DP/DOP, else balanced by projected pages (LPT) where they fit."""
-        if dst not in OWNED or src in OWNED:
-            return [req.owner if src in OWNED else 0 for req in live]
+        if not row(dst).owned or row(src).owned:
+            return [req.owner if row(src).owned else 0 for req in live]
         avail = [f - r for f, r in zip(free, self.reserve)]
         # pages rank r lacks to own each request (everything beyond what it holds now)
         lacks = (cols.n[:, None] - cols.held_per_request().T).tolist()
@@ -511,7 +508,7 @@ def _weight_op(man: Manifest, src: str, dst: str, T: int) -> str:
     moves, frees = man.weight_moves(), man.weight_frees()
     if not moves and not frees:
         return "keep"
-    if moves and not frees and src in SHARDED and dst not in SHARDED:
+    if moves and not frees and row(src).shards_projections and not row(dst).shards_projections:
         H = man.sizes.heads
         per = H // T
         got = {(m.proj, m.src, m.dst, h) for m in moves for h in range(m.start, m.stop)}
@@ -519,7 +516,7 @@ def _weight_op(man: Manifest, src: str, dst: str, T: int) -> str:
                 if h // per != r}
         if got == want:
             return "gather"
-    if frees and not moves and src not in SHARDED and dst in SHARDED:
+    if frees and not moves and not row(src).shards_projections and row(dst).shards_projections:
         return "slice"
     raise RuntimeError(f"switch {src}->{dst}: the manifest's weight moves are neither an all-gather of head "
                        "slices nor a discard; the executor cannot run them")
