@@ -23,7 +23,7 @@ from splash.config import ConfigError
 from splash.engine.group import RankGroup
 from splash.engine.runner import build_engine
 from splash.engine.sampling import SamplingParams
-from splash.engine.switching import parse_schedule
+from splash.engine.switch_options import parse_schedule
 from splash.kv.allocator import page_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]

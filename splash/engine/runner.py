@@ -22,8 +22,7 @@ __all__ = ["GroupRunner", "ModelRunner", "build_engine", "parse_bytes", "STEP_KI
 
 # Plan kinds other than "forward" that run a step (on every rank), as "module:function" so that every
 # process - spawned workers included - resolves them on first use: fn(runner, plan) -> hidden [N, d].
-# The live layout switch plugs in here, e.g. STEP_KINDS["switch"] = "splash.switch.step:run_switch_step".
-STEP_KINDS: dict[str, str] = {"switch": "splash.engine.switching:run_switch_step"}
+STEP_KINDS: dict[str, str] = {"switch": "splash.switch.step:run_switch_step"}
 
 
 def step_kind_fn(kind: str) -> Any:
@@ -276,7 +275,8 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
         raise ConfigError(str(e)) from None
     if memory_per_rank is not None:
         parse_bytes(memory_per_rank)  # a typo fails here, before any rank starts
-    from splash.engine.switching import attach_switching, resolve_layout
+    from splash.engine.switch_options import resolve_layout
+    from splash.engine.switching import attach_switching
 
     layout, auto, schedule = resolve_layout(layout, world, switch_schedule)
     spec = EngineSpec(model="tiny" if model == "tiny" else os.path.abspath(path),

@@ -46,6 +46,29 @@ def request_capacity(layout: str, pages: list[int], page_size: int, owner: int |
     return limit or 0
 
 
+def balanced_owners(final: Sequence[int], lacks: Sequence[Sequence[int]], avail: Sequence[int],
+                    ids: Sequence[int], load: Sequence[int] | None = None
+                    ) -> tuple[list[int], int | None, list[int]]:
+    """The one owner rule of the owned layouts (DP, DOP): longest projected (`final`) first, each
+    request onto the least-loaded rank (by projected size, on top of `load`; ties: most free pages,
+    then lowest rank) among those with the free pages it `lacks` there (`avail`: free pages per rank).
+    Returns (owners, index of the first request that fits on no rank or None, free pages left then).
+    The scheduler admits one request by it, the switch planner places a whole batch by it, and the
+    switch controller prices the Policy's batch with it, so none of them disagree."""
+    T = len(avail)
+    load, avail, owners = [0] * T if load is None else list(load), list(avail), [0] * len(final)
+    for i in sorted(range(len(final)), key=lambda i: (-final[i], ids[i])):
+        need = lacks[i]
+        fits = [r for r in range(T) if need[r] <= avail[r]]
+        if not fits:
+            return owners, i, avail
+        best = min(fits, key=lambda r: (load[r], -avail[r], r))
+        owners[i] = best
+        load[best] += final[i]
+        avail[best] -= need[best]
+    return owners, None, avail
+
+
 class PageAllocator:
     """Free list of one rank's local pages (LIFO so recently freed, cache-warm pages are reused)."""
 

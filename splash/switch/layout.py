@@ -1,10 +1,13 @@
 """The switching step's attention layout: install layer i's destination state, then run the destination.
 
 The model calls `ctx.layout.attention(i, ...)` once per layer, in order, so wrapping the destination
-layout gives the switch executor its per-layer hook without touching the model.
+layout gives the switch executor its per-layer hook without touching the model. The time spent in the
+hook adds up in `hook_s` (part of the switch's exposed time, splash/switch/step.py).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -23,8 +26,11 @@ class SwitchLayout(AttentionLayout):
         self.executor, self.dst = executor, dst
         self.name = dst.name  # type: ignore[misc]
         self.core = dst.core  # type: ignore[misc]
+        self.hook_s = 0.0
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
+        t0 = time.perf_counter()
         self.executor.before_layer(layer_idx)
+        self.hook_s += time.perf_counter() - t0
         return self.dst.attention(layer_idx, mla, q_in, latent_new, ctx)

@@ -13,9 +13,10 @@ is the running layout). `plan(dst, live)`:
    primitive and bytes of each layer and the concrete page moves come from there, never from a
    hand-written direction table; the planner only translates global pages into local page ids and
    checks that the core's moves and frees are exactly what the placement rule implies.
-`commit(plan)` after the switching step frees the retired pages and makes `dst` the allocator's
-layout; `abort(plan)` (a plan that was never sent) frees the pages it allocated. Either way the
-allocators balance exactly.
+`check(dst, live)` is the same plan run dry (steps 1-3, nothing allocated): the one memory-feasibility
+check, where only a yes/no is needed. `commit(plan)` after the switching step frees the retired pages
+and makes `dst` the allocator's layout; `abort(plan)` (a plan that was never sent) frees the pages it
+allocated. Either way the allocators balance exactly.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from splash.attention.registry import row
 from splash.config import ModelConfig, dtype_bytes, normalize_dtype
 from splash.engine.plan import LAYOUTS
-from splash.kv.allocator import KVAllocator, page_ranks, pages_for
+from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks, pages_for
 from splash.layouts import Layout
 from splash.manifest import KVPages, Manifest, switch_manifest
 from splash.sizes import AttentionSizes
@@ -88,6 +89,17 @@ class SwitchPlanner:
         `live` must list every request that holds pages. Returns a refusal (state untouched) when the
         switch does not fit; raises ValueError for inconsistent input.
         """
+        return self._plan(dst, live, mode, dry_run=False)  # type: ignore[return-value]
+
+    def check(self, dst: str, live: Sequence[LiveRequest], mode: str = "overlapped") -> SwitchRefusal | None:
+        """`plan` as a dry run: the same owners, destination tables and Eq 5/6 checks, nothing allocated;
+        the refusal `plan` would return, or None where it would plan the switch. The engine's one
+        memory-feasibility check (`SwitchController.fits` asks it before the Policy weighs a layout)."""
+        out = self._plan(dst, live, mode, dry_run=True)
+        return out if isinstance(out, SwitchRefusal) else None
+
+    def _plan(self, dst: str, live: Sequence[LiveRequest], mode: str,
+              dry_run: bool) -> SwitchPlan | SwitchRefusal | None:
         src, T, P = self.alloc.layout, self.world, self.alloc.page_size
         dst = str(dst).lower()
         if dst not in LAYOUTS:
@@ -126,7 +138,7 @@ class SwitchPlanner:
                         weight_growth_bytes=[float(x) for x in w_growth],
                         weight_headroom_bytes=self.weight_headroom, returned_pages=list(self.returned))
         refusal = _check_headroom(src, dst, room)
-        if refusal is not None:
+        if refusal is not None or dry_run:
             return refusal
 
         allocated = [self.alloc.ranks[r].alloc(new_l[r]) for r in range(T)]
@@ -225,27 +237,6 @@ class SwitchPlanner:
             return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens) fits on "
                                  f"no rank as owner: free pages beyond the reserve {left}")
         return owners
-
-
-def balanced_owners(final: Sequence[int], lacks: Sequence[Sequence[int]], avail: Sequence[int],
-                    ids: Sequence[int]) -> tuple[list[int], int | None, list[int]]:
-    """Owners for a switch into DP/DOP: longest projected (`final`) first, each onto the least-loaded
-    rank (by projected size) among those with the free pages it `lacks` there (`avail`: free pages per
-    rank). Returns (owners, index of the first request that fits on no rank or None, free pages left
-    then). One rule, shared by the planner and the engine's pre-check (`SwitchController.fits`), so
-    they never disagree."""
-    T = len(avail)
-    load, avail, owners = [0] * T, list(avail), [0] * len(final)
-    for i in sorted(range(len(final)), key=lambda i: (-final[i], ids[i])):
-        need = lacks[i]
-        fits = [r for r in range(T) if need[r] <= avail[r]]
-        if not fits:
-            return owners, i, avail
-        best = min(fits, key=lambda r: (load[r], -avail[r], r))
-        owners[i] = best
-        load[best] += final[i]
-        avail[best] -= need[best]
-    return owners, None, avail
 
 
 # Columns of `_scalars`, and the bounds `_request_error` puts on them: _LO[k] <= _HI[k] for a valid request.
