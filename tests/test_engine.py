@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_logits, hf_reference
 
-from splash.engine.runner import build_engine
+from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
 from splash.llm import LLM
 

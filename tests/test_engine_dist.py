@@ -28,8 +28,8 @@ from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 from splash.config import ConfigError, ModelConfig
 from splash.costmodel import eq4_bytes
 from splash.dist.launch import WorkerError, free_port
+from splash.engine.build import build_engine
 from splash.engine.group import GroupFailed, RankGroup
-from splash.engine.runner import build_engine
 from splash.engine.sampling import SamplingParams
 from splash.sizes import AttentionSizes
 

@@ -20,8 +20,8 @@ import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
 from splash.config import ConfigError
+from splash.engine.build import build_engine
 from splash.engine.group import RankGroup
-from splash.engine.runner import build_engine
 from splash.engine.sampling import SamplingParams
 from splash.engine.switch_options import parse_schedule
 from splash.kv.allocator import page_ranks

@@ -83,7 +83,7 @@ SHAPE_FLAGS = (("requests", int, "requests started together"),
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import output_file, positive_int
+    from splash.commands.argtypes import output_file, positive_int
 
     p = kinds.add_parser("rollout", help="RL-rollout workload: each fixed layout vs live switching (auto)",
                          description="Run one rollout batch under tp, dp, cp, dop and auto on the same "
@@ -119,7 +119,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
 
 def budget_bytes(group: Any, args: argparse.Namespace, kv_tokens: int) -> int:
     """Per-rank memory: DP's (replicated) weights + step workspace + `kv_tokens` of KV."""
-    from splash.engine.runner import build_engine
+    from splash.engine.build import build_engine
     from splash.kv.pool import KVPool
 
     probe = build_engine(args.model, dtype=args.dtype, tp=args.tp, layout="dp", rank_group=group,
@@ -163,7 +163,7 @@ def final_tokens(eng: Any) -> int:
 
 def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prompts: list[list[int]],
             outs: list[int], bar: Any = None) -> dict[str, Any]:
-    from splash.engine.runner import build_engine
+    from splash.engine.build import build_engine
     from splash.engine.sampling import SamplingParams
 
     eng = build_engine(args.model, dtype=args.dtype, tp=args.tp, layout=layout, rank_group=group,

@@ -24,7 +24,7 @@ METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean T
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
     from splash.bench.peer import PEERS
-    from splash.commands.generate import output_file, positive_float, positive_int
+    from splash.commands.argtypes import output_file, positive_float, positive_int
 
     p.add_argument("--peer", choices=PEERS, default=None,
                    help="start `splash serve` and this peer's server (vllm: vLLM's OpenAI server from "
@@ -111,8 +111,8 @@ def serve_and_load(a: argparse.Namespace, cmd: list[str], env: dict[str, str], p
     """Start one server, wait until it lists its model, run the load, stop it by its process id."""
     import httpx
 
+    from splash.bench.load import benchmark
     from splash.bench.peer import PeerProcess, wait_until
-    from splash.bench.serve import benchmark
 
     url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
@@ -145,7 +145,7 @@ def ratios(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
 
 
 def table(doc: dict[str, Any]) -> str:
-    from splash.bench.serve import format_table
+    from splash.bench.load import format_table
 
     parts = []
     for key, title in (("splash", "splash"), ("vllm", "vLLM CPU")):

@@ -150,7 +150,7 @@ def _driver_main(conn: Any, layout: str, ranks: int, engine_kw: dict[str, Any], 
 
     torch.set_num_threads(1)
     try:
-        from splash.engine.runner import build_engine
+        from splash.engine.build import build_engine
 
         eng = build_engine(model, layout=layout, threads=1, **engine_kw)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it

@@ -310,7 +310,7 @@ def run_advise(args: argparse.Namespace) -> int:
 
 # ---- registration ---------------------------------------------------------------------------------
 def register(sub: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import output_file
+    from splash.commands.argtypes import output_file
 
     p = sub.add_parser("plan", help="analytical planner: weights, switches, crossovers, capacity, advise",
                        description="Answer layout questions from the ownership and cost models (no GPU).")
