@@ -11,6 +11,9 @@ written down anywhere: the 12-direction pattern of the paper falls out of the ow
 Every MLA layer has the same shapes, so one per-layer plan serves all layers; `Manifest.layers`
 lists them for callers that walk layer by layer (the switch executor, Eq 7). Concrete moves
 (which heads / pages go from which rank to which) are produced on demand.
+
+(Past ~450 lines on purpose: the set differences, their byte totals and the concrete moves are one
+derivation from the holdings; split, each half would restate the other's ownership cases.)
 """
 
 from __future__ import annotations

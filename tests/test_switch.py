@@ -502,10 +502,11 @@ def test_corrupt_manifest_page_ids_give_the_clear_error_not_an_index_error() -> 
     import numpy as np
 
     from splash.manifest import KVPages, PageFree, PageMove
-    from splash.switch.planner import _Columns, _kv_pairs
+    from splash.switch.columns import Columns
+    from splash.switch.planner import _kv_pairs
 
     live = [LiveRequest(req_id=7, context=32, owner=0, pages=[[0, 1], [-1, -1]])]
-    cols = _Columns.of(live, 2, 16)
+    cols = Columns.of(live, 2, 16)
     new = np.array([[0, 1], [2, 3]])
     fresh = np.array([[0, 0], [1, 1]])
 

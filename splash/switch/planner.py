@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import numpy as np
 
 from splash.attention.registry import row
 from splash.config import ModelConfig, dtype_bytes, normalize_dtype
 from splash.engine.plan import LAYOUTS
-from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks, pages_for
+from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks
 from splash.layouts import Layout
 from splash.manifest import KVPages, Manifest, switch_manifest
 from splash.sizes import AttentionSizes
+from splash.switch.columns import Columns, first_bad, request_error, request_scalars
 from splash.switch.plan import MODES, Headroom, LayerSwitch, LiveRequest, SwitchPlan, SwitchRefusal
 
 _ids = itertools.count(1)
@@ -115,7 +115,7 @@ class SwitchPlanner:
             return owners
 
         # Destination tables: keep what a rank already holds, mark what it must newly hold (-2).
-        # Every request's table side by side in one [T, pages] array (see `_Columns`): a switch
+        # Every request's table side by side in one [T, pages] array (see `Columns`): a switch
         # covers thousands of pages of up to hundreds of requests, on the switching step's critical path.
         own = np.asarray(owners, dtype=np.int64)
         old = cols.old
@@ -192,19 +192,19 @@ class SwitchPlanner:
                                f"{self.alloc.layout}")
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _check_live(self, live: Sequence[LiveRequest]) -> _Columns:
+    def _check_live(self, live: Sequence[LiveRequest]) -> Columns:
         """Raise ValueError for inconsistent requests (the first bad request, in order); return their
         source tables side by side."""
         T, P = self.world, self.alloc.page_size
-        scalars = _scalars(live, P, T)
-        ok = _first_bad(live, scalars, T)
-        cols = _Columns.of(live[:ok], T, P, scalars[:ok])
+        scalars = request_scalars(live, P, T)
+        ok = first_bad(live, scalars, T)
+        cols = Columns.of(live[:ok], T, P, scalars[:ok])
         orphan = cols.first_orphan()
         if orphan is not None:  # an earlier request than the first bad one (only valid ones were laid out)
             i, j = orphan
             raise ValueError(f"request {live[i].req_id}: cached page {j} is held by no rank")
         if ok < len(live):
-            raise ValueError(_request_error(live[ok], {req.req_id for req in live[:ok]}, T, P))
+            raise ValueError(request_error(live[ok], {req.req_id for req in live[:ok]}, T, P))
         held = cols.mine.sum(axis=1).tolist()
         if held != self.alloc.num_used:
             raise ValueError(f"the live requests hold {held} pages per rank, the allocators have "
@@ -223,7 +223,7 @@ class SwitchPlanner:
             self._weight_ops[key] = _weight_op(man, src, dst, self.world)
         return self._weight_ops[key]
 
-    def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest], cols: _Columns,
+    def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest], cols: Columns,
                        free: list[int]) -> list[int] | SwitchRefusal:
         """DP/DOP owners: kept from DP/DOP, else balanced by projected pages (LPT) where they fit."""
         if not row(dst).owned or row(src).owned:
@@ -237,113 +237,6 @@ class SwitchPlanner:
             return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens) fits on "
                                  f"no rank as owner: free pages beyond the reserve {left}")
         return owners
-
-
-# Columns of `_scalars`, and the bounds `_request_error` puts on them: _LO[k] <= _HI[k] for a valid request.
-_CONTEXT, _END, _FINAL, _OWNER, _HAVE, _CACHED_PAGES, _END_PAGES, _FINAL_PAGES, _ZERO, _LAST_RANK = range(10)
-_LO = [_ZERO, _CONTEXT, _CACHED_PAGES, _HAVE, _ZERO, _OWNER]
-_HI = [_CONTEXT, _END, _HAVE, _END_PAGES, _OWNER, _LAST_RANK]
-
-
-def _scalars(live: Sequence[LiveRequest], P: int, T: int) -> np.ndarray:
-    """[B, 10] int64 per request, the columns named above: tokens, owner, source table length, pages
-    (one numpy call: these are per-request numbers, and a numpy call costs more than a division)."""
-    rows = [(q.context, q.end, q.final, q.owner, len(q.pages[0]) if q.pages else 0, -(-q.context // P),
-             -(-q.end // P), -(-q.final // P), 0, T - 1) for q in live]
-    return np.array(rows, dtype=np.int64).reshape(len(rows), 10)
-
-
-def _first_bad(live: Sequence[LiveRequest], scalars: np.ndarray, T: int) -> int:
-    """Index of the first request `_request_error` rejects (len(live) if none), found for the whole
-    batch at once: exactly its checks, vectorised."""
-    bad = (scalars[:, _LO] > scalars[:, _HI]).any(axis=1)
-    first = int(bad.argmax()) if bad.any() else len(live)
-    seen: set[int] = set()
-    for i, q in enumerate(live[:first]):  # the checks numpy cannot do: ids seen before, table shape
-        if q.req_id in seen or len(q.pages) != T or len(set(map(len, q.pages))) != 1:
-            return i
-        seen.add(q.req_id)
-    return first
-
-
-def _request_error(req: LiveRequest, seen: set[int], T: int, P: int) -> str | None:
-    """What is wrong with one request on its own, given the ids before it (None: nothing)."""
-    if req.req_id in seen:
-        return f"request {req.req_id} listed twice"
-    seen.add(req.req_id)
-    if len(req.pages) != T or len({len(row) for row in req.pages}) != 1:
-        return f"request {req.req_id}: page table must have {T} rows of equal length"
-    if not 0 <= req.context <= req.end:
-        return f"request {req.req_id}: context {req.context} must be in [0, tokens={req.end}]"
-    have = len(req.pages[0])
-    if have < pages_for(req.context, P) or have > pages_for(req.end, P):
-        return (f"request {req.req_id}: its table has {have} pages; it must cover the "
-                f"{req.context} cached tokens and not exceed {req.end} tokens")
-    if not 0 <= req.owner < T:
-        return f"request {req.req_id}: owner {req.owner} is not a rank in [0, {T})"
-    return None
-
-
-@dataclass
-class _Columns:
-    """A batch's page tables side by side: request i has columns off[i] .. off[i+1] of every [T, pages]
-    array, one per page of its destination table (`n[i]` = pages for its `end`). Planning is then a
-    few numpy calls over the whole batch instead of dozens per request."""
-
-    context: np.ndarray  # [B] cached tokens
-    cached: np.ndarray  # [B] pages holding them
-    n: np.ndarray  # [B] pages the destination table covers (for `end` tokens)
-    final: np.ndarray  # [B] pages for the projected length (Eq 6)
-    off: np.ndarray  # [B + 1] first column of each request
-    req: np.ndarray  # [pages] request of each column
-    page: np.ndarray  # [pages] global page index of each column within its request
-    old: np.ndarray  # [T, pages] source local page ids (-1: not held, or beyond the pages it has now)
-
-    @classmethod
-    def of(cls, live: Sequence[LiveRequest], T: int, P: int, scalars: np.ndarray | None = None) -> _Columns:
-        """`live` must have passed `_request_error`; `scalars` is its `_scalars` if known."""
-        scalars = _scalars(live, P, T) if scalars is None else scalars
-        cols = [_CONTEXT, _HAVE, _CACHED_PAGES, _END_PAGES, _FINAL_PAGES]
-        context, have, cached, n, final = scalars[:, cols].T
-        off = np.zeros(len(live) + 1, dtype=np.int64)
-        np.cumsum(n, out=off[1:])
-        req = np.repeat(np.arange(len(live)), n)
-        page = np.arange(req.size) - off[req]
-        old = np.full((T, req.size), -1, dtype=np.int64)
-        # where each request's source pages go: all its columns, unless a table is shorter than `end`
-        held = int(have.sum())
-        at = slice(None) if held == req.size else (  # (have <= n request by request)
-            np.arange(held) + np.repeat(off[:-1] - (np.cumsum(have) - have), have))
-        for r in range(T):
-            old[r, at] = np.fromiter(itertools.chain.from_iterable(q.pages[r] for q in live),
-                                     dtype=np.int64, count=held)
-        return cls(context, cached, n, final, off, req, page, old)
-
-    @cached_property
-    def mine(self) -> np.ndarray:
-        """[T, pages] whether a rank holds a column's page now."""
-        return self.old >= 0
-
-    @cached_property
-    def is_cached(self) -> np.ndarray:
-        """[pages] whether a column holds cached history (the pages the manifest knows about)."""
-        return self.page < self.cached[self.req]
-
-    def first_orphan(self) -> tuple[int, int] | None:
-        """(request, page) of the first cached page no rank holds."""
-        orphan = ~self.mine.any(axis=0)
-        if orphan.any():  # (a column no rank holds is rare: a table shorter than `end`, or a corrupt one)
-            orphan &= self.is_cached
-        if not orphan.any():
-            return None
-        c = int(orphan.argmax())
-        return int(self.req[c]), int(self.page[c])
-
-    def held_per_request(self) -> np.ndarray:
-        """[T, B] source pages each rank holds of each request."""
-        held = np.zeros((self.old.shape[0], self.old.shape[1] + 1), dtype=np.int64)
-        np.cumsum(self.mine, axis=1, out=held[:, 1:])
-        return held[:, self.off[1:]] - held[:, self.off[:-1]]
 
 
 def _check_headroom(src: str, dst: str, room: Headroom) -> SwitchRefusal | None:
@@ -400,7 +293,7 @@ def _split(table: np.ndarray, live: Sequence[LiveRequest], off: np.ndarray) -> d
     return {req.req_id: [row[a:b] for row in rows] for req, a, b in zip(live, at, at[1:])}
 
 
-def _kv_pairs(kv: KVPages, live: Sequence[LiveRequest], cols: _Columns, table: np.ndarray,
+def _kv_pairs(kv: KVPages, live: Sequence[LiveRequest], cols: Columns, table: np.ndarray,
               fresh: np.ndarray, P: int) -> dict[tuple[int, int], np.ndarray]:
     """The core's page moves in local page ids; checks them (and its frees) against the tables:
     every page a rank newly holds must arrive exactly once, from a rank that holds it, and the core's
@@ -439,7 +332,7 @@ def _checked_rows(rows: np.ndarray, ranks: tuple[int, ...], ids: list[int], T: i
     return list(rows.T)
 
 
-def _check_moves(kv: KVPages, ids: list[int], cols: _Columns, table: np.ndarray, i: np.ndarray, j: np.ndarray,
+def _check_moves(kv: KVPages, ids: list[int], cols: Columns, table: np.ndarray, i: np.ndarray, j: np.ndarray,
                  s: np.ndarray, r: np.ndarray) -> np.ndarray:
     """Each move (a run of rows) must stay inside its request's table, come from a rank that holds the
     page, go to one that newly holds it, and carry cached history. Returns the moved columns."""
@@ -475,7 +368,7 @@ def _run(starts: np.ndarray, rows: int, row: int) -> tuple[int, int]:
     return int(starts[g]), int(starts[g + 1]) if g + 1 < len(starts) else rows
 
 
-def _check_counts(rank: np.ndarray, col: np.ndarray, want: np.ndarray, cols: _Columns, ids: list[int],
+def _check_counts(rank: np.ndarray, col: np.ndarray, want: np.ndarray, cols: Columns, ids: list[int],
                   what: str, than: str) -> None:
     """Per request, over its cached pages: how many of the core's rows name each (rank, column) equals
     the tables' `want` [T, pages]."""
