@@ -94,7 +94,8 @@ class SwitchPlanner:
     def check(self, dst: str, live: Sequence[LiveRequest], mode: str = "overlapped") -> SwitchRefusal | None:
         """`plan` as a dry run: the same owners, destination tables and Eq 5/6 checks, nothing allocated;
         the refusal `plan` would return, or None where it would plan the switch. The engine's one
-        memory-feasibility check (`SwitchController.fits` asks it before the Policy weighs a layout)."""
+        memory-feasibility check (`SwitchController.fits` asks it before the Policy weighs a layout).
+        Without `weight_headroom` the manifest is not built: only the weights check reads its bytes."""
         out = self._plan(dst, live, mode, dry_run=True)
         return out if isinstance(out, SwitchRefusal) else None
 
@@ -128,18 +129,21 @@ class SwitchPlanner:
         new_l = fresh.sum(axis=1).tolist()
         growth_l = _growth(dst, own, cols.n, cols.final, T).tolist()
         batch = [(req.context, req.owner if row(src).owned else 0, o) for req, o in zip(live, owners)]
-        man = switch_manifest(self.sizes, Layout(src), Layout(dst), batch, T, P)
         L = self.cfg.num_hidden_layers
-        w_growth = [(a - b) * L for a, b in zip(man.weights.recv_bytes, man.weights.freed_bytes)]
+        man, in_transit, w_growth = None, [0.0] * T, [0.0] * T
+        if not dry_run or self.weight_headroom is not None:  # (only the weights check reads its bytes)
+            man = switch_manifest(self.sizes, Layout(src), Layout(dst), batch, T, P)
+            in_transit = [float(x) for x in man.in_transit_bytes()]
+            w_growth = [float((a - b) * L) for a, b in zip(man.weights.recv_bytes, man.weights.freed_bytes)]
         room = Headroom(total_pages=self.alloc.num_total, used_pages=self.alloc.num_used, new_pages=new_l,
                         freed_pages=[len(f) for f in frees], growth_pages=growth_l,
                         reserve_pages=list(self.reserve), page_bytes=self.page_bytes,
-                        in_transit_bytes=[float(x) for x in man.in_transit_bytes()],
-                        weight_growth_bytes=[float(x) for x in w_growth],
+                        in_transit_bytes=in_transit, weight_growth_bytes=w_growth,
                         weight_headroom_bytes=self.weight_headroom, returned_pages=list(self.returned))
         refusal = _check_headroom(src, dst, room)
         if refusal is not None or dry_run:
             return refusal
+        assert man is not None
 
         allocated = [self.alloc.ranks[r].alloc(new_l[r]) for r in range(T)]
         for r in range(T):
