@@ -30,7 +30,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "tiny", dtype: str | None = None, **engine_kw: Any) -> None:
-        from splash.config import ConfigError
+        from splash.core.config import ConfigError
         from splash.engine.group import follow_if_worker
 
         if "tensor_parallel_size" in engine_kw:  # vLLM's name for the rank count

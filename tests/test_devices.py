@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 from splash.dist import groups
 
 

@@ -24,7 +24,7 @@ from test_layouts_dist import LAYER, P, build_plan, full_mla, inputs
 import splash.attention.batched as batched_mod
 import splash.model.context as context_mod
 from splash.attention.local import BatchedLocalLayout, LocalLayout
-from splash.config import PRESETS
+from splash.core.config import PRESETS
 from splash.engine.plan import SeqSlice
 from splash.model.context import ForwardContext
 from splash.model.layers import RMSNorm

@@ -15,8 +15,8 @@ from dist_utils import run_ranks
 
 from splash.attention import mha
 from splash.attention.registry import NAMES, make_layout
-from splash.config import ModelConfig
-from splash.costmodel import eq4_bytes
+from splash.core.config import ModelConfig
+from splash.core.costmodel import eq4_bytes
 from splash.dist.comm import LocalCommunicator
 from splash.engine.plan import SeqSlice
 from splash.kv.pool import KVPool

@@ -21,11 +21,11 @@ from test_fp8_load import FP8
 from test_fp8_load import ckpts as ckpts  # the FP8 / dequantised checkpoint pair fixture, reused
 
 from splash.attention.registry import NAMES, make_layout
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
+from splash.core.layouts import Ownership
 from splash.dist.comm import LocalCommunicator
 from splash.engine.plan import SeqSlice
 from splash.kv.pool import KVPool
-from splash.layouts import Ownership
 from splash.model import DeepseekForCausalLM, load_model
 from splash.model.context import ForwardContext
 from splash.model.shard import even_range

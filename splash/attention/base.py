@@ -4,7 +4,7 @@ A layout receives the replicated per-token parts computed by the model (`q_in`, 
 returns the attention output for *all* N rows, complete and replicated on every rank. Which heads the
 rank's MLA holds (`shards_projections`) and which ranks store which tokens' latent (`kv_ownership`,
 realised by the step plan's page tables) are not the class's to choose: they are those of its
-analytical-core layout (`core`, a `splash.layouts.Layout`; the runtime's layout table, one row per
+analytical-core layout (`core`, a `splash.core.layouts.Layout`; the runtime's layout table, one row per
 layout, is splash/attention/registry.py). Each chunk is attended in the form that costs least
 (`splash.attention.mha`): decode rows absorbed over the latent, long prefill chunks in MHA form over
 decompressed keys; a step whose slices all take the absorbed form runs exactly as before.
@@ -21,7 +21,7 @@ import torch
 from splash.attention import mha, native
 from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
-from splash.layouts import Layout, Ownership
+from splash.core.layouts import Layout, Ownership
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.mla import MLA
 

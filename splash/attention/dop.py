@@ -8,7 +8,7 @@ Per layer, on rank r holding heads H_r (H/T of them):
 5. W_UV and o_proj columns of my heads -> partial [N, d] -> all-reduce.
 Row counts per owner come from the plan (no size exchange); a rank owning no rows still enters both
 all-to-alls. Bytes sent by the two exchanges, summed over ranks, are exactly Eq 4
-(`splash.costmodel.eq4_bytes`, which the cost model prices).
+(`splash.core.costmodel.eq4_bytes`, which the cost model prices).
 
 A chunk in MHA form (splash/attention/mha.py: prefill chunks) runs TP-style instead: every rank
 attends it for its own heads over the chunk's context latent - the new rows' latent, which every rank
@@ -28,7 +28,7 @@ from splash.attention.base import AttentionLayout
 from splash.attention.dp import OwnerRows, OwnerRowsCache
 from splash.attention.mha import FormSplit
 from splash.attention.tp import check_heads
-from splash.layouts import Layout
+from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 

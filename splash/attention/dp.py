@@ -13,7 +13,7 @@ import torch
 
 from splash.attention.base import AttentionLayout
 from splash.attention.tp import check_heads
-from splash.layouts import Layout
+from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 

@@ -7,7 +7,7 @@
 | CP     | replicated: all heads       | by position  | rank j % T            | sum of ranks  | CPLayout  |
 | DOP    | sharded: rank r's 1/T slice | one owner    | the owner             | sum of ranks  | DOPLayout |
 
-A row is the core's layout (splash/layouts.py: projection placement x KV ownership, from which heads
+A row is the core's layout (splash/core/layouts.py: projection placement x KV ownership, from which heads
 per rank, page placement and how per-rank pools count are derived, each written once there) plus the
 attention class that runs it. Every runtime question about a layout is asked of its row (`row(name)`):
 the allocator's placement rule, which requests have owners, which layouts hold projection replicas,
@@ -28,7 +28,7 @@ from splash.attention.dop import DOPLayout
 from splash.attention.dp import DPLayout
 from splash.attention.local import LocalLayout
 from splash.attention.tp import TPLayout
-from splash.layouts import LAYOUTS, Layout, Ownership
+from splash.core.layouts import LAYOUTS, Layout, Ownership
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from splash.attention.base import AttentionLayout
-from splash.layouts import Layout
+from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 

@@ -49,7 +49,7 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from splash.config import ConfigError
+        from splash.core.config import ConfigError
 
         if not (self.output_scale > 0 and self.output_alpha > 0):
             raise ConfigError(f"--output-scale and --output-alpha must be > 0, got {self.output_scale:g} "
@@ -264,7 +264,7 @@ def per_repeat(every: dict[str, list[dict[str, Any]]], repeats: int) -> dict[str
 def rollout(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from splash.config import ConfigError
+    from splash.core.config import ConfigError
     from splash.engine.group import RankGroup
 
     runs = [r.strip().lower() for r in args.runs.split(",") if r.strip()]
@@ -286,7 +286,7 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
     bar = None
     try:
         memory = budget_bytes(group, args, kv_tokens)
-        from splash.config import ModelConfig
+        from splash.core.config import ModelConfig
         from splash.model import resolve_model_path
 
         vocab = ModelConfig.from_hf(resolve_model_path(args.model)).vocab_size
@@ -356,7 +356,7 @@ def table(doc: dict[str, Any]) -> str:
             lines.append(f"auto / gated per-phase oracle: {doc['auto_vs_oracle_gated']:.2f}x"
                          f"{_each(doc.get('auto_vs_oracle_gated_each'))}")
         if a.get("theta_correction"):
-            from splash.correction import describe
+            from splash.core.correction import describe
 
             lines.append(f"auto's prior: {a.get('theta_source')}; online correction (measured / predicted): "
                          f"{describe(a['theta_correction'])}")

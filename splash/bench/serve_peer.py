@@ -84,7 +84,7 @@ def vllm_command(a: argparse.Namespace, py: str, path: str, port: int, name: str
 
 def measure(a: argparse.Namespace) -> dict[str, Any]:
     from splash.bench.peer import free_port, peer_env, peer_python
-    from splash.config import ModelConfig, normalize_dtype
+    from splash.core.config import ModelConfig, normalize_dtype
     from splash.model import resolve_model_path
 
     py = peer_python()  # before anything starts

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from splash.config import dtype_bytes
-from splash.costmodel import Batch, Theta, step_cost
+from splash.core.config import dtype_bytes
+from splash.core.costmodel import Batch, Theta, step_cost
+from splash.core.layouts import Layout
+from splash.core.policy import PolicyConfig, decide
+from splash.core.sizes import AttentionSizes
 from splash.engine.plan import LAYOUTS, StepPlan
 from splash.kv.allocator import balanced_owners
-from splash.layouts import Layout
-from splash.policy import PolicyConfig, decide
-from splash.sizes import AttentionSizes
 from splash.switch.planner import dtype_name
 
 log = logging.getLogger("splash.switch")

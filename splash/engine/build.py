@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from splash.attention.mha import FORMS, form
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
 from splash.dist.groups import DEFAULT_TIMEOUT_S, local_grid, parse_device
 from splash.dist.launch import resolve_launch
 from splash.engine.group import RankGroup

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from splash.layouts import LAYOUTS as CORE_LAYOUTS
+from splash.core.layouts import LAYOUTS as CORE_LAYOUTS
 
 LAYOUTS = tuple(lay.value for lay in CORE_LAYOUTS)  # the names plans carry ("tp", "dp", "cp", "dop")
 # Plan kinds. "forward" and "switch" (a forward step in which the layout switches) run the SPMD step

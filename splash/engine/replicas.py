@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from splash.attention.registry import row
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 from splash.kv.allocator import KVAllocator
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
 
 
 @dataclass(frozen=True)

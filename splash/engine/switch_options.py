@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 from splash.engine.plan import LAYOUTS
 
 AUTO_START = "dop"  # where --layout auto starts: the most KV a budget allows, sharded projections

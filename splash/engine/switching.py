@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from splash.config import ConfigError
-from splash.correction import describe
+from splash.core.config import ConfigError
+from splash.core.correction import describe
 from splash.engine.auto_layout import AutoLayout, LayoutDecision
 from splash.engine.plan import LAYOUTS, StepPlan
 from splash.engine.replicas import ReplicaPages, replica_pages
@@ -53,7 +53,7 @@ class SwitchEvent:
     step: int
     src: str
     dst: str
-    cause: str  # "schedule" | "auto" | "request" | "guard" (a switch back, splash/regret.py)
+    cause: str  # "schedule" | "auto" | "request" | "guard" (a switch back, splash/core/regret.py)
     mode: str
     refused: str | None = None
     message: str = ""

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splash.config import ConfigError, ModelConfig, head_slice
+from splash.core.config import ConfigError, ModelConfig, head_slice
 from splash.model.context import ForwardContext
 from splash.model.layers import MLP, RMSNorm, check_activation
 from splash.model.loader import CheckpointReader

@@ -28,12 +28,12 @@ from functools import lru_cache
 import numpy as np
 
 from splash.attention.registry import row
-from splash.config import ModelConfig, dtype_bytes, normalize_dtype
+from splash.core.config import ModelConfig, dtype_bytes, normalize_dtype
+from splash.core.layouts import Layout
+from splash.core.manifest import KVPages, Manifest, switch_manifest
+from splash.core.sizes import AttentionSizes
 from splash.engine.plan import LAYOUTS
 from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks
-from splash.layouts import Layout
-from splash.manifest import KVPages, Manifest, switch_manifest
-from splash.sizes import AttentionSizes
 from splash.switch.columns import Columns, first_bad, request_error, request_scalars
 from splash.switch.plan import MODES, Headroom, LayerSwitch, LiveRequest, SwitchPlan, SwitchRefusal
 

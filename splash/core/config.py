@@ -41,7 +41,7 @@ def dtype_bytes(name: str) -> float:
 def head_slice(heads: int, rank: int, ranks: int) -> range:
     """The heads whose projection slices `rank` holds when projections are sharded over `ranks`: its
     contiguous 1/T slice (`ModelConfig.check_ranks` refuses a T that does not divide the heads). The one
-    definition of heads-per-rank; `Layout.heads` (splash/layouts.py) adds the replicated case."""
+    definition of heads-per-rank; `Layout.heads` (splash/core/layouts.py) adds the replicated case."""
     per = heads // ranks
     return range(rank * per, (rank + 1) * per)
 

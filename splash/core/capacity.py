@@ -18,9 +18,9 @@ from statistics import NormalDist
 
 import numpy as np
 
-from splash.config import ConfigError
-from splash.layouts import LAYOUTS, Layout, Ownership
-from splash.sizes import GIB, KIB
+from splash.core.config import ConfigError
+from splash.core.layouts import LAYOUTS, Layout, Ownership
+from splash.core.sizes import GIB, KIB
 
 PAPER_SEED = 20260922
 PAPER_COHORTS = 200_000

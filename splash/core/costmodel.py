@@ -4,7 +4,7 @@ Eq 10 per MLA layer and rank: t_proj = max(F_proj/Phi_proj, W/beta_W), t_att = m
 K_read/beta_KV), and t = t0 + t_proj + t_att + delta + max(0, R - eta*t_att). The loads F, W, K_read
 and R come from the ownership model for the *live* batch (unbalanced contexts and owners welcome),
 so the same function prices TP, DP, CP and DOP; theta holds only rates, latencies and budgets.
-The illustrative law of Eq 11/12 lives in `splash/law.py`.
+The illustrative law of Eq 11/12 lives in `splash/core/law.py`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from splash.config import ConfigError
-from splash.layouts import LAYOUTS, Layout, Ownership, round_robin_owners
-from splash.manifest import position_tokens_matrix
-from splash.sizes import AttentionSizes
+from splash.core.config import ConfigError
+from splash.core.layouts import LAYOUTS, Layout, Ownership, round_robin_owners
+from splash.core.manifest import position_tokens_matrix
+from splash.core.sizes import AttentionSizes
 
 # Collectives per attention layer (each pays the latency delta once): TP all-reduce after O;
 # DP all-gather of owners' rows; CP exact LSE merge; DOP forward + reverse all-to-all + all-reduce.

@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from splash.config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
+from splash.core.config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
 
 KIB = 1024
 MIB = 1024 * KIB

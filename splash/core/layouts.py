@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from splash.config import ConfigError, head_slice
-from splash.sizes import AttentionSizes
+from splash.core.config import ConfigError, head_slice
+from splash.core.sizes import AttentionSizes
 
 
 class Placement(enum.Enum):

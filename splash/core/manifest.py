@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from splash.config import ConfigError, ModelConfig
-from splash.layouts import Layout, Ownership
-from splash.sizes import MIB, AttentionSizes, head_runs
+from splash.core.config import ConfigError, ModelConfig
+from splash.core.layouts import Layout, Ownership
+from splash.core.sizes import MIB, AttentionSizes, head_runs
 
 DISCARD, ALL_GATHER, ALL_TO_ALL, KEEP = "discard", "all-gather", "all-to-all", "keep"
 
