@@ -13,8 +13,10 @@ attention class that runs it. Every runtime question about a layout is asked of 
 the allocator's placement rule, which requests have owners, which layouts hold projection replicas,
 the heads a rank holds, how many distinct tokens the pools hold. No runtime module tests layout names.
 
-Adding a fifth layout: its member in the core's `Layout` (a placement and an ownership), one row here,
-and one attention file (a subclass of `AttentionLayout` whose `core` is that member).
+Adding a fifth layout: its member in the core's `Layout` (a placement and an ownership; the core's
+cost model, splash/core/costmodel.py, must also learn to price it), one row here, and one attention
+file (a subclass of `AttentionLayout` whose `core` is that member). Nothing else in the runtime
+changes: every other module asks the row.
 """
 
 from __future__ import annotations

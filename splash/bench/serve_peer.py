@@ -25,13 +25,14 @@ METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean T
 def add_peer_args(p: argparse.ArgumentParser) -> None:
     from splash.bench.peer import PEERS
     from splash.commands.argtypes import output_file, positive_float, positive_int
+    from splash.engine.plan import LAYOUTS
 
     p.add_argument("--peer", choices=PEERS, default=None,
                    help="start `splash serve` and this peer's server (vllm: vLLM's OpenAI server from "
                         "`make peer-venv`) on --model, run the load against each in turn, print both")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="with --peer: ranks of both servers (vLLM's --tensor-parallel-size)")
-    p.add_argument("--layout", default=None, choices=("tp", "dp", "cp", "dop", "auto"),
+    p.add_argument("--layout", default=None, choices=(*LAYOUTS, "auto"),
                    help="with --peer: splash's attention layout (default: splash serve's)")
     p.add_argument("--dtype", default="bfloat16", help="with --peer: both servers' dtype (default bfloat16)")
     p.add_argument("--startup-timeout", type=positive_float, default=900.0,

@@ -285,7 +285,7 @@ def run_advise(args: argparse.Namespace) -> int:
     rows = []
     for lay in LAYOUTS:
         e = d.evals[lay]
-        group = e.kv_pool_tokens if lay is Layout.TP else e.kv_pool_tokens * args.ranks
+        group = lay.distinct([e.kv_pool_tokens] * args.ranks)  # TP: one rank's pool; the others: the sum
         longest = longest_balanced_context(lay, avail, sizes.w_a, sizes.k, args.batch, args.ranks)
         layouts[lay.label] = {**e.to_dict(), "kv_distinct_tokens_group": group,
                               "longest_balanced_context": int(longest), **{"stages": e.cost.to_dict()}}
