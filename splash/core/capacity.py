@@ -45,8 +45,9 @@ def pools_from_budget(memory_bytes: float, w_a: float, k: float, ranks: int,
 
 
 def distinct_tokens(layout: Layout, pool: int, ranks: int) -> int:
-    """Distinct tokens a group stores: TP's replicas count once, the other layouts' pools add up."""
-    return pool if layout.ownership is Ownership.REPLICATED else pool * ranks
+    """Distinct tokens a group of `ranks` equal pools stores (`Layout.distinct`: TP's replicas count
+    once, the other layouts' pools add up)."""
+    return layout.distinct([pool] * ranks)
 
 
 @dataclass(frozen=True)

@@ -126,11 +126,12 @@ class KVAllocator:
     @property
     def layout(self) -> str:
         """The running layout's name (a switch's commit sets the destination's)."""
-        return self._row.name
+        return self._name
 
     @layout.setter
     def layout(self, name: str) -> None:
         self._row = row(name)
+        self._name = self._row.name
 
     @property
     def layout_row(self) -> LayoutRow:
