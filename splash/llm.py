@@ -21,7 +21,7 @@ class LLM:
     "bfloat16" | "float64"), max_num_seqs,
     max_num_batched_tokens, max_model_len, memory_per_rank (bytes or "2GiB"), page_size,
     num_kv_pages (explicit pool size), device, tp/ranks, layout, seed; on several nodes nnodes,
-    node_rank, dist_init_addr (see `splash.engine.runner.build_engine`).
+    node_rank, dist_init_addr (see `splash.engine.build.build_engine`).
 
     With T > 1 ranks, rank 0 runs here and the others are started as processes (or joined from other
     nodes / torchrun); `shutdown()` (or leaving a `with LLM(...)` block, or interpreter exit) stops
@@ -30,7 +30,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "tiny", dtype: str | None = None, **engine_kw: Any) -> None:
-        from splash.config import ConfigError
+        from splash.core.config import ConfigError
         from splash.engine.group import follow_if_worker
 
         if "tensor_parallel_size" in engine_kw:  # vLLM's name for the rank count
@@ -48,7 +48,9 @@ class LLM:
         tp = engine_kw.get("ranks", engine_kw.get("tp"))
         if follow_if_worker(tp, device=engine_kw.get("device"), **launch):
             raise SystemExit(0)
-        self.llm_engine: LLMEngine = LLMEngine.from_args(model=model, dtype=dtype, **engine_kw)
+        from splash.engine.build import build_engine
+
+        self.llm_engine: LLMEngine = build_engine(model=model, dtype=dtype, **engine_kw)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

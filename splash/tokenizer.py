@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 
 # Used when a checkpoint ships no chat template: one line per turn, then the assistant's cue.
 PLAIN_TEMPLATE = (

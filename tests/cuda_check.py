@@ -44,7 +44,7 @@ def drain(eng, reqs):
 def part1_2(path) -> None:
     from test_engine_dist import ENGINE, NEW, PROMPTS, run
 
-    from splash.engine.runner import build_engine
+    from splash.engine.build import build_engine
     from splash.engine.sampling import SamplingParams
 
     try:

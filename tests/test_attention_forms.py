@@ -17,8 +17,8 @@ import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
 from splash.attention import mha
+from splash.engine.build import build_engine
 from splash.engine.group import RankGroup
-from splash.engine.runner import build_engine
 from splash.engine.sampling import SamplingParams
 
 V3 = SimpleNamespace(d_c=512, d_rope=64, d_nope=128, d_v=128)  # DeepSeek-V3 / Kimi-K2 MLA dims

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splash.attention.kernel import attend, gather_keys, key_slots, merge
-from splash.config import PRESETS
+from splash.core.config import PRESETS
 from splash.kv.pool import KVPool
 
 torch.set_num_threads(1)
@@ -98,7 +98,7 @@ def test_pool_sizing_and_writes():
     moved = pool.read_pages(torch.tensor([1]))
     pool.write_pages(torch.tensor([4]), moved)
     assert torch.equal(pool.layer(2)[4, 1], rows[1])
-    from splash.config import ConfigError
+    from splash.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="memory-per-rank"):
         KVPool.from_budget(cfg, per_page - 1, page_size=16)

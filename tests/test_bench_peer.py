@@ -16,7 +16,7 @@ import time
 import pytest
 
 from splash.bench import offline_peer, peer, serve_peer
-from splash.bench.serve import RequestResult, itl_timeline
+from splash.bench.load import RequestResult, itl_timeline
 from splash.cli import main
 
 pytestmark = pytest.mark.timeout(300)

@@ -7,7 +7,7 @@ import pytest
 
 from splash.bench.phases import analyse, bucket, lines, split
 from splash.bench.rollout import QUICK, Workload, changes
-from splash.engine.switching import LayoutDecision
+from splash.engine.auto_layout import LayoutDecision
 
 
 def timeline(wide: list[float], tail: list[tuple[float, int, int]]) -> list[dict]:
@@ -39,7 +39,7 @@ def test_workload_is_deterministic_and_heavy_tailed():
 
 
 def test_workload_shape_flags_and_their_errors():
-    from splash.config import ConfigError
+    from splash.core.config import ConfigError
 
     short = Workload(output_scale=3.0, output_max=192)
     _, o = short.sample(320)

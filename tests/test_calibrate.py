@@ -18,10 +18,18 @@ from splash.calibration.prior import (
     load_or_default_theta,
     runtime_prior,
 )
-from splash.config import PRESETS, ConfigError
-from splash.costmodel import FIT_PARAMS, Batch, Theta, step_cost, step_features, theta_params, with_params
-from splash.layouts import LAYOUTS, Layout
-from splash.sizes import AttentionSizes
+from splash.core.config import PRESETS, ConfigError
+from splash.core.costmodel import (
+    FIT_PARAMS,
+    Batch,
+    Theta,
+    step_cost,
+    step_features,
+    theta_params,
+    with_params,
+)
+from splash.core.layouts import LAYOUTS, Layout
+from splash.core.sizes import AttentionSizes
 
 SIZES = AttentionSizes(PRESETS["tiny"], "fp32", "fp32")
 PAGE = 16

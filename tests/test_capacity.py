@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from splash.capacity import (
+from splash.core.capacity import (
     CapacityScenario,
     busiest_rank_tokens,
     distinct_tokens,
@@ -14,9 +14,9 @@ from splash.capacity import (
     residency_limits,
     scenario,
 )
-from splash.config import ConfigError
-from splash.layouts import LAYOUTS, Layout
-from splash.sizes import GIB, KIB
+from splash.core.config import ConfigError
+from splash.core.layouts import LAYOUTS, Layout
+from splash.core.sizes import GIB, KIB
 
 
 def test_dcu_pools_from_the_budget():

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from splash.config import PRESETS, ConfigError
-from splash.correction import CorrectionConfig, StepCorrection, StepKey, bucket, bucket_label, describe
-from splash.costmodel import Batch, Theta
-from splash.layouts import Layout
-from splash.policy import PolicyConfig, decide
-from splash.regret import RegretGuard
-from splash.sizes import GIB, AttentionSizes
+from splash.core.config import PRESETS, ConfigError
+from splash.core.correction import CorrectionConfig, StepCorrection, StepKey, bucket, bucket_label, describe
+from splash.core.costmodel import Batch, Theta
+from splash.core.layouts import Layout
+from splash.core.policy import PolicyConfig, decide
+from splash.core.regret import RegretGuard
+from splash.core.sizes import GIB, AttentionSizes
 
 SIZES = AttentionSizes(PRESETS["tiny"])
 DEC1 = StepKey(0)  # decode, one request

@@ -5,12 +5,12 @@ import json
 import numpy as np
 import pytest
 
-from splash.config import PRESETS, ConfigError
-from splash.costmodel import Batch, Theta, exposed_switch_time, step_cost, step_costs, switch_time
-from splash.hardware import PROFILES, theta_for
-from splash.law import alpha, crossovers, fastest, latency, tau
-from splash.layouts import LAYOUTS, Layout
-from splash.sizes import AttentionSizes
+from splash.core.config import PRESETS, ConfigError
+from splash.core.costmodel import Batch, Theta, exposed_switch_time, step_cost, step_costs, switch_time
+from splash.core.hardware import PROFILES, theta_for
+from splash.core.law import alpha, crossovers, fastest, latency, tau
+from splash.core.layouts import LAYOUTS, Layout
+from splash.core.sizes import AttentionSizes
 
 
 def _theta(**kw):

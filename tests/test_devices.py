@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 from splash.dist import groups
 
 
@@ -34,7 +34,7 @@ def test_torchrun_node_with_too_many_ranks_fails_before_joining(monkeypatch: pyt
 
 def test_engine_on_one_gpu_with_two_ranks_says_use_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """`splash generate --tp 2` on a one-GPU machine: a clear error before any rank is spawned."""
-    from splash.engine.runner import build_engine
+    from splash.engine.build import build_engine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

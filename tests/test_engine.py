@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_logits, hf_reference
 
-from splash.engine.runner import build_engine
+from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
 from splash.llm import LLM
 
@@ -158,7 +158,7 @@ def test_batched_decode_attention_equals_per_slice_kernel(v3):
 
 
 def test_vllm_tensor_parallel_size_is_the_rank_count():
-    from splash.config import ConfigError
+    from splash.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="disagrees"):
         LLM("tiny", tensor_parallel_size=2, tp=1, device="cpu")

@@ -17,8 +17,8 @@ from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 from test_engine_dist import ENGINE, LAYOUTS, NEW, PROMPTS, run
 from test_engine_switch import ALL12
 
+from splash.engine.build import build_engine
 from splash.engine.group import RankGroup
-from splash.engine.runner import build_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]
 CROSS_DEVICE = 1e-5  # float32 router/rotary rounding, CUDA vs CPU (see the module docstring)

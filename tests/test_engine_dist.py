@@ -25,13 +25,13 @@ import pytest
 import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
-from splash.attention.dop import eq4_bytes
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
+from splash.core.costmodel import eq4_bytes
+from splash.core.sizes import AttentionSizes
 from splash.dist.launch import WorkerError, free_port
+from splash.engine.build import build_engine
 from splash.engine.group import GroupFailed, RankGroup
-from splash.engine.runner import build_engine
 from splash.engine.sampling import SamplingParams
-from splash.sizes import AttentionSizes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 

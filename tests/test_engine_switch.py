@@ -19,11 +19,11 @@ import pytest
 import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
-from splash.config import ConfigError
+from splash.core.config import ConfigError
+from splash.engine.build import build_engine
 from splash.engine.group import RankGroup
-from splash.engine.runner import build_engine
 from splash.engine.sampling import SamplingParams
-from splash.engine.switching import parse_schedule
+from splash.engine.switch_options import parse_schedule
 from splash.kv.allocator import page_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
@@ -275,8 +275,8 @@ def test_auto_layout_switches_without_changing_tokens(group, ckpt, tmp_path):
     if group.world != 2:
         pytest.skip("once, at T = 2")
     from splash.calibration import runtime_prior
-    from splash.config import ModelConfig
-    from splash.sizes import AttentionSizes
+    from splash.core.config import ModelConfig
+    from splash.core.sizes import AttentionSizes
 
     path, ref, ref_logits = ckpt
     cfg = ModelConfig.from_hf(path)
@@ -313,9 +313,9 @@ def test_auto_switch_back_by_the_regret_guard_changes_no_token(group, ckpt, tmp_
     import json
 
     from splash.calibration import runtime_prior
-    from splash.config import ModelConfig
-    from splash.correction import CorrectionConfig
-    from splash.sizes import AttentionSizes
+    from splash.core.config import ModelConfig
+    from splash.core.correction import CorrectionConfig
+    from splash.core.sizes import AttentionSizes
 
     path, _, _ = ckpt
     new = 16

@@ -15,8 +15,8 @@ import statistics
 
 import pytest
 
+from splash.engine.build import build_engine
 from splash.engine.group import RankGroup
-from splash.engine.runner import build_engine
 from splash.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]

@@ -24,7 +24,7 @@ from test_layouts_dist import LAYER, P, build_plan, full_mla, inputs
 import splash.attention.batched as batched_mod
 import splash.model.context as context_mod
 from splash.attention.local import BatchedLocalLayout, LocalLayout
-from splash.config import PRESETS
+from splash.core.config import PRESETS
 from splash.engine.plan import SeqSlice
 from splash.model.context import ForwardContext
 from splash.model.layers import RMSNorm
@@ -148,7 +148,7 @@ def test_context_build_paths_agree(holes: bool, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("path,budget", [("torch", None), ("torch", 1), ("native", None)])
-@pytest.mark.parametrize("kind,rank", [("all", 0), ("owner", 1), ("position", 0)])
+@pytest.mark.parametrize("kind,rank", [("replicated", 0), ("owner", 1), ("position", 0)])
 def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int, path: str, budget: int | None,
                                                    monkeypatch) -> None:
     # decode rows (contexts 3 to 14: more than one length bucket), two pairs of equal prefill chunks, a

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from splash.config import PRESETS, ConfigError
-from splash.layouts import (
+from splash.core.config import PRESETS, ConfigError
+from splash.core.layouts import (
     LAYOUTS,
     Layout,
     Ownership,
@@ -18,7 +18,7 @@ from splash.layouts import (
     kv_tokens_per_rank,
     longest_balanced_context,
 )
-from splash.sizes import AttentionSizes
+from splash.core.sizes import AttentionSizes
 
 
 def test_layouts_are_placement_times_ownership():

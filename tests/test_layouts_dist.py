@@ -14,9 +14,9 @@ import torch
 from dist_utils import run_ranks
 
 from splash.attention import mha
-from splash.attention.dop import eq4_bytes
 from splash.attention.registry import NAMES, make_layout
-from splash.config import ModelConfig
+from splash.core.config import ModelConfig
+from splash.core.costmodel import eq4_bytes
 from splash.dist.comm import LocalCommunicator
 from splash.engine.plan import SeqSlice
 from splash.kv.pool import KVPool
@@ -78,8 +78,11 @@ def inputs(case: list[tuple[int, int, int]], seed: int) -> tuple[torch.Tensor, t
     return q_in, latent_new, hist
 
 
-def holders(kind: str, page: int, owner: int, world: int) -> list[int]:
-    return {"all": list(range(world)), "owner": [owner], "position": [page % world]}[kind]
+def holders(kind, page: int, owner: int, world: int) -> list[int]:
+    """Ranks holding a page, spelled out independently of the layout table; `kind` an Ownership or its
+    value ("replicated", "owner", "position")."""
+    kind = getattr(kind, "value", kind)
+    return {"replicated": list(range(world)), "owner": [owner], "position": [page % world]}[kind]
 
 
 def build_plan(case, hist, kind: str, world: int, rank: int, seed: int) -> tuple[list[SeqSlice], KVPool]:
@@ -211,7 +214,7 @@ def test_mha_form_in_bf16_is_as_close_as_the_absorbed_form() -> None:
         mha.set_form(form)
         try:
             layout = make_layout("local")
-            seqs, pool = build_plan(case, hist, "all", 1, 0, seed=5)
+            seqs, pool = build_plan(case, hist, "replicated", 1, 0, seed=5)
             pool.data, pool.dtype = pool.data.bfloat16(), torch.bfloat16
             ctx = ForwardContext.build(seqs, kv=pool, layout=layout, comm=LocalCommunicator(), page_size=P)
             out = layout.attention(LAYER, bf, q_in.bfloat16(), latent_new.bfloat16(), ctx)

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from splash.config import PRESETS, ConfigError
-from splash.layouts import DIRECTIONS, LAYOUTS, Layout
-from splash.manifest import (
+from splash.core.config import PRESETS, ConfigError
+from splash.core.layouts import DIRECTIONS, LAYOUTS, Layout
+from splash.core.manifest import (
     ALL_GATHER,
     ALL_TO_ALL,
     DISCARD,
@@ -16,7 +16,7 @@ from splash.manifest import (
     switch_manifest,
     weights_report,
 )
-from splash.sizes import MIB, AttentionSizes
+from splash.core.sizes import MIB, AttentionSizes
 
 L = Layout
 

@@ -21,7 +21,8 @@ from test_fp8_load import FP8
 from test_fp8_load import ckpts as ckpts  # the FP8 / dequantised checkpoint pair fixture, reused
 
 from splash.attention.registry import NAMES, make_layout
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
+from splash.core.layouts import Ownership
 from splash.dist.comm import LocalCommunicator
 from splash.engine.plan import SeqSlice
 from splash.kv.pool import KVPool
@@ -178,8 +179,10 @@ STEPS = [
 ]
 
 
-def _holders(kind: str, page: int, owner: int, world: int) -> list[int]:
-    return {"all": list(range(world)), "owner": [owner], "position": [page % world]}[kind]
+def _holders(layout, page: int, owner: int, world: int) -> list[int]:
+    """Ranks holding a page under the layout's KV ownership, spelled out here independently of the table."""
+    return {Ownership.REPLICATED: list(range(world)), Ownership.OWNER: [owner],
+            Ownership.POSITION: [page % world]}[layout.kv_ownership]
 
 
 def run_steps(model: DeepseekForCausalLM, layout, rank: int, world: int, comm) -> tuple[list, dict]:
@@ -196,7 +199,7 @@ def run_steps(model: DeepseekForCausalLM, layout, rank: int, world: int, comm) -
         for req, n in step:
             t, owner = tables[req], OWNERS[req] % world
             while len(t[0]) < -(-(cached[req] + n) // P):
-                held = _holders(layout.kv_ownership, len(t[0]), owner, world)
+                held = _holders(layout, len(t[0]), owner, world)
                 for r in range(world):
                     t[r].append(nxt[r] if r in held else -1)
                     nxt[r] -= r in held

@@ -5,11 +5,11 @@ import functools
 
 import pytest
 
-from splash.config import PRESETS, ConfigError
-from splash.costmodel import Batch, Theta
-from splash.layouts import Layout
-from splash.policy import Policy, PolicyConfig, decide, evaluate, resident_bytes
-from splash.sizes import GIB, AttentionSizes
+from splash.core.config import PRESETS, ConfigError
+from splash.core.costmodel import Batch, Theta
+from splash.core.layouts import Layout
+from splash.core.policy import Policy, PolicyConfig, decide, evaluate, resident_bytes
+from splash.core.sizes import GIB, AttentionSizes
 
 SIZES = AttentionSizes(PRESETS["tiny"])
 

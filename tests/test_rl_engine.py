@@ -17,8 +17,8 @@ from rl_utils import Trainer, reference
 from safetensors.torch import load_file
 
 from splash.dist.launch import free_port
+from splash.engine.build import build_engine
 from splash.engine.group import RankGroup
-from splash.engine.runner import build_engine
 from splash.engine.sampling import SamplingParams
 from splash.model.update import WeightUpdateError
 

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from splash.config import PRESETS, ConfigError
-from splash.hardware import theta_for
-from splash.layouts import Layout
-from splash.policy import PolicyConfig
-from splash.simulate import SimConfig, Workload, plot_rollouts, rollout, rollout_all
-from splash.sizes import AttentionSizes
+from splash.core.config import PRESETS, ConfigError
+from splash.core.hardware import theta_for
+from splash.core.layouts import Layout
+from splash.core.policy import PolicyConfig
+from splash.core.simulate import SimConfig, Workload, plot_rollouts, rollout, rollout_all
+from splash.core.sizes import AttentionSizes
 
 SIZES = AttentionSizes(PRESETS["tiny"])
 THETA = theta_for("cpu", 4, SIZES)

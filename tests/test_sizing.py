@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.config import PRESETS, ConfigError
+from splash.core.config import PRESETS, ConfigError
 from splash.engine import sizing
 from splash.kv.pool import KVPool
 

@@ -22,12 +22,12 @@ import torch
 from dist_utils import run_ranks
 
 from splash.attention.registry import make_layout
-from splash.config import ModelConfig
+from splash.core.config import ModelConfig
+from splash.core.manifest import switch_manifest
 from splash.dist.comm import LocalCommunicator
 from splash.engine.plan import LAYOUTS, SeqSlice, StepPlan
 from splash.kv.allocator import KVAllocator, page_ranks
 from splash.kv.pool import KVPool
-from splash.manifest import switch_manifest
 from splash.model.context import ForwardContext
 from splash.switch import LiveRequest, SwitchExecutor, SwitchLayout, SwitchPlan, SwitchPlanner, SwitchRefusal
 from splash.switch.executor import WEIGHT_KEYS
@@ -304,7 +304,7 @@ def check_modes_agree(results: dict) -> None:
 
 
 def run_world(world: int, ckpt: str, reference: dict, cases: list[tuple]) -> dict:
-    from splash.config import ModelConfig
+    from splash.core.config import ModelConfig
 
     per_rank = run_ranks(world, _rank_cases, ckpt, cases, timeout=240)
     cfg = ModelConfig.from_hf(ckpt)
@@ -352,7 +352,7 @@ def test_directions_on_four_ranks(ckpt, reference) -> None:
 
 # ---- the planner alone (rank 0's bookkeeping; no ranks) -----------------------------------------------
 def _tiny_cfg() -> ModelConfig:
-    from splash.config import PRESETS
+    from splash.core.config import PRESETS
 
     return PRESETS["tiny"]
 
@@ -501,11 +501,12 @@ def test_corrupt_manifest_page_ids_give_the_clear_error_not_an_index_error() -> 
     error (with the request named), never a bare IndexError from numpy."""
     import numpy as np
 
-    from splash.manifest import KVPages, PageFree, PageMove
-    from splash.switch.planner import _Columns, _kv_pairs
+    from splash.core.manifest import KVPages, PageFree, PageMove
+    from splash.switch.columns import Columns
+    from splash.switch.planner import _kv_pairs
 
     live = [LiveRequest(req_id=7, context=32, owner=0, pages=[[0, 1], [-1, -1]])]
-    cols = _Columns.of(live, 2, 16)
+    cols = Columns.of(live, 2, 16)
     new = np.array([[0, 1], [2, 3]])
     fresh = np.array([[0, 0], [1, 1]])
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from splash.config import PRESETS
+from splash.core.config import PRESETS
 from splash.engine.switching import SwitchController
 from splash.kv.allocator import KVAllocator, OutOfPages
 from splash.switch.plan import SwitchRefusal

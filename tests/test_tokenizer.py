@@ -11,7 +11,7 @@ import torch
 from helpers_ckpt import Seq, SimpleRunner
 
 from splash.cli import main
-from splash.config import PRESETS, ModelConfig
+from splash.core.config import PRESETS, ModelConfig
 from splash.tokenizer import load_tokenizer
 
 torch.set_num_threads(1)

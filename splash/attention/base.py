@@ -1,11 +1,13 @@
-"""The Layout interface: how one MLA layer's attention is split over the ranks.
+"""The AttentionLayout interface: how one MLA layer's attention is split over the ranks.
 
 A layout receives the replicated per-token parts computed by the model (`q_in`, `latent_new`) and
-returns the attention output for *all* N rows, complete and replicated on every rank. It decides
-which heads the rank's MLA holds (`shards_projections`) and which ranks store which tokens' latent
-(`kv_ownership`, realised by the step plan's page tables). Each chunk is attended in the form that
-costs least (`splash.attention.mha`): decode rows absorbed over the latent, long prefill chunks in MHA
-form over decompressed keys; a step whose slices all take the absorbed form runs exactly as before.
+returns the attention output for *all* N rows, complete and replicated on every rank. Which heads the
+rank's MLA holds (`shards_projections`) and which ranks store which tokens' latent (`kv_ownership`,
+realised by the step plan's page tables) are not the class's to choose: they are those of its
+analytical-core layout (`core`, a `splash.core.layouts.Layout`; the runtime's layout table, one row per
+layout, is splash/attention/registry.py). Each chunk is attended in the form that costs least
+(`splash.attention.mha`): decode rows absorbed over the latent, long prefill chunks in MHA form over
+decompressed keys; a step whose slices all take the absorbed form runs exactly as before.
 """
 
 from __future__ import annotations
@@ -19,15 +21,25 @@ import torch
 from splash.attention import mha, native
 from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
+from splash.core.layouts import Layout, Ownership
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.mla import MLA
 
 
-class Layout(ABC):
+class AttentionLayout(ABC):
     name: ClassVar[str]
-    shards_projections: ClassVar[bool]  # True: each rank holds H/T heads' q_b/W_UK/W_UV/o_proj (TP, DOP)
-    kv_ownership: ClassVar[str]  # "all" (TP), "owner" (DP, DOP) or "position" (CP: page j on rank j % T)
+    core: ClassVar[Layout | None]  # the core's layout this class runs; None: the one-rank layout (T = 1)
     batch_slices: ClassVar[bool] = True  # attend the step's slices in batched groups (False: one by one)
+
+    @property
+    def shards_projections(self) -> bool:
+        """Each rank holds H/T heads' q_b/W_UK/W_UV/o_proj (TP, DOP)."""
+        return self.core is not None and self.core.sharded
+
+    @property
+    def kv_ownership(self) -> Ownership:
+        """Which ranks hold a request's pages (one rank holds them all at T = 1)."""
+        return Ownership.REPLICATED if self.core is None else self.core.ownership
 
     @abstractmethod
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,

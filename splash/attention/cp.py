@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from splash.attention.base import Layout
+from splash.attention.base import AttentionLayout
 from splash.attention.kernel import merge
 from splash.attention.tp import check_heads
+from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 
@@ -28,14 +29,13 @@ def _by_head_slice(t: torch.Tensor, world: int) -> torch.Tensor:
     return t.reshape(n, world, h, *rest).transpose(0, 1).reshape(world * n, h, *rest)
 
 
-class CPLayout(Layout):
+class CPLayout(AttentionLayout):
     name = "cp"
-    shards_projections = False
-    kv_ownership = "position"
+    core = Layout.CP
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
-        check_heads(mla, ctx, False, self.name)
+        check_heads(mla, ctx, self)
         self.write_kv(layer_idx, latent_new, ctx)
         # A chunk in MHA form leaves partials in value space [N, H, d_v]: the merge is linear, so merging
         # there is exact too; then every row goes there (absorbed ones through W_UV first).

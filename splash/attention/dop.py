@@ -7,7 +7,8 @@ Per layer, on rank r holding heads H_r (H/T of them):
 4. reverse all-to-all returns each rank its head slice of every row -> [N, H/T, d_c];
 5. W_UV and o_proj columns of my heads -> partial [N, d] -> all-reduce.
 Row counts per owner come from the plan (no size exchange); a rank owning no rows still enters both
-all-to-alls. Bytes sent by the two exchanges, summed over ranks, are exactly Eq 4 (`eq4_bytes`).
+all-to-alls. Bytes sent by the two exchanges, summed over ranks, are exactly Eq 4
+(`splash.core.costmodel.eq4_bytes`, which the cost model prices).
 
 A chunk in MHA form (splash/attention/mha.py: prefill chunks) runs TP-style instead: every rank
 attends it for its own heads over the chunk's context latent - the new rows' latent, which every rank
@@ -23,24 +24,18 @@ from __future__ import annotations
 import torch
 
 from splash.attention import mha
-from splash.attention.base import Layout
+from splash.attention.base import AttentionLayout
 from splash.attention.dp import OwnerRows, OwnerRowsCache
 from splash.attention.mha import FormSplit
 from splash.attention.tp import check_heads
+from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 
 
-def eq4_bytes(rows: int, heads: int, d_c: int, d_r: int, world: int, elem_bytes: float) -> float:
-    """SPEC Eq 4: V_DOP = (1 - 1/T) * N * H * (d_q + d_z) * b, d_q = d_c + d_r, d_z = d_c
-    (the group's total per layer; per rank it depends on how many rows each rank owns)."""
-    return (1 - 1 / world) * rows * heads * ((d_c + d_r) + d_c) * elem_bytes
-
-
-class DOPLayout(Layout):
+class DOPLayout(AttentionLayout):
     name = "dop"
-    shards_projections = True
-    kv_ownership = "owner"
+    core = Layout.DOP
 
     def __init__(self) -> None:
         self._own = OwnerRowsCache()
@@ -48,7 +43,7 @@ class DOPLayout(Layout):
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
-        check_heads(mla, ctx, True, self.name)
+        check_heads(mla, ctx, self)
         self.write_kv(layer_idx, latent_new, ctx)
         split = self.forms(ctx, "all", None, mla)
         if split is not None:

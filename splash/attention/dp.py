@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from splash.attention.base import Layout
+from splash.attention.base import AttentionLayout
 from splash.attention.tp import check_heads
+from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 
@@ -59,23 +60,22 @@ class OwnerRowsCache:
         return self._rows
 
 
-def attend_owned(layer_idx: int, layout: Layout, q_lat: torch.Tensor, q_pe: torch.Tensor,
+def attend_owned(layer_idx: int, layout: AttentionLayout, q_lat: torch.Tensor, q_pe: torch.Tensor,
                  own: OwnerRows, ctx: ForwardContext, scale: float) -> torch.Tensor:
     """Attention of this rank's owned rows (q_* rows in `own.mine_rows` order) over its pages."""
     return layout.attend_slices(layer_idx, own.mine, "mine", q_lat, q_pe, ctx, scale)[0]
 
 
-class DPLayout(Layout):
+class DPLayout(AttentionLayout):
     name = "dp"
-    shards_projections = False
-    kv_ownership = "owner"
+    core = Layout.DP
 
     def __init__(self) -> None:
         self._own = OwnerRowsCache()
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
-        check_heads(mla, ctx, False, self.name)
+        check_heads(mla, ctx, self)
         own = self._own.get(ctx)
         self.write_kv(layer_idx, latent_new, ctx)
         rows = own.mine_rows

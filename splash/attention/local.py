@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from splash.attention.base import Layout
+from splash.attention.base import AttentionLayout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 
 
-class LocalLayout(Layout):
+class LocalLayout(AttentionLayout):
     """Slice by slice through the shared kernel: the reference every batched path is checked against."""
 
     name = "local"
-    shards_projections = False
-    kv_ownership = "all"
+    core = None  # every layout at T = 1: all heads, every page on the one rank
     batch_slices = False
 
     @staticmethod
     def write_kv(layer_idx: int, latent_new: torch.Tensor, ctx: ForwardContext) -> None:
-        """As Layout.write_kv, without the row gather when every row is stored (one rank, all pages)."""
+        """As the base write_kv, without the row gather when every row is stored (one rank, all pages)."""
         if ctx.kv is not None and ctx.write_slots is not None:
             rows = latent_new if ctx.all_held else latent_new[ctx.write_rows]
             ctx.kv.write(layer_idx, ctx.write_slots, rows)

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from typing import Any
 
+from splash.bench.workload import greedy_agreement, random_prompts
+
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import add_engine_args, positive_int
+    from splash.commands.argtypes import positive_int
+    from splash.commands.generate import add_engine_args
 
     p = kinds.add_parser("offline", help="offline generation throughput (optionally vs transformers)",
                          description="Time LLM.generate on a fixed batch of random-token prompts.")
@@ -39,11 +41,6 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _prompts(batch: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(batch)]
-
-
 def _rates(batch: int, input_len: int, output_len: int, seconds: float) -> dict[str, float]:
     return {"seconds": seconds, "output_tokens_per_s": batch * output_len / seconds,
             "total_tokens_per_s": batch * (input_len + output_len) / seconds,
@@ -59,7 +56,7 @@ def run_splash(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]
     kw["max_num_seqs"] = max(kw["max_num_seqs"], args.batch)
     llm = LLM(**kw)
     eng = llm.llm_engine
-    prompts = _prompts(args.batch, args.input_len, eng.vocab_size or 256, args.seed)
+    prompts = random_prompts(args.batch, args.input_len, eng.vocab_size or 256, args.seed)
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts, sampling_params=warm)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -115,15 +112,6 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], dtype_name: str, 
     return _rates(len(prompts), args.input_len, args.output_len, dt), out[:, width:].tolist()
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Mean fraction of each sequence generated identically before the first divergence."""
-    fr = []
-    for x, y in zip(a, b):
-        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-        fr.append(k / max(1, len(x)))
-    return sum(fr) / max(1, len(fr))
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -150,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         doc["hf"] = hf
         doc["speedup"] = res["output_tokens_per_s"] / hf["output_tokens_per_s"]
-        doc["greedy_agreement"] = _agreement(tokens, hf_tokens)
+        doc["greedy_agreement"] = greedy_agreement(tokens, hf_tokens)
     if args.json:
         print(json.dumps(doc))
         return 0

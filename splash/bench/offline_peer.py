@@ -40,7 +40,7 @@ def shapes_arg(text: str) -> list[Shape]:
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
     from splash.bench.peer import PEERS
-    from splash.commands.generate import output_file, positive_float, positive_int
+    from splash.commands.argtypes import output_file, positive_float, positive_int
 
     p.add_argument("--peer", choices=PEERS, default=None,
                    help="also run the same prompts through this peer engine (vllm: vLLM's CPU engine from "
@@ -57,7 +57,7 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse flag combinations the side-by-side cannot honour, with the fix, before anything loads."""
-    from splash.config import ConfigError, normalize_dtype
+    from splash.core.config import ConfigError, normalize_dtype
 
     if args.peer is None:
         for flag, v in (("--shapes", args.shapes), ("--plot", args.plot)):
@@ -83,8 +83,8 @@ def layouts_for(args: argparse.Namespace) -> list[str | None]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from splash.bench.offline import _prompts
-    from splash.config import ModelConfig
+    from splash.bench.workload import random_prompts
+    from splash.core.config import ModelConfig
     from splash.model import resolve_model_path
 
     check_args(args)
@@ -94,7 +94,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     shapes = args.shapes or shapes_arg(DEFAULT_SHAPES)
     path = resolve_model_path(args.model)
     vocab = ModelConfig.from_hf(path).vocab_size
-    prompts = [_prompts(b, i, vocab, args.seed + k) for k, (b, i, _o) in enumerate(shapes)]
+    prompts = [random_prompts(b, i, vocab, args.seed + k) for k, (b, i, _o) in enumerate(shapes)]
     splash: dict[str, list[dict[str, Any]]] = {}
     for layout in layouts_for(args):
         name, runs = run_splash(args, layout, shapes, prompts)
@@ -153,10 +153,10 @@ def run_vllm(py: str, path: str, shapes: list[Shape], prompts: list[list[list[in
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     """first_token: share of sequences whose first generated token agrees; prefix: mean share of each
     sequence generated identically before the first divergence."""
-    from splash.bench.offline import _agreement
+    from splash.bench.workload import greedy_agreement
 
     first = [bool(x) and bool(y) and x[0] == y[0] for x, y in zip(a, b)]
-    return {"first_token": sum(first) / max(1, len(first)), "prefix": _agreement(a, b)}
+    return {"first_token": sum(first) / max(1, len(first)), "prefix": greedy_agreement(a, b)}
 
 
 def build_doc(args: argparse.Namespace, shapes: list[Shape], splash: dict[str, list[dict[str, Any]]],

@@ -49,7 +49,7 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from splash.config import ConfigError
+        from splash.core.config import ConfigError
 
         if not (self.output_scale > 0 and self.output_alpha > 0):
             raise ConfigError(f"--output-scale and --output-alpha must be > 0, got {self.output_scale:g} "
@@ -83,7 +83,7 @@ SHAPE_FLAGS = (("requests", int, "requests started together"),
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import output_file, positive_int
+    from splash.commands.argtypes import output_file, positive_int
 
     p = kinds.add_parser("rollout", help="RL-rollout workload: each fixed layout vs live switching (auto)",
                          description="Run one rollout batch under tp, dp, cp, dop and auto on the same "
@@ -119,7 +119,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
 
 def budget_bytes(group: Any, args: argparse.Namespace, kv_tokens: int) -> int:
     """Per-rank memory: DP's (replicated) weights + step workspace + `kv_tokens` of KV."""
-    from splash.engine.runner import build_engine
+    from splash.engine.build import build_engine
     from splash.kv.pool import KVPool
 
     probe = build_engine(args.model, dtype=args.dtype, tp=args.tp, layout="dp", rank_group=group,
@@ -163,7 +163,7 @@ def final_tokens(eng: Any) -> int:
 
 def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prompts: list[list[int]],
             outs: list[int], bar: Any = None) -> dict[str, Any]:
-    from splash.engine.runner import build_engine
+    from splash.engine.build import build_engine
     from splash.engine.sampling import SamplingParams
 
     eng = build_engine(args.model, dtype=args.dtype, tp=args.tp, layout=layout, rank_group=group,
@@ -264,7 +264,7 @@ def per_repeat(every: dict[str, list[dict[str, Any]]], repeats: int) -> dict[str
 def rollout(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from splash.config import ConfigError
+    from splash.core.config import ConfigError
     from splash.engine.group import RankGroup
 
     runs = [r.strip().lower() for r in args.runs.split(",") if r.strip()]
@@ -286,7 +286,7 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
     bar = None
     try:
         memory = budget_bytes(group, args, kv_tokens)
-        from splash.config import ModelConfig
+        from splash.core.config import ModelConfig
         from splash.model import resolve_model_path
 
         vocab = ModelConfig.from_hf(resolve_model_path(args.model)).vocab_size
@@ -356,7 +356,7 @@ def table(doc: dict[str, Any]) -> str:
             lines.append(f"auto / gated per-phase oracle: {doc['auto_vs_oracle_gated']:.2f}x"
                          f"{_each(doc.get('auto_vs_oracle_gated_each'))}")
         if a.get("theta_correction"):
-            from splash.correction import describe
+            from splash.core.correction import describe
 
             lines.append(f"auto's prior: {a.get('theta_source')}; online correction (measured / predicted): "
                          f"{describe(a['theta_correction'])}")

@@ -24,14 +24,15 @@ METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean T
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
     from splash.bench.peer import PEERS
-    from splash.commands.generate import output_file, positive_float, positive_int
+    from splash.commands.argtypes import output_file, positive_float, positive_int
+    from splash.engine.plan import LAYOUTS
 
     p.add_argument("--peer", choices=PEERS, default=None,
                    help="start `splash serve` and this peer's server (vllm: vLLM's OpenAI server from "
                         "`make peer-venv`) on --model, run the load against each in turn, print both")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="with --peer: ranks of both servers (vLLM's --tensor-parallel-size)")
-    p.add_argument("--layout", default=None, choices=("tp", "dp", "cp", "dop", "auto"),
+    p.add_argument("--layout", default=None, choices=(*LAYOUTS, "auto"),
                    help="with --peer: splash's attention layout (default: splash serve's)")
     p.add_argument("--dtype", default="bfloat16", help="with --peer: both servers' dtype (default bfloat16)")
     p.add_argument("--startup-timeout", type=positive_float, default=900.0,
@@ -84,7 +85,7 @@ def vllm_command(a: argparse.Namespace, py: str, path: str, port: int, name: str
 
 def measure(a: argparse.Namespace) -> dict[str, Any]:
     from splash.bench.peer import free_port, peer_env, peer_python
-    from splash.config import ModelConfig, normalize_dtype
+    from splash.core.config import ModelConfig, normalize_dtype
     from splash.model import resolve_model_path
 
     py = peer_python()  # before anything starts
@@ -113,8 +114,8 @@ def serve_and_load(a: argparse.Namespace, cmd: list[str], env: dict[str, str], p
     """Start one server, wait until it lists its model, run the load, stop it by its process id."""
     import httpx
 
+    from splash.bench.load import benchmark
     from splash.bench.peer import PeerProcess, wait_until
-    from splash.bench.serve import benchmark
 
     url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
@@ -146,7 +147,7 @@ def ratios(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
 
 
 def table(doc: dict[str, Any]) -> str:
-    from splash.bench.serve import format_table
+    from splash.bench.load import format_table
 
     parts = []
     for key, title in (("splash", "splash"), ("vllm", "vLLM CPU")):

@@ -40,7 +40,7 @@ def _layouts(text: str) -> list[str]:
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import output_file, positive_int
+    from splash.commands.argtypes import output_file, positive_int
 
     p = kinds.add_parser("sweep", help="throughput of each fixed layout over input lengths x batch sizes",
                          description="Figure 4 protocol: total throughput B*(L_in+L_out)/T_batch per layout.")
@@ -94,8 +94,8 @@ def run_point(eng: Any, prompts: list[list[int]], output_len: int) -> dict[str, 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Every layout x point; the rank group is started once and each layout loaded onto it."""
+    from splash.engine.build import build_engine
     from splash.engine.group import RankGroup
-    from splash.engine.runner import build_engine
 
     points = [(l_in, b) for l_in in args.input_lens for b in args.batch_sizes]
     max_b = max(args.batch_sizes)

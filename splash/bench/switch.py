@@ -36,7 +36,7 @@ DIRECTIONS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import output_file, positive_int
+    from splash.commands.argtypes import output_file, positive_int
 
     p = kinds.add_parser("switch", help="live switch cost per direction vs drain-and-restart (Table 1)",
                          description="Time target-ready, blocking and overlapped switching steps for all 12 "
@@ -79,7 +79,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _engine(args: argparse.Namespace, group: Any, layout: str, steps: int) -> Any:
-    from splash.engine.runner import build_engine
+    from splash.engine.build import build_engine
 
     P = args.page_size
     max_len = args.context + steps + args.remaining + 8

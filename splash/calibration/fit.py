@@ -17,9 +17,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from splash.costmodel import FIT_PARAMS, Batch, Theta, step_cost, step_features, theta_params, with_params
-from splash.layouts import LAYOUTS, Layout
-from splash.sizes import AttentionSizes
+from splash.core.costmodel import (
+    FIT_PARAMS,
+    Batch,
+    Theta,
+    step_cost,
+    step_features,
+    theta_params,
+    with_params,
+)
+from splash.core.layouts import LAYOUTS, Layout
+from splash.core.sizes import AttentionSizes
 
 
 @dataclass(frozen=True)

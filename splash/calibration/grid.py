@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from splash.config import ConfigError
-from splash.costmodel import Batch
+from splash.core.config import ConfigError
+from splash.core.costmodel import Batch
 
 
 @dataclass(frozen=True, order=True)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from splash.calibration.grid import GridPoint
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 
 
 @dataclass
@@ -68,8 +68,8 @@ class Timing:
 
 def pages_needed(points: Sequence[GridPoint], page_size: int, layout: str = "tp", ranks: int = 1) -> int:
     """Pages per rank that hold the largest point under `layout`'s placement (TP replicates all)."""
+    from splash.core.layouts import round_robin_owners
     from splash.kv.allocator import KVAllocator
-    from splash.layouts import round_robin_owners
 
     need = 0
     for p in points:
@@ -86,8 +86,8 @@ def build_plan(point: GridPoint, layout: str, alloc: Any, rng: np.random.Generat
     """A step plan for `point` with pages taken from `alloc` (release the returned tables after).
     Requests are numbered from `first_id`: ranks keep tables by request id, so a new plan's requests
     need new ids, and `dropped` names the released ones the ranks may forget."""
+    from splash.core.layouts import round_robin_owners
     from splash.engine.plan import SeqSlice, StepPlan
-    from splash.layouts import round_robin_owners
 
     owners = round_robin_owners(point.B, alloc.world)
     tables, seqs = [], []
@@ -150,7 +150,7 @@ def _driver_main(conn: Any, layout: str, ranks: int, engine_kw: dict[str, Any], 
 
     torch.set_num_threads(1)
     try:
-        from splash.engine.runner import build_engine
+        from splash.engine.build import build_engine
 
         eng = build_engine(model, layout=layout, threads=1, **engine_kw)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it

@@ -8,7 +8,7 @@ in the model's dtype. `load_or_default_theta` is what an engine calls for `--the
 calibrated file, or a profile name (`cpu`: the built-in CPU prior, rates measured on the development
 VM; `h200`, `b200`, `dcu`/`bw1000`: `runtime_prior` of that hardware profile); without either it uses
 `default_theta`: the CPU prior on CPU, on CUDA the H200 profile prior. Either way `--layout auto`
-then corrects the prior online from the engine's own step times (splash/correction.py).
+then corrects the prior online from the engine's own step times (splash/core/correction.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import os
 
 import numpy as np
 
-from splash.config import ConfigError, ModelConfig, dtype_bytes
-from splash.costmodel import Theta
-from splash.layouts import LAYOUTS
-from splash.sizes import AttentionSizes
+from splash.core.config import ConfigError, ModelConfig, dtype_bytes
+from splash.core.costmodel import Theta
+from splash.core.layouts import LAYOUTS
+from splash.core.sizes import AttentionSizes
 
 log = logging.getLogger("splash.calibration")
 
@@ -51,7 +51,7 @@ def default_profile(device: str | None) -> str:
 
 def runtime_prior(ranks: int, sizes: AttentionSizes, profile: str = "cpu") -> Theta:
     """`hardware.theta_for(profile)` with this runtime's collective counts, eta and activation bytes."""
-    from splash.hardware import theta_for
+    from splash.core.hardware import theta_for
 
     d = theta_for(profile, ranks, sizes).to_dict()
     d.update(collectives=dict(RUNTIME_COLLECTIVES), eta=dict(RUNTIME_ETA), act_bytes=dtype_bytes(sizes.dtype),
@@ -61,8 +61,8 @@ def runtime_prior(ranks: int, sizes: AttentionSizes, profile: str = "cpu") -> Th
 
 def profile_theta(name: str, ranks: int, sizes: AttentionSizes) -> Theta:
     """The prior `--theta NAME` stands for: `cpu` is the built-in CPU default (rates measured on the
-    development VM), any other profile of splash/hardware.py its `runtime_prior`."""
-    from splash.hardware import PROFILES
+    development VM), any other profile of splash/core/hardware.py its `runtime_prior`."""
+    from splash.core.hardware import PROFILES
 
     name = name.lower()
     if name not in PROFILES:
@@ -72,7 +72,7 @@ def profile_theta(name: str, ranks: int, sizes: AttentionSizes) -> Theta:
 
 def is_profile_name(spec: str) -> bool:
     """Whether `--theta SPEC` names a hardware profile (an existing file of that name wins)."""
-    from splash.hardware import PROFILES
+    from splash.core.hardware import PROFILES
 
     return spec.lower() in PROFILES and not os.path.exists(spec)
 
@@ -93,7 +93,7 @@ def load_or_default_theta(path: str | None, ranks: int, cfg: ModelConfig, dtype:
         return theta, src
     if path:
         if not os.path.exists(path):
-            from splash.hardware import PROFILES
+            from splash.core.hardware import PROFILES
 
             raise ConfigError(f"--theta {path!r} is neither a theta file nor a hardware profile; pass a file "
                               f"written by `splash calibrate --tp {ranks} --out FILE` or one of "
@@ -115,7 +115,7 @@ def load_or_default_theta(path: str | None, ranks: int, cfg: ModelConfig, dtype:
 def default_theta(ranks: int, sizes: AttentionSizes, device: str | None = None) -> Theta:
     """CPU: the profile prior carrying CPU_MEASURED; CUDA: the H200 profile prior (no GPU calibration
     has been run yet)."""
-    from splash.costmodel import FIT_PARAMS, with_params
+    from splash.core.costmodel import FIT_PARAMS, with_params
 
     prof = default_profile(device)
     prior = runtime_prior(ranks, sizes, prof)

@@ -14,11 +14,11 @@ from splash.calibration.fit import FitResult, Observation, fit_theta
 from splash.calibration.grid import GridPoint, split_holdout
 from splash.calibration.measure import Timing, measure
 from splash.calibration.prior import default_profile, runtime_prior
-from splash.costmodel import Theta
-from splash.layouts import Layout
-from splash.sizes import AttentionSizes
+from splash.core.costmodel import Theta
+from splash.core.layouts import LAYOUTS, Layout
+from splash.core.sizes import AttentionSizes
 
-LAYOUT_NAMES = ("tp", "dp", "cp", "dop")
+LAYOUT_NAMES = tuple(lay.value for lay in LAYOUTS)
 
 
 @dataclass
@@ -69,7 +69,7 @@ def calibrate(ranks: int, points: Sequence[GridPoint], *, layouts: Sequence[str]
               warmup: int = 2, rounds: int = 2, device: str | None = None, profile: str | None = None,
               holdout_every: int = 3, seed: int = 0, progress: bool = True) -> Calibration:
     """Time the grid on `ranks` ranks, fit theta on 2/3 of the points, report fidelity on the rest."""
-    from splash.config import ModelConfig
+    from splash.core.config import ModelConfig
     from splash.model import resolve_model_path
 
     t_start = time.perf_counter()

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from splash.commands.generate import output_file, positive_int
+from splash.commands.argtypes import output_file, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from splash.calibration.fidelity import format_summary, format_table
     from splash.calibration.grid import default_grid, parse_points, quick_grid
     from splash.calibration.run import LAYOUT_NAMES, calibrate
-    from splash.config import ConfigError
+    from splash.core.config import ConfigError
     from splash.dist.launch import WorkerError
 
     layouts = [x.strip().lower() for x in args.layouts.split(",") if x.strip()]

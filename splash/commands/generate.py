@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from typing import Any
 
+from splash.commands.argtypes import positive_float, positive_int
 from splash.dist.launch import add_launch_args
 
 
@@ -20,40 +20,6 @@ def _ids(text: str) -> list[int]:
     if not ids or any(t < 0 for t in ids):
         raise argparse.ArgumentTypeError(f"--prompt-ids wants non-negative integers, got {text!r}")
     return ids
-
-
-def output_file(text: str) -> str:
-    """argparse type for --plot/--out: a file path whose folder exists and is writable, checked before a
-    long measurement rather than when its result is written (and lost)."""
-    import os
-
-    folder = os.path.dirname(os.path.abspath(text)) if text else ""
-    if not text or text.endswith(os.sep) or os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"the folder of {text!r} does not exist; create it first")
-    if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r} (permission denied)")
-    return text
-
-
-def ranged(parse: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
-    """An argparse type: `parse` the text and keep it only if `ok`; otherwise one clear line naming
-    `what` was expected, instead of a traceback."""
-    def convert(text: str) -> Any:
-        try:
-            v = parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not ok(v):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
-        return v
-
-    return convert
-
-
-positive_float = ranged(float, lambda v: 0 < v < float("inf"), "a positive number of seconds")  # durations
-positive_int = ranged(int, lambda v: v >= 1, "a positive integer")  # counts and sizes
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

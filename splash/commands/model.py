@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +50,7 @@ def _init_builtin(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from splash.config import ModelConfig
+    from splash.core.config import ModelConfig
     from splash.model import resolve_model_path
     from splash.model.tiny import weight_shapes
 

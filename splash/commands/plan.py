@@ -11,9 +11,9 @@ import json
 import time
 from typing import Any
 
-from splash.config import ConfigError, ModelConfig, normalize_dtype, resolve_model_config
-from splash.layouts import DIRECTIONS, LAYOUTS, Layout, longest_balanced_context
-from splash.sizes import GIB, MIB, AttentionSizes
+from splash.core.config import ConfigError, ModelConfig, normalize_dtype, resolve_model_config
+from splash.core.layouts import DIRECTIONS, LAYOUTS, Layout, longest_balanced_context
+from splash.core.sizes import GIB, MIB, AttentionSizes
 
 FP8_NATIVE = ("deepseek-v3", "kimi-k2")  # presets whose published checkpoints are FP8
 
@@ -92,7 +92,7 @@ def parse_layout_map(text: str, what: str) -> dict[Layout, float]:
 
 # ---- weights --------------------------------------------------------------------------------------
 def run_weights(args: argparse.Namespace) -> int:
-    from splash.manifest import weights_report
+    from splash.core.manifest import weights_report
 
     rep = weights_report(sizes_from(args), args.ranks)
     pl = rep["per_layer_mib"]
@@ -109,7 +109,7 @@ def run_weights(args: argparse.Namespace) -> int:
 
 # ---- switches -------------------------------------------------------------------------------------
 def run_switches(args: argparse.Namespace) -> int:
-    from splash.manifest import switch_manifest
+    from splash.core.manifest import switch_manifest
 
     sizes = sizes_from(args)
     need(args.batch, "--batch", 0)
@@ -145,8 +145,8 @@ def run_switches(args: argparse.Namespace) -> int:
 
 # ---- crossovers -----------------------------------------------------------------------------------
 def _law_limits(args: argparse.Namespace) -> dict[Layout, float] | None:
-    from splash.capacity import residency_limits, scenario
-    from splash.law import B200_DISPLAYED_LIMITS_K
+    from splash.core.capacity import residency_limits, scenario
+    from splash.core.law import B200_DISPLAYED_LIMITS_K
 
     if args.limits == "none":
         return None
@@ -162,7 +162,7 @@ def _law_limits(args: argparse.Namespace) -> dict[Layout, float] | None:
 
 
 def run_crossovers(args: argparse.Namespace) -> int:
-    from splash.law import alpha, crossovers, plot_law
+    from splash.core.law import alpha, crossovers, plot_law
 
     a = alpha(args.scenario)
     need(args.lo_k, "--lo-k", 1e-6)
@@ -187,7 +187,7 @@ def run_crossovers(args: argparse.Namespace) -> int:
 
 # ---- capacity -------------------------------------------------------------------------------------
 def run_capacity(args: argparse.Namespace) -> int:
-    from splash.capacity import (
+    from splash.core.capacity import (
         CapacityScenario,
         distinct_tokens,
         pools_from_budget,
@@ -249,8 +249,8 @@ def run_capacity(args: argparse.Namespace) -> int:
 
 # ---- advise ---------------------------------------------------------------------------------------
 def theta_from(args: argparse.Namespace, sizes: AttentionSizes):  # -> Theta
-    from splash.costmodel import Theta
-    from splash.hardware import theta_for
+    from splash.core.costmodel import Theta
+    from splash.core.hardware import theta_for
 
     if getattr(args, "theta", None):
         th = Theta.load(args.theta)
@@ -265,8 +265,8 @@ def theta_from(args: argparse.Namespace, sizes: AttentionSizes):  # -> Theta
 
 
 def run_advise(args: argparse.Namespace) -> int:
-    from splash.costmodel import Batch
-    from splash.policy import PolicyConfig, decide
+    from splash.core.costmodel import Batch
+    from splash.core.policy import PolicyConfig, decide
 
     sizes = sizes_from(args)
     need(args.batch, "--batch")
@@ -285,7 +285,7 @@ def run_advise(args: argparse.Namespace) -> int:
     rows = []
     for lay in LAYOUTS:
         e = d.evals[lay]
-        group = e.kv_pool_tokens if lay is Layout.TP else e.kv_pool_tokens * args.ranks
+        group = lay.distinct([e.kv_pool_tokens] * args.ranks)  # TP: one rank's pool; the others: the sum
         longest = longest_balanced_context(lay, avail, sizes.w_a, sizes.k, args.batch, args.ranks)
         layouts[lay.label] = {**e.to_dict(), "kv_distinct_tokens_group": group,
                               "longest_balanced_context": int(longest), **{"stages": e.cost.to_dict()}}
@@ -310,7 +310,7 @@ def run_advise(args: argparse.Namespace) -> int:
 
 # ---- registration ---------------------------------------------------------------------------------
 def register(sub: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import output_file
+    from splash.commands.argtypes import output_file
 
     p = sub.add_parser("plan", help="analytical planner: weights, switches, crossovers, capacity, advise",
                        description="Answer layout questions from the ownership and cost models (no GPU).")

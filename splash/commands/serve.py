@@ -24,7 +24,7 @@ ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import positive_float
+    from splash.commands.argtypes import positive_float
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
                        description="Serve a model over the OpenAI API on http://HOST:PORT/v1.")

@@ -6,13 +6,13 @@ import argparse
 from typing import Any
 
 from splash.commands.plan import add_model_args, emit, need, sizes_from, table, theta_from
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 
 
 def run_rollout(args: argparse.Namespace) -> int:
-    from splash.layouts import parse_layouts
-    from splash.policy import PolicyConfig
-    from splash.simulate import SimConfig, Workload, plot_rollouts, rollout_all
+    from splash.core.layouts import parse_layouts
+    from splash.core.policy import PolicyConfig
+    from splash.core.simulate import SimConfig, Workload, plot_rollouts, rollout_all
 
     sizes = sizes_from(args)
     th = theta_from(args, sizes)
@@ -59,7 +59,7 @@ def run_rollout(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from splash.commands.generate import output_file
+    from splash.commands.argtypes import output_file
 
     p = sub.add_parser("simulate", help="paper-scale simulations through the cost model")
     kinds = p.add_subparsers(dest="simulate_kind", metavar="KIND")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from splash.commands.generate import ranged
+from splash.commands.argtypes import ranged
 from splash.engine.plan import LAYOUTS
 
 _fraction = ranged(float, lambda v: 0 <= v < 1, "a number in [0, 1)")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 from splash.dist import shm
 from splash.dist.comm import BaseCommunicator, Communicator, LocalCommunicator
 

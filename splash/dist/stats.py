@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 Tag = int | str | None
 Key = tuple[str, Tag]
@@ -69,6 +70,14 @@ class CommStats:
         self.total = defaultdict(int)
         self.calls = defaultdict(int)
         self.history = {}
+
+    def reply(self, rank: int) -> dict[str, Any]:
+        """What a rank sends rank 0 when asked for its counters: per step (kept history + current) and
+        in total."""
+        steps = {k: dict(v) for k, v in self.history.items()}
+        if self.step >= 0:
+            steps[self.step] = dict(self.current)
+        return {"rank": rank, "steps": steps, "total": dict(self.total)}
 
     def snapshot(self) -> dict:
         """A JSON-friendly view: {"step", "current": {"op/tag": bytes}, "total": {...}}."""

@@ -71,7 +71,10 @@ class AsyncEngine:
 
     @classmethod
     def from_args(cls, **kw: Any) -> AsyncEngine:
-        return cls(LLMEngine.from_args(**kw))
+        """Build the engine (`splash.engine.build.build_engine` keywords) and wrap it."""
+        from splash.engine.build import build_engine
+
+        return cls(build_engine(**kw))
 
     # ---- facts the server needs (static after construction) -------------------------------------
     @property

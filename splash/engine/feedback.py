@@ -1,7 +1,7 @@
 """Rank 0's step clock for `--layout auto`: time every step, price it, feed the correction and the guard.
 
-The analytical core keeps the learning (`splash.correction.StepCorrection`: measured/predicted per
-layout and kind of step; `splash.regret.RegretGuard`: was the last switch worth it); this module is
+The analytical core keeps the learning (`splash.core.correction.StepCorrection`: measured/predicted per
+layout and kind of step; `splash.core.regret.RegretGuard`: was the last switch worth it); this module is
 the runtime's side. `begin` (just before the step runs) notes the layout and the step's batch;
 `end` (right after) reads the clock - `runner.execute`'s wall time, as `splash calibrate` times a
 step, after a CUDA synchronize - prices the step in the layout that ran it (Eq 10 on the prior
@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from splash.correction import CorrectionConfig, Estimate, StepCorrection, StepKey
-from splash.regret import RegretGuard, Verdict
+from splash.core.correction import CorrectionConfig, Estimate, StepCorrection, StepKey
+from splash.core.regret import RegretGuard, Verdict
 
 log = logging.getLogger("splash.switch")
 
@@ -97,8 +97,8 @@ class StepFeedback:
 
     def price(self, layout: str, plan: Any, live: list[Any]) -> float:
         """Eq 10 on the prior theta for this step in `layout` (cached with the batch)."""
-        from splash.costmodel import step_cost
-        from splash.layouts import Layout
+        from splash.core.costmodel import step_cost
+        from splash.core.layouts import Layout
 
         b = self.batch(plan, live)
         if layout not in self._prices:

@@ -205,7 +205,7 @@ class RankGroup:
         bad = [(r, x["error"]) for r, x in enumerate(replies) if "error" in x]
         if bad:
             self.unload()
-            from splash.config import ConfigError
+            from splash.core.config import ConfigError
 
             r, msg = bad[0]
             raise ConfigError(msg if r == 0 else f"rank {r}: {msg}")

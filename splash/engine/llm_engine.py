@@ -68,14 +68,6 @@ class LLMEngine(RLControl):
         self._rl_init()  # pause, weight updates, memory release (splash/engine/rl.py)
         self._routing: Any = None  # RoutingRecorder, made when a request first asks for routed experts
 
-    # ---- construction from a model name --------------------------------------------------------
-    @classmethod
-    def from_args(cls, **kw: Any) -> LLMEngine:
-        """Load the model and build everything (see `splash.engine.runner.build_engine`)."""
-        from splash.engine.runner import build_engine
-
-        return build_engine(**kw)
-
     # ---- properties ------------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:

@@ -10,13 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-LAYOUTS = ("tp", "dp", "cp", "dop")
-# Plan kinds. "forward" (and later "switch") run the SPMD step on every rank; the others are control
-# messages of the rank group (splash/engine/worker.py): "load" carries an EngineSpec in `payload` and
+from splash.core.layouts import LAYOUTS as CORE_LAYOUTS
+
+LAYOUTS = tuple(lay.value for lay in CORE_LAYOUTS)  # the names plans carry ("tp", "dp", "cp", "dop")
+# Plan kinds. "forward" and "switch" (a forward step in which the layout switches) run the SPMD step
+# on every rank (STEP_KINDS, sent as step messages); the others are control messages of the rank group
+# (splash/engine/worker.py): "load" carries an EngineSpec in `payload` and
 # makes every rank (re)build its model shard and KV pool, "unload" drops them, "stats" gathers each
 # rank's CommStats to rank 0, "tables" gathers each rank's page tables (tests, debugging), "shutdown"
 # ends the worker processes.
 PLAN_KINDS = ("forward", "switch", "load", "unload", "stats", "tables", "shutdown")
+STEP_KINDS = ("forward", "switch")
 
 
 @dataclass

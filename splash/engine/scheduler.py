@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from splash.engine.plan import SeqSlice, StepPlan
 from splash.engine.request import SeqStatus, Sequence
-from splash.kv.allocator import KVAllocator, pages_for
+from splash.kv.allocator import KVAllocator, balanced_owners, pages_for
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Scheduler:
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq` from the queues and return its pages (finish, abort or error)."""
-        self._uncharge(seq)
+        self.uncharge(seq)
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -132,7 +132,7 @@ class Scheduler:
         self.alloc.release(seq.pages)
 
     def _preempt(self, seq: Sequence) -> None:
-        self._uncharge(seq)
+        self.uncharge(seq)
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = 0
@@ -147,26 +147,34 @@ class Scheduler:
         limit = self.cfg.max_model_len if p.max_tokens is None else len(seq.prompt_token_ids) + p.max_tokens
         return pages_for(max(seq.num_tokens, min(limit, self.cfg.max_model_len)), self.alloc.page_size)
 
-    def _charge(self, seq: Sequence) -> None:
+    def charge(self, seq: Sequence) -> None:
+        """Count a running sequence's projected pages against its owner (what `_pick_owner` balances)."""
         n = self.projected_pages(seq)
         self._charged[seq.seq_id] = (seq.owner, n)
         self.projected[seq.owner] += n
 
-    def _uncharge(self, seq: Sequence) -> None:
+    def uncharge(self, seq: Sequence) -> None:
+        """Return exactly what `charge` counted for `seq` (nothing if it was not charged)."""
         owner, n = self._charged.pop(seq.seq_id, (0, 0))
         self.projected[owner] -= n
 
+    def set_owner(self, seq: Sequence, owner: int) -> None:
+        """Move a running sequence to another owner rank (a switch did), its charge with it."""
+        if seq.owner != owner:
+            self.uncharge(seq)
+            seq.owner = owner
+            self.charge(seq)
+
     def _pick_owner(self, seq: Sequence) -> int | None:
-        """Owner for DP/DOP: among ranks that can hold `seq` now, the least projected load (ties: most
-        free pages, then lowest rank); None if no rank can. TP/CP ignore owners: always 0."""
+        """Owner for DP/DOP by the one owner rule (`balanced_owners`): among ranks that can hold `seq`
+        now, the least projected load (ties: most free pages, then lowest rank); None if no rank can.
+        TP/CP ignore owners: always 0."""
         empty = self.alloc.empty_table()
-        if self.layout not in ("dp", "dop"):
+        if not self.alloc.layout_row.owned:
             return 0 if self.alloc.can_grow(empty, seq.num_tokens, 0) else None
-        free = self.alloc.num_free
-        fits = [r for r in range(self.alloc.world) if self.alloc.can_grow(empty, seq.num_tokens, r)]
-        if not fits:
-            return None
-        return min(fits, key=lambda r: (self.projected[r], -free[r], r))
+        lacks = [self.alloc.demand(empty, seq.num_tokens, r)[r] for r in range(self.alloc.world)]
+        owners, stuck, _ = balanced_owners([0], [lacks], self.alloc.num_free, [seq.seq_id], self.projected)
+        return None if stuck is not None else owners[0]
 
     def _victim(self, seq: Sequence, tokens: int, taken: set[int]) -> Sequence | None:
         """Whom to preempt so `seq` can grow: the most recently admitted sequence not scheduled yet this
@@ -203,7 +211,7 @@ class Scheduler:
                 victim = self._victim(seq, seq.num_computed + k, taken)
                 if victim is None:
                     # The only holder of a rank that is out of room: it has filled that whole pool.
-                    self._uncharge(seq)
+                    self.uncharge(seq)
                     self.running.remove(seq)
                     self._release(seq)
                     seq.finish("length")
@@ -235,7 +243,7 @@ class Scheduler:
             self.waiting.popleft()
             k = self.cfg.chunk(seq.num_tokens - seq.num_computed, budget)
             seq.owner = owner
-            self._charge(seq)
+            self.charge(seq)
             seq.status = SeqStatus.RUNNING
             self.alloc.grow(seq.pages, seq.num_computed + k, owner)
             self.running.append(seq)

@@ -2,7 +2,7 @@
 
 The weights counted are the ones this rank really holds for the layout it runs (measured from its
 tensors), so the layout-dependent part is exactly the analytical core's: W_A/T of head-sharded
-projections under TP/DOP, all of W_A under DP/CP (`splash.sizes.AttentionSizes.attention_weight_bytes`),
+projections under TP/DOP, all of W_A under DP/CP (`splash.core.sizes.AttentionSizes.attention_weight_bytes`),
 plus the fixed non-attention share and the replicated parts, which every layout holds alike. Hence on
 one `--memory-per-rank`, DOP's pool exceeds DP's by W_A*(1-1/T)/k tokens per rank, to page rounding.
 The reserve (activation workspace of one step) depends only on the engine's limits, never on the
@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
           "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

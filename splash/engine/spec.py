@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class EngineSpec:
     # Live switching (auto or a schedule): the KV pool makes room for the projection replicas a switch
     # into DP/CP gathers. Under a budget it is sized as if the projections were head-sharded (the
     # largest pool), whatever the start layout, and DP/CP withhold the replicas' pages (see
-    # splash/engine/switching.py); without one, the default pool leaves them free (nothing else would
+    # splash/engine/replicas.py); without one, the default pool leaves them free (nothing else would
     # check that they fit: no budget, no Eq 5/6 pages).
     switching: bool = False
     attention_form: str = "auto"  # "auto" | "absorbed" | "mha": chunk forms (splash/attention/mha.py)
@@ -93,7 +93,7 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
     reserve = reserve_bytes(cfg, tdtype, spec.max_num_batched_tokens, spec.max_num_seqs)
     pool_weights, keep_free = weights, 0
     if spec.switching and spec.world > 1:
-        from splash.engine.switching import replica_bytes
+        from splash.engine.replicas import replica_bytes
 
         if layout.shards_projections:
             keep_free = replica_bytes(net, spec.world)  # (only the default-sized pool uses it)

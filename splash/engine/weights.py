@@ -94,7 +94,7 @@ def _groups(runner: Any) -> dict[str, Any]:
 
 
 def _stage_disk(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> Any:
-    from splash.config import ModelConfig
+    from splash.core.config import ModelConfig
     from splash.model.loader import CheckpointReader
 
     reader = CheckpointReader(a["path"], ModelConfig.from_hf(a["path"]).quantization_config)
@@ -173,7 +173,7 @@ def _resume(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
         saved = held.pop("weights")
         reload = None
         if a.get("checkpoint"):
-            from splash.config import ModelConfig
+            from splash.core.config import ModelConfig
             from splash.model.loader import CheckpointReader
 
             ckpt = a["checkpoint"]
@@ -223,7 +223,7 @@ def run_op(engine: Any, op: WeightOp) -> dict[str, Any]:
 
 def disk_op(engine: Any, path: str) -> WeightOp:
     """Check a checkpoint directory against the live model (complete, right shapes) on rank 0."""
-    from splash.config import ConfigError, ModelConfig
+    from splash.core.config import ConfigError, ModelConfig
     from splash.model.loader import CheckpointReader
 
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):

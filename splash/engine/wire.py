@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from splash.engine.plan import LAYOUTS, SeqSlice, StepPlan
+from splash.engine.plan import LAYOUTS, STEP_KINDS, SeqSlice, StepPlan
 from splash.engine.tables import RankTables
 
 VERSION = 1
@@ -39,7 +39,6 @@ _COUNTS = struct.Struct("<IIIIII")  # slices B, rows N, drops, grown slices, new
 _HEADER = _HEAD.size + _COUNTS.size  # 40: the arrays that follow start 8-aligned
 _ONE_ROW = 1  # flag: every slice has num_new == 1 (the num_new array is omitted)
 _ALL_SAMPLE = 2  # flag: every slice samples (the sample array is omitted)
-_STEP_KINDS = ("forward", "switch")
 
 
 @dataclass
@@ -114,7 +113,7 @@ class PlanEncoder:
         one_row = N == B and all(s.num_new == 1 for s in seqs)
         all_sample = all(s.sample for s in seqs)
         flags = (_ONE_ROW if one_row else 0) | (_ALL_SAMPLE if all_sample else 0)
-        kind = _STEP_KINDS.index(plan.kind) if plan.kind in _STEP_KINDS else 255
+        kind = STEP_KINDS.index(plan.kind) if plan.kind in STEP_KINDS else 255
         grow_pages = np.concatenate(grow, axis=1) if grow else np.zeros((T, 0), np.int32)
         rep_pages = np.concatenate(rep, axis=1) if rep else np.zeros((T, 0), np.int32)
         parts = [
@@ -207,7 +206,7 @@ def decode(msg: bytes | tuple[bytes, str, Any]) -> StepPlan:
     samples = [True] * B if sample is None else [bool(x) for x in sample.tolist()]
     seqs = [SeqSlice(r, s, n, o, [], sm) for r, s, n, o, sm in zip(ids, starts, nums, owners, samples)]
     if kind is None:
-        kind = _STEP_KINDS[kcode] if kcode < len(_STEP_KINDS) else "forward"
+        kind = STEP_KINDS[kcode] if kcode < len(STEP_KINDS) else "forward"
     delta = TableDelta(drops, req[grow_idx], grow_count, grow_pages, rep_ids, rep_len, rep_pages)
     return StepPlan(step=step, layout=LAYOUTS[lcode], input_ids=input_ids, seqs=seqs, kind=kind,
                     payload=payload, delta=delta)

@@ -3,9 +3,10 @@
 A worker waits on the control plane for the next `StepPlan` from rank 0 and dispatches on its kind:
 "load" builds this rank's model shard and KV pool from the `EngineSpec` payload (answering with its
 page count through a gather, or with the error that stopped it), "forward" runs the SPMD step, "stats"
-sends its CommStats to rank 0, "unload" drops the shard, "shutdown" ends the loop. Steps arrive as
-compact messages (splash/engine/wire.py) that update the rank's own page tables. New kinds (the
-layout switch) plug in with `register_handler`, on every rank, before the group starts.
+sends its CommStats to rank 0, "unload" drops the shard, "shutdown" ends the loop; "switch" is a
+forward step in which the layout switches (the runner runs it, splash/switch/step.py). Steps arrive
+as compact messages (splash/engine/wire.py) that update the rank's own page tables. New kinds plug in
+with `register_handler`, on every rank, before the group starts.
 
 A handler that raises ends the worker with its traceback (start_workers reports it to rank 0's
 process); rank 0's own collectives then fail or time out, so the engine fails instead of hanging.
@@ -80,11 +81,7 @@ def unload(state: WorkerState) -> None:
 
 def stats_reply(state: WorkerState) -> dict[str, Any]:
     """This rank's collective byte counters: per step (kept history + current) and in total."""
-    s = state.grid.comm.stats
-    steps = {k: dict(v) for k, v in s.history.items()}
-    if s.step >= 0:
-        steps[s.step] = dict(s.current)
-    return {"rank": state.grid.rank, "steps": steps, "total": dict(s.total)}
+    return state.grid.comm.stats.reply(state.grid.rank)
 
 
 # ---- handlers -----------------------------------------------------------------------------------------
@@ -116,6 +113,7 @@ def _on_tables(state: WorkerState, plan: StepPlan) -> None:
 
 register_handler("load", _on_load)
 register_handler("forward", _on_forward)
+register_handler("switch", _on_forward)  # a step in which the layout switches: the runner runs it
 register_handler("stats", _on_stats)
 register_handler("unload", _on_unload)
 register_handler("tables", _on_tables)
@@ -128,12 +126,6 @@ def _on_weights(state: WorkerState, plan: StepPlan) -> None:
 
 
 register_handler("weights", _on_weights)
-
-
-def _step_kinds() -> dict[str, str]:
-    from splash.engine.runner import STEP_KINDS
-
-    return STEP_KINDS
 
 
 def set_data_timeout(grid: Any, timeout_s: float | None, control: bool = False) -> None:
@@ -175,8 +167,6 @@ def worker_main(grid: Any, timeout_s: float | None = None) -> int:
             unload(state)
             return state.steps
         handler = HANDLERS.get(plan.kind)
-        if handler is None and plan.kind in _step_kinds():
-            handler = _on_forward  # a step of another kind (e.g. "switch"): the runner dispatches it
         if handler is None:
             raise RuntimeError(f"rank {grid.rank}: no handler for plan kind {plan.kind!r} (a newer rank 0?)")
         handler(state, plan)

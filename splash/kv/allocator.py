@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splash.engine.plan import LAYOUTS
+from splash.attention.registry import LayoutRow, row
 
 
 class OutOfPages(RuntimeError):
@@ -17,18 +17,9 @@ class OutOfPages(RuntimeError):
 
 
 def page_ranks(layout: str, j: int, owner: int, world: int) -> tuple[int, ...]:
-    """Ranks that store global page `j` of a request owned by `owner` under `layout`.
-
-    TP replicates the latent everywhere; DP/DOP keep a request's KV on its owner only; CP spreads
-    pages round-robin by page index. The single place that encodes KV ownership.
-    """
-    if layout == "tp":
-        return tuple(range(world))
-    if layout in ("dp", "dop"):
-        return (owner,)
-    if layout == "cp":
-        return (j % world,)
-    raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    """Ranks that store global page `j` of a request owned by `owner` under `layout` (the layout
+    table's placement rule: TP every rank, DP/DOP the owner, CP rank j % T)."""
+    return row(layout).page_ranks(j, owner, world)
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -40,19 +31,42 @@ def request_capacity(layout: str, pages: list[int], page_size: int, owner: int |
     """Largest context one request could hold in `layout` with `pages` free pages per rank to itself:
     under DP/DOP the best owner's pool (or `owner`'s), under TP the smallest rank, under CP the position
     shards."""
-    world = len(pages)
+    world, lay = len(pages), row(layout)
     if owner is None:
-        owners = range(world) if layout in ("dp", "dop") else range(1)
+        owners = range(world) if lay.owned else range(1)
         return max(request_capacity(layout, pages, page_size, o) for o in owners)
     limit = None
     for r, n in enumerate(pages):
         # Pages on rank r per `world` consecutive global pages bound the positions a request reaches.
-        share = sum(r in page_ranks(layout, j, owner, world) for j in range(world))
+        share = sum(r in lay.page_ranks(j, owner, world) for j in range(world))
         if share == 0:
             continue
         cap = n * world // share * page_size
         limit = cap if limit is None else min(limit, cap)
     return limit or 0
+
+
+def balanced_owners(final: Sequence[int], lacks: Sequence[Sequence[int]], avail: Sequence[int],
+                    ids: Sequence[int], load: Sequence[int] | None = None
+                    ) -> tuple[list[int], int | None, list[int]]:
+    """The one owner rule of the owned layouts (DP, DOP): longest projected (`final`) first, each
+    request onto the least-loaded rank (by projected size, on top of `load`; ties: most free pages,
+    then lowest rank) among those with the free pages it `lacks` there (`avail`: free pages per rank).
+    Returns (owners, index of the first request that fits on no rank or None, free pages left then).
+    The scheduler admits one request by it, the switch planner places a whole batch by it, and the
+    switch controller prices the Policy's batch with it, so none of them disagree."""
+    T = len(avail)
+    load, avail, owners = [0] * T if load is None else list(load), list(avail), [0] * len(final)
+    for i in sorted(range(len(final)), key=lambda i: (-final[i], ids[i])):
+        need = lacks[i]
+        fits = [r for r in range(T) if need[r] <= avail[r]]
+        if not fits:
+            return owners, i, avail
+        best = min(fits, key=lambda r: (load[r], -avail[r], r))
+        owners[i] = best
+        load[best] += final[i]
+        avail[best] -= need[best]
+    return owners, None, avail
 
 
 class PageAllocator:
@@ -104,11 +118,25 @@ class KVAllocator:
         counts = [pages_per_rank] * world if isinstance(pages_per_rank, int) else list(pages_per_rank)
         if len(counts) != world:
             raise ValueError(f"{len(counts)} page counts given for {world} ranks")
-        page_ranks(layout, 0, 0, world)  # validates the layout name
         self.page_size = page_size
         self.world = world
-        self.layout = layout
+        self.layout = layout  # validates the name
         self.ranks = [PageAllocator(n) for n in counts]
+
+    @property
+    def layout(self) -> str:
+        """The running layout's name (a switch's commit sets the destination's)."""
+        return self._name
+
+    @layout.setter
+    def layout(self, name: str) -> None:
+        self._row = row(name)
+        self._name = self._row.name
+
+    @property
+    def layout_row(self) -> LayoutRow:
+        """The running layout's row of the layout table."""
+        return self._row
 
     # ---- queries --------------------------------------------------------------------------------
     def empty_table(self) -> list[list[int]]:
@@ -119,7 +147,7 @@ class KVAllocator:
         need = [0] * self.world
         have = len(table[0]) if table else 0
         for j in range(have, pages_for(tokens, self.page_size)):
-            for r in page_ranks(self.layout, j, owner, self.world):
+            for r in self._row.page_ranks(j, owner, self.world):
                 need[r] += 1
         return need
 
@@ -135,8 +163,7 @@ class KVAllocator:
 
     def pool_tokens(self) -> int:
         """Distinct tokens the whole group can hold under this layout (TP: one rank's pool)."""
-        per = [a.num_pages * self.page_size for a in self.ranks]
-        return min(per) if self.layout == "tp" else sum(per)
+        return self._row.distinct([a.num_pages * self.page_size for a in self.ranks])
 
     @property
     def num_free(self) -> list[int]:
@@ -159,12 +186,12 @@ class KVAllocator:
             raise OutOfPages(f"no room to grow a request to {tokens} tokens (free per rank: {self.num_free})")
         have = len(table[0])
         for j in range(have, pages_for(tokens, self.page_size)):
-            holders = page_ranks(self.layout, j, owner, self.world)
+            holders = self._row.page_ranks(j, owner, self.world)
             for r in range(self.world):
                 table[r].append(self.ranks[r].alloc(1)[0] if r in holders else -1)
 
     def release(self, table: list[list[int]]) -> None:
         """Return every page of `table` to its rank and empty the table."""
-        for r, row in enumerate(table):
-            self.ranks[r].free(row)
-            row.clear()
+        for r, pages in enumerate(table):
+            self.ranks[r].free(pages)
+            pages.clear()

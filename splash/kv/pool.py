@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
 
 
 class KVPool:

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.deepseek import DeepseekForCausalLM, held_heads
 
@@ -24,7 +24,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | 
         return dtype
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32
-    from splash.config import normalize_dtype
+    from splash.core.config import normalize_dtype
 
     key = normalize_dtype(dtype)
     if key not in TORCH_DTYPES:

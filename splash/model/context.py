@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from splash.attention.base import Layout
+    from splash.attention.base import AttentionLayout
     from splash.engine.plan import SeqSlice
     from splash.engine.tables import RankTables
     from splash.kv.pool import KVPool
@@ -81,7 +81,7 @@ class ForwardContext:
     positions: torch.Tensor  # [N] absolute position of every row
     seqs: list[SliceCtx]
     kv: KVPool | None
-    layout: Layout
+    layout: AttentionLayout
     comm: Any = None
     rank: int = 0
     world: int = 1
@@ -98,7 +98,7 @@ class ForwardContext:
         return int(self.positions.shape[0])
 
     @classmethod
-    def build(cls, seqs: Sequence[SeqSlice], *, kv: KVPool | None, layout: Layout, comm: Any = None,
+    def build(cls, seqs: Sequence[SeqSlice], *, kv: KVPool | None, layout: AttentionLayout, comm: Any = None,
               rank: int = 0, world: int = 1, page_size: int | None = None,
               device: torch.device | str | None = None, stats: dict[str, Any] | None = None,
               tables: RankTables | None = None) -> ForwardContext:
@@ -140,8 +140,8 @@ class ForwardContext:
 
 
     @classmethod
-    def _from_tables(cls, seqs: Sequence[SeqSlice], tables: RankTables, *, kv: KVPool | None, layout: Layout,
-                     comm: Any, rank: int, world: int, P: int, dev: torch.device,
+    def _from_tables(cls, seqs: Sequence[SeqSlice], tables: RankTables, *, kv: KVPool | None,
+                     layout: AttentionLayout, comm: Any, rank: int, world: int, P: int, dev: torch.device,
                      stats: dict[str, Any] | None) -> ForwardContext:
         """`build` from the rank's stored tables: one gather of the slices' rows, numpy over the rows."""
         B = len(seqs)

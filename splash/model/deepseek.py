@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig, head_slice
 from splash.model.context import ForwardContext
 from splash.model.layers import MLP, RMSNorm, check_activation
 from splash.model.loader import CheckpointReader
@@ -35,8 +35,7 @@ def held_heads(cfg: ModelConfig, rank: int, world: int, sharded: bool) -> range:
     if not sharded or world == 1:
         return range(h)
     cfg.check_ranks(world)
-    per = h // world
-    return range(rank * per, (rank + 1) * per)
+    return head_slice(h, rank, world)
 
 
 class DecoderLayer(nn.Module):

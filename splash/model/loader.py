@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from safetensors import safe_open
 
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 
 Span = tuple[int, int] | None
 

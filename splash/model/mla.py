@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splash.config import ModelConfig
+from splash.core.config import ModelConfig
 from splash.model.layers import RMSNorm, fusable, fused_rows
 from splash.model.loader import CheckpointReader
 from splash.model.rope import Rotary, softmax_scale

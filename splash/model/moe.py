@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splash.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
 from splash.model.layers import MLP
 from splash.model.loader import CheckpointReader
 from splash.model.shard import even_range, moe_mode, span

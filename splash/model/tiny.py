@@ -19,7 +19,7 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-from splash.config import PRESETS, ConfigError, ModelConfig
+from splash.core.config import PRESETS, ConfigError, ModelConfig
 
 TINY_VERSION = "1"
 BUILTIN_MODELS = ("tiny", "small")  # names `--model` takes besides a checkpoint directory

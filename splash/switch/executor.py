@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from splash.attention.registry import row
 from splash.switch.plan import SwitchPlan
 
 WEIGHT_KEYS = ("q_b", "w_uk", "w_uv", "o")
@@ -142,7 +143,7 @@ class SwitchExecutor:
             # Debug aid: any later read of a retired page turns into NaN logits.
             self.pool.data[:, torch.tensor(freed, dtype=torch.long, device=self.pool.device)] = float("nan")
         if hasattr(self.model, "attn_sharded"):
-            self.model.attn_sharded = self.plan.dst in ("tp", "dop") and self.plan.world > 1
+            self.model.attn_sharded = row(self.plan.dst).shards_projections and self.plan.world > 1
         self.result.freed = freed
         if self._events:  # the step's end syncs anyway; this sync lets the events be read now
             last = self._events[max(self._events)][1]

@@ -13,30 +13,30 @@ is the running layout). `plan(dst, live)`:
    primitive and bytes of each layer and the concrete page moves come from there, never from a
    hand-written direction table; the planner only translates global pages into local page ids and
    checks that the core's moves and frees are exactly what the placement rule implies.
-`commit(plan)` after the switching step frees the retired pages and makes `dst` the allocator's
-layout; `abort(plan)` (a plan that was never sent) frees the pages it allocated. Either way the
-allocators balance exactly.
+`check(dst, live)` is the same plan run dry (steps 1-3, nothing allocated): the one memory-feasibility
+check, where only a yes/no is needed. `commit(plan)` after the switching step frees the retired pages
+and makes `dst` the allocator's layout; `abort(plan)` (a plan that was never sent) frees the pages it
+allocated. Either way the allocators balance exactly.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import numpy as np
 
-from splash.config import ModelConfig, dtype_bytes, normalize_dtype
+from splash.attention.registry import row
+from splash.core.config import ModelConfig, dtype_bytes, normalize_dtype
+from splash.core.layouts import Layout
+from splash.core.manifest import KVPages, Manifest, switch_manifest
+from splash.core.sizes import AttentionSizes
 from splash.engine.plan import LAYOUTS
-from splash.kv.allocator import KVAllocator, page_ranks, pages_for
-from splash.layouts import Layout
-from splash.manifest import KVPages, Manifest, switch_manifest
-from splash.sizes import AttentionSizes
+from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks
+from splash.switch.columns import Columns, first_bad, request_error, request_scalars
 from splash.switch.plan import MODES, Headroom, LayerSwitch, LiveRequest, SwitchPlan, SwitchRefusal
 
-SHARDED = ("tp", "dop")
-OWNED = ("dp", "dop")
 _ids = itertools.count(1)
 
 
@@ -46,11 +46,9 @@ def dtype_name(dtype: object) -> str:
 
 
 def head_range(layout: str, rank: int, world: int, heads: int) -> tuple[int, int]:
-    """Heads a rank holds in `layout` (the model's `held_heads`): its 1/T slice if sharded."""
-    if layout in SHARDED and world > 1:
-        per = heads // world
-        return rank * per, (rank + 1) * per
-    return 0, heads
+    """Heads a rank holds in `layout` (the layout table's rule), as the plan's picklable (start, stop)."""
+    held = row(layout).heads(rank, world, heads)
+    return held.start, held.stop
 
 
 class SwitchPlanner:
@@ -91,6 +89,18 @@ class SwitchPlanner:
         `live` must list every request that holds pages. Returns a refusal (state untouched) when the
         switch does not fit; raises ValueError for inconsistent input.
         """
+        return self._plan(dst, live, mode, dry_run=False)  # type: ignore[return-value]
+
+    def check(self, dst: str, live: Sequence[LiveRequest], mode: str = "overlapped") -> SwitchRefusal | None:
+        """`plan` as a dry run: the same owners, destination tables and Eq 5/6 checks, nothing allocated;
+        the refusal `plan` would return, or None where it would plan the switch. The engine's one
+        memory-feasibility check (`SwitchController.fits` asks it before the Policy weighs a layout).
+        Without `weight_headroom` the manifest is not built: only the weights check reads its bytes."""
+        out = self._plan(dst, live, mode, dry_run=True)
+        return out if isinstance(out, SwitchRefusal) else None
+
+    def _plan(self, dst: str, live: Sequence[LiveRequest], mode: str,
+              dry_run: bool) -> SwitchPlan | SwitchRefusal | None:
         src, T, P = self.alloc.layout, self.world, self.alloc.page_size
         dst = str(dst).lower()
         if dst not in LAYOUTS:
@@ -106,7 +116,7 @@ class SwitchPlanner:
             return owners
 
         # Destination tables: keep what a rank already holds, mark what it must newly hold (-2).
-        # Every request's table side by side in one [T, pages] array (see `_Columns`): a switch
+        # Every request's table side by side in one [T, pages] array (see `Columns`): a switch
         # covers thousands of pages of up to hundreds of requests, on the switching step's critical path.
         own = np.asarray(owners, dtype=np.int64)
         old = cols.old
@@ -118,19 +128,22 @@ class SwitchPlanner:
         frees = [old[r, gone[r]].tolist() for r in range(T)]
         new_l = fresh.sum(axis=1).tolist()
         growth_l = _growth(dst, own, cols.n, cols.final, T).tolist()
-        batch = [(req.context, req.owner if src in OWNED else 0, o) for req, o in zip(live, owners)]
-        man = switch_manifest(self.sizes, Layout(src), Layout(dst), batch, T, P)
+        batch = [(req.context, req.owner if row(src).owned else 0, o) for req, o in zip(live, owners)]
         L = self.cfg.num_hidden_layers
-        w_growth = [(a - b) * L for a, b in zip(man.weights.recv_bytes, man.weights.freed_bytes)]
+        man, in_transit, w_growth = None, [0.0] * T, [0.0] * T
+        if not dry_run or self.weight_headroom is not None:  # (only the weights check reads its bytes)
+            man = switch_manifest(self.sizes, Layout(src), Layout(dst), batch, T, P)
+            in_transit = [float(x) for x in man.in_transit_bytes()]
+            w_growth = [float((a - b) * L) for a, b in zip(man.weights.recv_bytes, man.weights.freed_bytes)]
         room = Headroom(total_pages=self.alloc.num_total, used_pages=self.alloc.num_used, new_pages=new_l,
                         freed_pages=[len(f) for f in frees], growth_pages=growth_l,
                         reserve_pages=list(self.reserve), page_bytes=self.page_bytes,
-                        in_transit_bytes=[float(x) for x in man.in_transit_bytes()],
-                        weight_growth_bytes=[float(x) for x in w_growth],
+                        in_transit_bytes=in_transit, weight_growth_bytes=w_growth,
                         weight_headroom_bytes=self.weight_headroom, returned_pages=list(self.returned))
         refusal = _check_headroom(src, dst, room)
-        if refusal is not None:
+        if refusal is not None or dry_run:
             return refusal
+        assert man is not None
 
         allocated = [self.alloc.ranks[r].alloc(new_l[r]) for r in range(T)]
         for r in range(T):
@@ -183,19 +196,19 @@ class SwitchPlanner:
                                f"{self.alloc.layout}")
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _check_live(self, live: Sequence[LiveRequest]) -> _Columns:
+    def _check_live(self, live: Sequence[LiveRequest]) -> Columns:
         """Raise ValueError for inconsistent requests (the first bad request, in order); return their
         source tables side by side."""
         T, P = self.world, self.alloc.page_size
-        scalars = _scalars(live, P, T)
-        ok = _first_bad(live, scalars, T)
-        cols = _Columns.of(live[:ok], T, P, scalars[:ok])
+        scalars = request_scalars(live, P, T)
+        ok = first_bad(live, scalars, T)
+        cols = Columns.of(live[:ok], T, P, scalars[:ok])
         orphan = cols.first_orphan()
         if orphan is not None:  # an earlier request than the first bad one (only valid ones were laid out)
             i, j = orphan
             raise ValueError(f"request {live[i].req_id}: cached page {j} is held by no rank")
         if ok < len(live):
-            raise ValueError(_request_error(live[ok], {req.req_id for req in live[:ok]}, T, P))
+            raise ValueError(request_error(live[ok], {req.req_id for req in live[:ok]}, T, P))
         held = cols.mine.sum(axis=1).tolist()
         if held != self.alloc.num_used:
             raise ValueError(f"the live requests hold {held} pages per rank, the allocators have "
@@ -214,11 +227,11 @@ class SwitchPlanner:
             self._weight_ops[key] = _weight_op(man, src, dst, self.world)
         return self._weight_ops[key]
 
-    def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest], cols: _Columns,
+    def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest], cols: Columns,
                        free: list[int]) -> list[int] | SwitchRefusal:
         """DP/DOP owners: kept from DP/DOP, else balanced by projected pages (LPT) where they fit."""
-        if dst not in OWNED or src in OWNED:
-            return [req.owner if src in OWNED else 0 for req in live]
+        if not row(dst).owned or row(src).owned:
+            return [req.owner if row(src).owned else 0 for req in live]
         avail = [f - r for f, r in zip(free, self.reserve)]
         # pages rank r lacks to own each request (everything beyond what it holds now)
         lacks = (cols.n[:, None] - cols.held_per_request().T).tolist()
@@ -228,134 +241,6 @@ class SwitchPlanner:
             return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens) fits on "
                                  f"no rank as owner: free pages beyond the reserve {left}")
         return owners
-
-
-def balanced_owners(final: Sequence[int], lacks: Sequence[Sequence[int]], avail: Sequence[int],
-                    ids: Sequence[int]) -> tuple[list[int], int | None, list[int]]:
-    """Owners for a switch into DP/DOP: longest projected (`final`) first, each onto the least-loaded
-    rank (by projected size) among those with the free pages it `lacks` there (`avail`: free pages per
-    rank). Returns (owners, index of the first request that fits on no rank or None, free pages left
-    then). One rule, shared by the planner and the engine's pre-check (`SwitchController.fits`), so
-    they never disagree."""
-    T = len(avail)
-    load, avail, owners = [0] * T, list(avail), [0] * len(final)
-    for i in sorted(range(len(final)), key=lambda i: (-final[i], ids[i])):
-        need = lacks[i]
-        fits = [r for r in range(T) if need[r] <= avail[r]]
-        if not fits:
-            return owners, i, avail
-        best = min(fits, key=lambda r: (load[r], -avail[r], r))
-        owners[i] = best
-        load[best] += final[i]
-        avail[best] -= need[best]
-    return owners, None, avail
-
-
-# Columns of `_scalars`, and the bounds `_request_error` puts on them: _LO[k] <= _HI[k] for a valid request.
-_CONTEXT, _END, _FINAL, _OWNER, _HAVE, _CACHED_PAGES, _END_PAGES, _FINAL_PAGES, _ZERO, _LAST_RANK = range(10)
-_LO = [_ZERO, _CONTEXT, _CACHED_PAGES, _HAVE, _ZERO, _OWNER]
-_HI = [_CONTEXT, _END, _HAVE, _END_PAGES, _OWNER, _LAST_RANK]
-
-
-def _scalars(live: Sequence[LiveRequest], P: int, T: int) -> np.ndarray:
-    """[B, 10] int64 per request, the columns named above: tokens, owner, source table length, pages
-    (one numpy call: these are per-request numbers, and a numpy call costs more than a division)."""
-    rows = [(q.context, q.end, q.final, q.owner, len(q.pages[0]) if q.pages else 0, -(-q.context // P),
-             -(-q.end // P), -(-q.final // P), 0, T - 1) for q in live]
-    return np.array(rows, dtype=np.int64).reshape(len(rows), 10)
-
-
-def _first_bad(live: Sequence[LiveRequest], scalars: np.ndarray, T: int) -> int:
-    """Index of the first request `_request_error` rejects (len(live) if none), found for the whole
-    batch at once: exactly its checks, vectorised."""
-    bad = (scalars[:, _LO] > scalars[:, _HI]).any(axis=1)
-    first = int(bad.argmax()) if bad.any() else len(live)
-    seen: set[int] = set()
-    for i, q in enumerate(live[:first]):  # the checks numpy cannot do: ids seen before, table shape
-        if q.req_id in seen or len(q.pages) != T or len(set(map(len, q.pages))) != 1:
-            return i
-        seen.add(q.req_id)
-    return first
-
-
-def _request_error(req: LiveRequest, seen: set[int], T: int, P: int) -> str | None:
-    """What is wrong with one request on its own, given the ids before it (None: nothing)."""
-    if req.req_id in seen:
-        return f"request {req.req_id} listed twice"
-    seen.add(req.req_id)
-    if len(req.pages) != T or len({len(row) for row in req.pages}) != 1:
-        return f"request {req.req_id}: page table must have {T} rows of equal length"
-    if not 0 <= req.context <= req.end:
-        return f"request {req.req_id}: context {req.context} must be in [0, tokens={req.end}]"
-    have = len(req.pages[0])
-    if have < pages_for(req.context, P) or have > pages_for(req.end, P):
-        return (f"request {req.req_id}: its table has {have} pages; it must cover the "
-                f"{req.context} cached tokens and not exceed {req.end} tokens")
-    if not 0 <= req.owner < T:
-        return f"request {req.req_id}: owner {req.owner} is not a rank in [0, {T})"
-    return None
-
-
-@dataclass
-class _Columns:
-    """A batch's page tables side by side: request i has columns off[i] .. off[i+1] of every [T, pages]
-    array, one per page of its destination table (`n[i]` = pages for its `end`). Planning is then a
-    few numpy calls over the whole batch instead of dozens per request."""
-
-    context: np.ndarray  # [B] cached tokens
-    cached: np.ndarray  # [B] pages holding them
-    n: np.ndarray  # [B] pages the destination table covers (for `end` tokens)
-    final: np.ndarray  # [B] pages for the projected length (Eq 6)
-    off: np.ndarray  # [B + 1] first column of each request
-    req: np.ndarray  # [pages] request of each column
-    page: np.ndarray  # [pages] global page index of each column within its request
-    old: np.ndarray  # [T, pages] source local page ids (-1: not held, or beyond the pages it has now)
-
-    @classmethod
-    def of(cls, live: Sequence[LiveRequest], T: int, P: int, scalars: np.ndarray | None = None) -> _Columns:
-        """`live` must have passed `_request_error`; `scalars` is its `_scalars` if known."""
-        scalars = _scalars(live, P, T) if scalars is None else scalars
-        cols = [_CONTEXT, _HAVE, _CACHED_PAGES, _END_PAGES, _FINAL_PAGES]
-        context, have, cached, n, final = scalars[:, cols].T
-        off = np.zeros(len(live) + 1, dtype=np.int64)
-        np.cumsum(n, out=off[1:])
-        req = np.repeat(np.arange(len(live)), n)
-        page = np.arange(req.size) - off[req]
-        old = np.full((T, req.size), -1, dtype=np.int64)
-        # where each request's source pages go: all its columns, unless a table is shorter than `end`
-        held = int(have.sum())
-        at = slice(None) if held == req.size else (  # (have <= n request by request)
-            np.arange(held) + np.repeat(off[:-1] - (np.cumsum(have) - have), have))
-        for r in range(T):
-            old[r, at] = np.fromiter(itertools.chain.from_iterable(q.pages[r] for q in live),
-                                     dtype=np.int64, count=held)
-        return cls(context, cached, n, final, off, req, page, old)
-
-    @cached_property
-    def mine(self) -> np.ndarray:
-        """[T, pages] whether a rank holds a column's page now."""
-        return self.old >= 0
-
-    @cached_property
-    def is_cached(self) -> np.ndarray:
-        """[pages] whether a column holds cached history (the pages the manifest knows about)."""
-        return self.page < self.cached[self.req]
-
-    def first_orphan(self) -> tuple[int, int] | None:
-        """(request, page) of the first cached page no rank holds."""
-        orphan = ~self.mine.any(axis=0)
-        if orphan.any():  # (a column no rank holds is rare: a table shorter than `end`, or a corrupt one)
-            orphan &= self.is_cached
-        if not orphan.any():
-            return None
-        c = int(orphan.argmax())
-        return int(self.req[c]), int(self.page[c])
-
-    def held_per_request(self) -> np.ndarray:
-        """[T, B] source pages each rank holds of each request."""
-        held = np.zeros((self.old.shape[0], self.old.shape[1] + 1), dtype=np.int64)
-        np.cumsum(self.mine, axis=1, out=held[:, 1:])
-        return held[:, self.off[1:]] - held[:, self.off[:-1]]
 
 
 def _check_headroom(src: str, dst: str, room: Headroom) -> SwitchRefusal | None:
@@ -412,7 +297,7 @@ def _split(table: np.ndarray, live: Sequence[LiveRequest], off: np.ndarray) -> d
     return {req.req_id: [row[a:b] for row in rows] for req, a, b in zip(live, at, at[1:])}
 
 
-def _kv_pairs(kv: KVPages, live: Sequence[LiveRequest], cols: _Columns, table: np.ndarray,
+def _kv_pairs(kv: KVPages, live: Sequence[LiveRequest], cols: Columns, table: np.ndarray,
               fresh: np.ndarray, P: int) -> dict[tuple[int, int], np.ndarray]:
     """The core's page moves in local page ids; checks them (and its frees) against the tables:
     every page a rank newly holds must arrive exactly once, from a rank that holds it, and the core's
@@ -451,7 +336,7 @@ def _checked_rows(rows: np.ndarray, ranks: tuple[int, ...], ids: list[int], T: i
     return list(rows.T)
 
 
-def _check_moves(kv: KVPages, ids: list[int], cols: _Columns, table: np.ndarray, i: np.ndarray, j: np.ndarray,
+def _check_moves(kv: KVPages, ids: list[int], cols: Columns, table: np.ndarray, i: np.ndarray, j: np.ndarray,
                  s: np.ndarray, r: np.ndarray) -> np.ndarray:
     """Each move (a run of rows) must stay inside its request's table, come from a rank that holds the
     page, go to one that newly holds it, and carry cached history. Returns the moved columns."""
@@ -487,7 +372,7 @@ def _run(starts: np.ndarray, rows: int, row: int) -> tuple[int, int]:
     return int(starts[g]), int(starts[g + 1]) if g + 1 < len(starts) else rows
 
 
-def _check_counts(rank: np.ndarray, col: np.ndarray, want: np.ndarray, cols: _Columns, ids: list[int],
+def _check_counts(rank: np.ndarray, col: np.ndarray, want: np.ndarray, cols: Columns, ids: list[int],
                   what: str, than: str) -> None:
     """Per request, over its cached pages: how many of the core's rows name each (rank, column) equals
     the tables' `want` [T, pages]."""
@@ -511,7 +396,7 @@ def _weight_op(man: Manifest, src: str, dst: str, T: int) -> str:
     moves, frees = man.weight_moves(), man.weight_frees()
     if not moves and not frees:
         return "keep"
-    if moves and not frees and src in SHARDED and dst not in SHARDED:
+    if moves and not frees and row(src).shards_projections and not row(dst).shards_projections:
         H = man.sizes.heads
         per = H // T
         got = {(m.proj, m.src, m.dst, h) for m in moves for h in range(m.start, m.stop)}
@@ -519,7 +404,7 @@ def _weight_op(man: Manifest, src: str, dst: str, T: int) -> str:
                 if h // per != r}
         if got == want:
             return "gather"
-    if frees and not moves and src not in SHARDED and dst in SHARDED:
+    if frees and not moves and not row(src).shards_projections and row(dst).shards_projections:
         return "slice"
     raise RuntimeError(f"switch {src}->{dst}: the manifest's weight moves are neither an all-gather of head "
                        "slices nor a discard; the executor cannot run them")

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from splash.config import ConfigError
-from splash.costmodel import Batch, Theta, step_cost, switch_time
-from splash.layouts import LAYOUTS, Layout, kv_pages_per_rank
-from splash.manifest import kv_transfer_tokens, weight_transfer_bytes
-from splash.policy import Policy, PolicyConfig, activation_bytes, decide
-from splash.sizes import AttentionSizes
+from splash.core.config import ConfigError
+from splash.core.costmodel import Batch, Theta, step_cost, switch_time
+from splash.core.layouts import LAYOUTS, Layout, kv_pages_per_rank
+from splash.core.manifest import kv_transfer_tokens, weight_transfer_bytes
+from splash.core.policy import Policy, PolicyConfig, activation_bytes, decide
+from splash.core.sizes import AttentionSizes
 
 
 @dataclass(frozen=True)

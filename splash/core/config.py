@@ -38,6 +38,14 @@ def dtype_bytes(name: str) -> float:
     return DTYPE_BYTES[normalize_dtype(name)]
 
 
+def head_slice(heads: int, rank: int, ranks: int) -> range:
+    """The heads whose projection slices `rank` holds when projections are sharded over `ranks`: its
+    contiguous 1/T slice (`ModelConfig.check_ranks` refuses a T that does not divide the heads). The one
+    definition of heads-per-rank; `Layout.heads` (splash/core/layouts.py) adds the replicated case."""
+    per = heads // ranks
+    return range(rank * per, (rank + 1) * per)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Dimensions of an MLA model of the DeepSeek-V2/V3 family (field names follow HF's config)."""

@@ -4,7 +4,7 @@ Eq 10 per MLA layer and rank: t_proj = max(F_proj/Phi_proj, W/beta_W), t_att = m
 K_read/beta_KV), and t = t0 + t_proj + t_att + delta + max(0, R - eta*t_att). The loads F, W, K_read
 and R come from the ownership model for the *live* batch (unbalanced contexts and owners welcome),
 so the same function prices TP, DP, CP and DOP; theta holds only rates, latencies and budgets.
-The illustrative law of Eq 11/12 lives in `splash/law.py`.
+The illustrative law of Eq 11/12 lives in `splash/core/law.py`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from splash.config import ConfigError
-from splash.layouts import LAYOUTS, Layout, Ownership, round_robin_owners
-from splash.manifest import position_tokens_matrix
-from splash.sizes import AttentionSizes
+from splash.core.config import ConfigError
+from splash.core.layouts import LAYOUTS, Layout, Ownership, round_robin_owners
+from splash.core.manifest import position_tokens_matrix
+from splash.core.sizes import AttentionSizes
 
 # Collectives per attention layer (each pays the latency delta once): TP all-reduce after O;
 # DP all-gather of owners' rows; CP exact LSE merge; DOP forward + reverse all-to-all + all-reduce.
@@ -384,7 +384,14 @@ def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: 
     if layout is Layout.CP:
         return 2 * (T - 1) / T * N * H * (c.kv_lora_rank + 1) * b  # partial outputs + LSE merge
     # DOP, Eq 4: rows to owners [N, H/T, d_q] and head slices back [N, H/T, d_z], plus O's all-reduce
-    return (1 - 1 / T) * N * H * (c.latent_dim + c.kv_lora_rank) * b + allreduce
+    return eq4_bytes(N, H, c.kv_lora_rank, c.qk_rope_head_dim, T, b) + allreduce
+
+
+def eq4_bytes(rows: int, heads: int, d_c: int, d_r: int, world: int, elem_bytes: float) -> float:
+    """SPEC Eq 4, DOP's two all-to-alls: V_DOP = (1 - 1/T) * N * H * (d_q + d_z) * b, d_q = d_c + d_r,
+    d_z = d_c (the group's total per layer; per rank it depends on how many rows each rank owns). The
+    one definition: the cost model prices it, splash/attention/dop.py's exchange sends exactly it."""
+    return (1 - 1 / world) * rows * heads * ((d_c + d_r) + d_c) * elem_bytes
 
 
 def step_costs(sizes: AttentionSizes, batch: Batch, theta: Theta,

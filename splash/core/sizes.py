@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from splash.config import ConfigError, ModelConfig, dtype_bytes, normalize_dtype
+from splash.core.config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -188,7 +188,6 @@ class AttentionSizes:
         """W_r(l): rank `rank`'s head slice of every layer (W_A/T) when sharded, else W_A."""
         if not sharded:
             return self.w_a
-        per = self.heads // ranks
-        mine = range(rank * per, (rank + 1) * per)
+        mine = head_slice(self.heads, rank, ranks)
         return self.memo(("w_rank", ranks, rank),
                          lambda: self.layers * sum(self.slice_bytes(p, mine) for p in self.projections))

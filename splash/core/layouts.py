@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from splash.config import ConfigError
-from splash.sizes import AttentionSizes
+from splash.core.config import ConfigError, head_slice
+from splash.core.sizes import AttentionSizes
 
 
 class Placement(enum.Enum):
@@ -56,6 +56,30 @@ class Layout(enum.Enum):
     @property
     def sharded(self) -> bool:
         return self.placement is Placement.SHARDED
+
+    @property
+    def owned(self) -> bool:
+        """Whether each request has one owner rank holding its whole history (DP, DOP)."""
+        return self.ownership is Ownership.OWNER
+
+    def heads(self, rank: int, ranks: int, heads: int) -> range:
+        """Heads whose projection slices `rank` holds: its 1/T slice if sharded (and T > 1), else all."""
+        return head_slice(heads, rank, ranks) if self.sharded and ranks > 1 else range(heads)
+
+    def page_ranks(self, j: int, owner: int, ranks: int) -> tuple[int, ...]:
+        """Ranks that store global page `j` of a request owned by `owner` (the ownership made concrete:
+        every rank, the owner, or rank j % T). `manifest.held_columns` is the same rule over arrays."""
+        own = self.ownership
+        if own is Ownership.REPLICATED:
+            return tuple(range(ranks))
+        if own is Ownership.OWNER:
+            return (owner,)
+        return (j % ranks,)
+
+    def distinct(self, per_rank: Sequence[int]) -> int:
+        """How per-rank KV pools count as distinct tokens (or pages) of the group: replicated KV is
+        bounded by the smallest rank's pool, the other ownerships add the pools up."""
+        return min(per_rank) if self.ownership is Ownership.REPLICATED else sum(per_rank)
 
     @classmethod
     def parse(cls, name: str | Layout) -> Layout:

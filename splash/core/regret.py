@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from splash.config import ConfigError
+from splash.core.config import ConfigError
 
 
 @dataclass

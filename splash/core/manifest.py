@@ -11,6 +11,9 @@ written down anywhere: the 12-direction pattern of the paper falls out of the ow
 Every MLA layer has the same shapes, so one per-layer plan serves all layers; `Manifest.layers`
 lists them for callers that walk layer by layer (the switch executor, Eq 7). Concrete moves
 (which heads / pages go from which rank to which) are produced on demand.
+
+(Past ~450 lines on purpose: the set differences, their byte totals and the concrete moves are one
+derivation from the holdings; split, each half would restate the other's ownership cases.)
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from splash.config import ConfigError, ModelConfig
-from splash.layouts import Layout, Ownership
-from splash.sizes import MIB, AttentionSizes, head_runs
+from splash.core.config import ConfigError, ModelConfig
+from splash.core.layouts import Layout, Ownership
+from splash.core.sizes import MIB, AttentionSizes, head_runs
 
 DISCARD, ALL_GATHER, ALL_TO_ALL, KEEP = "discard", "all-gather", "all-to-all", "keep"
 
@@ -68,10 +71,7 @@ def as_requests(batch: Iterable[BatchItem], ranks: int) -> list[Request]:
 # ---- holdings: the blocks a rank holds in a layout ------------------------------------------------
 def held_heads(layout: Layout, rank: int, ranks: int, heads: int) -> frozenset[int]:
     """Head ids whose projection slices `rank` holds (every projection is sliced alike)."""
-    if not layout.sharded:
-        return frozenset(range(heads))
-    per = heads // ranks
-    return frozenset(range(rank * per, (rank + 1) * per))
+    return frozenset(layout.heads(rank, ranks, heads))
 
 
 def held_columns(ownership: Ownership, owners: np.ndarray, req: np.ndarray, pages: np.ndarray,

@@ -18,9 +18,9 @@ from statistics import NormalDist
 
 import numpy as np
 
-from splash.config import ConfigError
-from splash.layouts import LAYOUTS, Layout, Ownership
-from splash.sizes import GIB, KIB
+from splash.core.config import ConfigError
+from splash.core.layouts import LAYOUTS, Layout, Ownership
+from splash.core.sizes import GIB, KIB
 
 PAPER_SEED = 20260922
 PAPER_COHORTS = 200_000
@@ -45,8 +45,9 @@ def pools_from_budget(memory_bytes: float, w_a: float, k: float, ranks: int,
 
 
 def distinct_tokens(layout: Layout, pool: int, ranks: int) -> int:
-    """Distinct tokens a group stores: TP's replicas count once, the other layouts' pools add up."""
-    return pool if layout.ownership is Ownership.REPLICATED else pool * ranks
+    """Distinct tokens a group of `ranks` equal pools stores (`Layout.distinct`: TP's replicas count
+    once, the other layouts' pools add up)."""
+    return layout.distinct([pool] * ranks)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splash.config import ConfigError
-from splash.costmodel import Theta
-from splash.sizes import GIB, AttentionSizes
+from splash.core.config import ConfigError
+from splash.core.costmodel import Theta
+from splash.core.sizes import GIB, AttentionSizes
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,196 @@
+"""What `--layout auto` does on rank 0: price the live batch, ask the Policy, record its verdict.
+
+`AutoLayout` is the policy half of the `SwitchController` (splash/engine/switching.py), which mixes it
+in and owns the state it reads: the allocators (`alloc`), the scheduler (`sched`), the memory check
+(`fits`, the planner's own, run dry), the distinct KV each layout holds (`distinct_tokens`) and the
+decision log. `_decide` returns the layout to switch to, or None; the controller plans and commits.
+The step clock behind the online correction and the regret guard is splash/engine/feedback.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from splash.core.config import dtype_bytes
+from splash.core.costmodel import Batch, Theta, step_cost
+from splash.core.layouts import Layout
+from splash.core.policy import PolicyConfig, decide
+from splash.core.sizes import AttentionSizes
+from splash.engine.plan import LAYOUTS, StepPlan
+from splash.kv.allocator import balanced_owners
+from splash.switch.planner import dtype_name
+
+log = logging.getLogger("splash.switch")
+
+
+@dataclass
+class LayoutDecision:
+    """One evaluation of the Policy on the live batch (kept for the timeline and logs)."""
+
+    step: int
+    current: str
+    chosen: str
+    switch: bool
+    reason: str
+    times_s: dict[str, float]  # predicted step time per layout (Eq 10 on the prior theta)
+    feasible: list[str]
+    batch: int
+    rows: int
+    corrected_s: dict[str, float] = field(default_factory=dict)  # times_s x the correction in force
+    observed_s: dict[str, float | None] = field(default_factory=dict)  # recent measured pace on such
+    #                                      steps (None: not run on such steps recently)
+    correction: dict[str, dict[str, Any]] = field(default_factory=dict)  # per layout Estimate.to_dict()
+    kind: str = ""  # the step kind the correction is keyed by ("decode B=3-4")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class AutoLayout:
+    """The Policy's side of the switch controller (see the module docstring)."""
+
+    alloc: Any
+    sched: Any
+    engine: Any
+    cfg: Any
+    world: int
+    theta: Any
+    sizes: Any
+    policy_cfg: Any
+    feedback: Any
+    steps_since_switch: int
+    _last_eval: tuple[Any, int] | None
+    decisions: Any
+    # and, from the controller: distinct_tokens(dst), fits(dst, live, rows), _projected(seq)
+
+    def _init_policy(self, dtype: Any, margin: float, min_dwell: int, budget: bool) -> None:
+        dt = dtype_name(dtype)
+        self.sizes = AttentionSizes(self.cfg, dt, dt)
+        P = self.alloc.page_size
+        d = self.theta.to_dict()
+        # Memory feasibility is decided on the engine's real pages (`fits`); the Policy's own memory
+        # model would double-count the step workspace the engine reserves apart, so it gets room to spare.
+        d.update(memory_bytes=1e18, reserve_bytes=0.0, act_bytes=dtype_bytes(dt))
+        self.theta = Theta.from_dict(d)
+        self.policy_cfg = PolicyConfig(margin=margin, min_dwell=min_dwell, page_size=P)
+
+    def _init_feedback(self, margin: float) -> None:
+        from splash.engine.feedback import StepFeedback
+
+        dev = getattr(getattr(self.engine.runner, "local", self.engine.runner), "device", None)
+        sync = None
+        if getattr(dev, "type", None) == "cuda":
+            def sync() -> None:
+                torch.cuda.synchronize(dev)
+        self.feedback = StepFeedback(self.sizes, self.theta, self.policy_cfg.page_size, LAYOUTS, margin,
+                                     self._batch, sync)
+
+    def _batch(self, plan: StepPlan, live: list[Any]) -> Any:
+        """The Policy's x: every sequence holding pages, s_i including this step's rows, q_i, owners,
+        and the KV each will reach."""
+        rows = {s.req_id: s.num_new for s in plan.seqs}
+        contexts = [seq.num_computed + rows.get(seq.seq_id, 0) for seq in live]
+        q = [rows.get(seq.seq_id, 0) for seq in live]
+        if self.alloc.layout_row.owned:
+            owners = [seq.owner for seq in live]
+        else:  # owners by the planner's rule, on contexts and with room everywhere (a price, not a plan)
+            owners, _, _ = balanced_owners(contexts, [[0] * self.world] * len(live), [0] * self.world,
+                                           list(range(len(live))))
+        # Each request's KV at its own limit (prompt + max_tokens): the steady-state fit (Eq 6) of a
+        # layout must hold the batch as it grows, as the planner's own Eq 6 check will demand.
+        reserved = [max(c, self._projected(seq)) for c, seq in zip(contexts, live)]
+        return Batch.make(contexts, q, owners, ranks=self.world, reserved=reserved)
+
+    def _decide(self, plan: StepPlan, live: list[Any]) -> str | None:
+        """Evaluate the Policy on the live batch. Memory feasibility is the engine's own page accounting
+        (`fits`, exactly what the planner will check); the Policy prices each candidate (Eq 10) and
+        applies its margin and dwell."""
+        cur = self.alloc.layout
+        if not live:
+            return None
+        queued = bool(self.sched.waiting)
+        cands = list(LAYOUTS)
+        if queued:  # requests wait for KV: never trade admission capacity for a faster step
+            here = self.distinct_tokens(cur)
+            cands = [lay for lay in LAYOUTS if lay == cur or self.distinct_tokens(lay) >= here]
+            if cands == [cur]:
+                return None  # no other layout admits as much: nothing to weigh
+        # The verdict only moves when the batch does: re-evaluate when requests join or leave, the queue
+        # empties or fills, a dwell ends, or every `recheck` steps as contexts grow - not every step,
+        # where pricing four layouts would cost a few percent of a CPU step.
+        recheck = 8  # steps
+        key = (cur, queued, tuple(seq.seq_id for seq in live))
+        last = self._last_eval
+        if (last is not None and last[0] == key and plan.step - last[1] < recheck
+                and self.steps_since_switch != self.policy_cfg.min_dwell):
+            return None
+        self._last_eval = (key, plan.step)
+        fb = self.feedback
+        batch = fb.batch(plan, live) if fb is not None else self._batch(plan, live)
+        rows = {s.req_id: s.num_new for s in plan.seqs}
+        kind, est = fb.estimates(plan, plan.step) if fb is not None else (None, {})
+        blocked = fb.blocked(kind, plan.step) if fb is not None else []
+        ok = [lay for lay in cands if lay == cur or (lay not in blocked and self.fits(lay, live, rows))]
+        cfg = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in ok))
+        corr = {Layout.parse(lay): (e.factor, e.uncertainty) for lay, e in est.items()}
+        # While the regret guard judges the last switch, only a forced move may leave (dwell not reached).
+        dwell = 0 if fb is not None and fb.guard.holding else self.steps_since_switch
+        d = decide(self.sizes, self.theta, batch, cur, dwell, cfg, corr or None)
+        here = Layout.parse(cur)
+        if d.switch and est and est[cur].source != "measured" and d.evals[here].fits:
+            # Measure before leaping: until the current layout has run a few steps of this kind, its
+            # pace here is a guess too, and the guard would have nothing to compare the switch with.
+            d = dataclasses.replace(d, layout=here, switch=False, reason=f"{d.reason}; but {cur} has not run "
+                                    f"steps like this one ({kind.label}) yet: measuring it first")
+            self._last_eval = None  # look again next step
+        chosen = d.layout.label.lower()
+        if fb is not None:
+            fb.note_prices(plan, live, {lay.label.lower(): e.predicted for lay, e in d.evals.items()})
+        reason = d.reason
+        ruled = [lay for lay in LAYOUTS if lay not in ok and lay not in blocked]
+        if ruled:
+            why = "memory or the queue" if queued else "memory"
+            reason += f" ({why} rules out {','.join(ruled)})"
+        if blocked:
+            reason += f" ({','.join(blocked)} blocked after a switch back)"
+        rec = self._record(plan, live, batch, cur, chosen, d.switch, reason,
+                           sorted(lay.label.lower() for lay in d.feasible), kind, est)
+        if log.isEnabledFor(logging.DEBUG) or d.switch:
+            msg = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in rec.corrected_s.items())
+            (log.info if d.switch else log.debug)("step %d: layout %s -> %s (%s); predicted (corrected) %s; "
+                                                  "B=%d rows=%d", plan.step, cur, chosen, reason, msg,
+                                                  batch.size, batch.n_rows)
+        return chosen if d.switch and chosen != cur else None
+
+    def _record(self, plan: StepPlan, live: list[Any], batch: Any, cur: str, chosen: str, switch: bool,
+                reason: str, feasible: list[str], kind: Any, est: dict[str, Any]) -> LayoutDecision:
+        """A LayoutDecision with every layout's predicted, corrected and observed step time."""
+        fb = self.feedback
+        if fb is not None:
+            times = {lay: fb.price(lay, plan, live) for lay in LAYOUTS}
+        else:
+            times = {lay: step_cost(Layout.parse(lay), self.sizes, batch, self.theta,
+                                    self.policy_cfg.page_size).total for lay in LAYOUTS}
+        corrected = {lay: times[lay] * (est[lay].factor if lay in est else 1.0) for lay in LAYOUTS}
+        observed = ({lay: fb.correction.observed_s(lay, kind, times[lay], plan.step) for lay in LAYOUTS}
+                    if fb is not None else {})
+        rec = LayoutDecision(plan.step, cur, chosen, switch, reason, times, feasible, batch.size,
+                             batch.n_rows, corrected, observed, {lay: e.to_dict() for lay, e in est.items()},
+                             kind.label if kind is not None else "")
+        self.decisions.append(rec)
+        return rec
+
+    def _record_back(self, plan: StepPlan, live: list[Any], back: Any) -> None:
+        """The guard's switch back, in the decision log like the Policy's verdicts."""
+        fb = self.feedback
+        batch = fb.batch(plan, live)
+        kind, est = fb.estimates(plan, plan.step)
+        rec = self._record(plan, live, batch, back.dst, back.src, True, f"switch back: {back.reason}",
+                           [back.src], kind, est)
+        log.info("step %d: %s; observed %s", plan.step, rec.reason,
+                 " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in rec.observed_s.items() if v is not None))
