@@ -189,8 +189,11 @@ def plot(doc: dict[str, Any], path: str) -> None:
                      fontsize=9)
         ax.set_ylabel("inter-token latency, ms")
     axes[-1].set_xlabel("seconds since the first request")
-    fig.suptitle(f"{doc['model']} {doc['dtype']}, {doc['tp']} rank(s): {doc['num_prompts']} x "
-                 f"({doc['input_len']} + {doc['output_len']}) at concurrency {doc['max_concurrency']}",
+    mix = (f", {doc['long_fraction']:g} of them {doc['long_input_len']} + {doc['output_len']}"
+           if doc.get("long_fraction") else "")
+    lay = f", {doc['layout']}" if doc.get("layout") else ""
+    fig.suptitle(f"{doc['model']} {doc['dtype']}, {doc['tp']} rank(s){lay}: {doc['num_prompts']} x "
+                 f"({doc['input_len']} + {doc['output_len']}){mix} at concurrency {doc['max_concurrency']}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
