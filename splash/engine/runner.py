@@ -53,6 +53,11 @@ class ModelRunner:
         self.step_rows: OrderedDict[int, int] = OrderedDict()  # step -> rows N (recent steps only)
         self.tables = RankTables()  # this rank's page tables of the live requests (from step messages)
         self._encoder: wire.PlanEncoder | None = None
+        self.graphs: Any = None  # CUDA graphs of decode steps (splash/engine/cuda_graph.py), CUDA only
+        if self.device.type == "cuda":
+            from splash.engine.cuda_graph import for_runner
+
+            self.graphs = for_runner(self)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
@@ -69,7 +74,12 @@ class ModelRunner:
         if plan.kind != "forward":
             return step_kind_fn(plan.kind)(self, plan)
         ctx = self.context(plan, self.layout)
-        return self.model(self.input_ids(plan), ctx.positions, ctx)
+        ids = self.input_ids(plan)
+        if self.graphs is not None:
+            out = self.graphs.run(ids, ctx)
+            if out is not None:
+                return out
+        return self.model(ids, ctx.positions, ctx)
 
     def context(self, plan: StepPlan, layout: Any) -> Any:
         """The step's ForwardContext under `layout`, from this rank's tables (or the plan's own)."""
