@@ -138,3 +138,35 @@ def test_default_splits_and_strided_queries():
                                            row_seq.to(DEV), row_pos.to(DEV), scale)
     assert none is None
     assert (out.double().cpu() - want).abs().max().item() < TOL[torch.float32]
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="the GPU engine is checked by tests/cuda_fast_check.py")
+def test_float64_engine_on_the_interpreted_kernel(tmp_path, monkeypatch):
+    """The whole T = 1 engine in float64 with every absorbed attention (prefill chunks and decode rows)
+    through the Triton kernel, interpreted on CPU: transformers' greedy tokens, and the logits of the
+    native-kernel engine within 1e-9."""
+    from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
+    from test_engine_dist import ENGINE, NEW, PROMPTS, run
+
+    from splash.attention import mha, paged
+    from splash.engine.runner import build_engine
+
+    monkeypatch.setattr(mha, "_mode", mha._mode)  # restored afterwards: the engines below set "absorbed"
+    path = build_checkpoint(tmp_path / "v3", "v3", seed=2)
+    hf = hf_reference(path)
+    ref = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    monkeypatch.setenv("SPLASH_NATIVE", "1")
+    eng = build_engine(model=path, num_kv_pages=64, attention_form="absorbed", **ENGINE)
+    want_toks, want = run(eng, PROMPTS)
+    eng.shutdown()
+    calls = []
+    real = triton_mla.paged_attention
+    monkeypatch.setattr(triton_mla, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("SPLASH_ATTN_KERNEL", "triton")
+    eng = build_engine(model=path, num_kv_pages=64, attention_form="absorbed", **ENGINE)
+    toks, logits = run(eng, PROMPTS)
+    eng.shutdown()
+    assert calls and not paged._failed
+    assert toks == ref == want_toks
+    err = max((logits[k] - want[k]).abs().max().item() for k in want)
+    assert err < 1e-9, err

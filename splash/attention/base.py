@@ -54,13 +54,14 @@ class Layout(ABC):
         this rank holds -> (out [n, h, d_c], lse [n, h] or None). The query rows q_lat [n, h, d_c] and
         q_pe [n, h, d_r] are laid out slice after slice in that order; `key` names the subset for the
         per-step cache of batched groups."""
-        if self.batch_slices and ctx.page_table is not None and ctx.kv is not None and paged.supports(q_lat):
-            cache = self.__dict__.get("_native")  # the paged kernel of this device (attention/paged.py)
+        kernel = paged.kernel_for(q_lat) if self.batch_slices else "torch"  # attention/paged.py
+        if kernel != "torch" and ctx.page_table is not None and ctx.kv is not None:
+            cache = self.__dict__.get("_native")
             if cache is None:
                 cache = self.__dict__["_native"] = paged.RowCache()
             row_seq, row_pos = cache.get_on(ctx, key, idx, q_lat.device)
-            got = paged.attention(q_lat, q_pe, ctx.kv.layer(layer_idx), ctx.page_table, row_seq, row_pos,
-                                  scale, lse)
+            got = paged.attention(kernel, q_lat, q_pe, ctx.kv.layer(layer_idx), ctx.page_table, row_seq,
+                                  row_pos, scale, lse)
             if got is not None:
                 return got
         if self.batch_slices:

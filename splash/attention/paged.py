@@ -6,7 +6,8 @@ attends the keys of `tables[row_seq[r]]` at positions <= row_pos[r] -> (out [n, 
 - "triton": the Triton kernel on CUDA (`triton_mla.py`, imported only when a query is on CUDA),
 - "torch": the reference, plain torch ops (`batched.py` / `kernel.py`): what anything else runs, and
   what `--enforce-eager` / `SPLASH_NATIVE=0` pin (one switch for both fast kernels and CUDA graphs).
-`SPLASH_ATTN_KERNEL=torch|native|triton` forces a choice where it can run (tests, benchmarks).
+`SPLASH_ATTN_KERNEL=torch|native|triton` forces a choice where it can run (tests, benchmarks; "triton"
+on CPU tensors only under Triton's interpreter, TRITON_INTERPRET=1: how CPU tests run the engine on it).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def kernel_for(q: torch.Tensor) -> str:
     if forced == "torch" or not native.enabled():
         return "torch"
     if q.device.type == "cpu":
+        if forced == "triton" and os.environ.get("TRITON_INTERPRET") == "1":  # tests: interpreted on CPU
+            mod = _triton_module()
+            return "triton" if mod and q.dtype in mod.DTYPES else "torch"
         return "native" if forced in ("", "native") and native.supports(q) else "torch"
     if q.device.type == "cuda" and forced in ("", "triton") and q.dtype not in _failed:
         mod = _triton_module()
@@ -61,13 +65,13 @@ def supports(q: torch.Tensor) -> bool:
     return kernel_for(q) != "torch"
 
 
-def attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor, tables: torch.Tensor,
-              row_seq: torch.Tensor, row_pos: torch.Tensor, scale: float, lse: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Absorbed-MLA attention over one pool layer through the paged kernel `kernel_for(q_lat)` names
-    (the contract above); None when that kernel cannot run it after all (the caller takes the torch path:
-    a Triton build that fails for a dtype warns once and is not tried again)."""
-    if q_lat.device.type == "cpu":
+def attention(kernel: str, q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor,
+              tables: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor, scale: float,
+              lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Absorbed-MLA attention over one pool layer through `kernel` ("native" | "triton", as `kernel_for`
+    chose; the contract above); None when that kernel cannot run it after all (the caller takes the torch
+    path: a Triton build that fails for a dtype warns once and is not tried again)."""
+    if kernel == "native":
         return native.paged_attention(q_lat, q_pe, layer, tables, row_seq, row_pos, scale, lse)
     try:
         return _triton.paged_attention(q_lat, q_pe, layer, tables, row_seq, row_pos, scale, lse)

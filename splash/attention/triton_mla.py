@@ -26,6 +26,8 @@ import triton.language as tl
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _MAX_SPLITS = 16
+# software-pipelined key tiles: each stage holds a [BN, D] tile in shared memory (fp32: 72 KiB a stage)
+_STAGES = {8: 1, 4: 2, 2: 3}
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _sms: dict[int, int] = {}
 _scales: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
@@ -37,7 +39,7 @@ def _mla_decode(QL, QP, KV, TAB, RSEQ, RPOS, O, LSE,
                 H, SCALE,
                 P: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
                 BDC: tl.constexpr, BDR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                SPLITS: tl.constexpr, USE_DOT: tl.constexpr, F64: tl.constexpr, UPCAST: tl.constexpr,
+                SPLITS, USE_DOT: tl.constexpr, F64: tl.constexpr, UPCAST: tl.constexpr,
                 PREC: tl.constexpr):
     r = tl.program_id(0)
     hb = tl.program_id(1)
@@ -173,7 +175,8 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
             h, _scale(scale, acc, dev), P=P, DC=d_c, DR=d_r, BDC=max(16, triton.next_power_of_2(d_c)),
             BDR=max(16, triton.next_power_of_2(d_r)), BH=BH, BN=BN, SPLITS=S, USE_DOT=not f64, F64=f64,
             UPCAST=_INTERPRET and q_lat.element_size() == 2,
-            PREC="ieee" if q_lat.dtype == torch.float32 else None, num_warps=4 if f64 else 8)
+            PREC="ieee" if q_lat.dtype == torch.float32 else None, num_warps=4 if f64 else 8,
+            num_stages=_STAGES[q_lat.element_size()])
     if S == 1:
         return out, (part_l[0] if lse else None)
     total = torch.logsumexp(part_l, dim=0)  # [n, h]; -inf where no split saw a key

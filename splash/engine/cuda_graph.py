@@ -79,6 +79,7 @@ class DecodeGraphs:
         self.slots = torch.zeros(n, dtype=torch.long, device=dev)
         self.table = torch.full((n, self.width), -1, dtype=torch.long, device=dev)
         self.rows = torch.arange(n, dtype=torch.long, device=dev)
+        self._probe = torch.empty(0, dtype=pool.dtype, device=dev)  # what `paged.kernel_for` looks at
         self.graphs: dict[int, _Bucket] = {}
         self.failed: set[int] = set()
         self.mempool: Any = None
@@ -92,8 +93,7 @@ class DecodeGraphs:
         if (B == 0 or ctx.num_rows != B or not ctx.all_held or ctx.max_end > self.cap or B > self.sizes[-1]
                 or ctx.page_table is None or ctx.page_table.shape[1] > self.width or mha.form() == "mha"):
             return None
-        if self.capture and paged.kernel_for(torch.empty(0, dtype=self.kv.dtype, device=self.kv.device)) \
-                != "triton":
+        if self.capture and paged.kernel_for(self._probe) != "triton":
             return None
         size = next(s for s in self.sizes if s >= B)
         return None if size in self.failed else size
