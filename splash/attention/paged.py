@@ -45,14 +45,18 @@ def _triton_module() -> Any:
 
 def kernel_for(q: torch.Tensor) -> str:
     """The kernel that attends queries like `q` (device, dtype) in this process."""
-    forced = os.environ.get("SPLASH_ATTN_KERNEL", "").strip().lower()
-    if forced == "torch" or not native.enabled():
-        return "torch"
-    if q.device.type == "cpu":
-        if forced == "triton" and os.environ.get("TRITON_INTERPRET") == "1":  # tests: interpreted on CPU
-            mod = _triton_module()
+    forced = os.environ.get("SPLASH_ATTN_KERNEL") or ""  # (a lookup per layer: kept this cheap)
+    if forced:
+        forced = forced.strip().lower()
+        if forced == "torch":
+            return "torch"
+    if q.device.type == "cpu":  # native.supports checks SPLASH_NATIVE itself
+        if forced == "triton" and native.enabled() and os.environ.get("TRITON_INTERPRET") == "1":
+            mod = _triton_module()  # tests: the kernel interpreted on CPU
             return "triton" if mod and q.dtype in mod.DTYPES else "torch"
         return "native" if forced in ("", "native") and native.supports(q) else "torch"
+    if not native.enabled():
+        return "torch"
     if q.device.type == "cuda" and forced in ("", "triton") and q.dtype not in _failed:
         mod = _triton_module()
         if mod and q.dtype in mod.DTYPES:
@@ -91,6 +95,8 @@ class RowCache(native.RowCache):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if dev.type == "cpu":
             return self.get(ctx, key, idx)
+        from splash.model.context import to_device
+
         if self._ctx is not ctx:
             self._ctx, self._made = ctx, {}
         got = self._made.get(key)
@@ -101,7 +107,7 @@ class RowCache(native.RowCache):
             else:  # chunks or a subset: built on the host from the plan, one copy each
                 host = native.RowCache()
                 row_seq, row_pos = host.get(ctx, key, idx)
-                got = (row_seq.to(dev, non_blocking=True), row_pos.to(dev, non_blocking=True))
+                got = (to_device(row_seq, dev), to_device(row_pos, dev))
             self._made[key] = got
         return got
 

@@ -90,10 +90,12 @@ class ModelRunner:
                                     tables=self.tables if plan.delta is not None else None)
 
     def input_ids(self, plan: StepPlan) -> torch.Tensor:
+        from splash.model.context import to_device
+
         ids = plan.input_ids
         if isinstance(ids, np.ndarray):
-            return torch.from_numpy(ids.astype(np.int64)).to(self.device)
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
+            return to_device(torch.from_numpy(ids.astype(np.int64)), self.device)
+        return to_device(torch.tensor(ids, dtype=torch.long), self.device)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -105,7 +107,9 @@ class ModelRunner:
         rows = plan.sample_rows()
         if not rows:
             return hidden.new_empty(0, self.model.cfg.vocab_size)
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        from splash.model.context import to_device
+
+        idx = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
     @property
