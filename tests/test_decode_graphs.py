@@ -28,7 +28,8 @@ def test_kernel_choice(monkeypatch) -> None:
     assert paged.kernel_for(q.to(torch.float16)) == "torch"  # the C kernel has no fp16
     monkeypatch.setenv("SPLASH_ATTN_KERNEL", "torch")
     assert paged.kernel_for(q) == "torch" and not paged.supports(q)
-    monkeypatch.setenv("SPLASH_ATTN_KERNEL", "triton")  # not on a CPU tensor
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (tests/test_triton_mla.py sets it)
+    monkeypatch.setenv("SPLASH_ATTN_KERNEL", "triton")  # not on a CPU tensor, outside the interpreter
     assert paged.kernel_for(q) == "torch"
     monkeypatch.delenv("SPLASH_ATTN_KERNEL")
     monkeypatch.setenv("SPLASH_CUDA_GRAPHS", "1")
