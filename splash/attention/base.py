@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from splash.attention import mha, native
+from splash.attention import mha, paged
 from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
 from splash.core.layouts import Layout, Ownership
@@ -66,13 +66,16 @@ class AttentionLayout(ABC):
         this rank holds -> (out [n, h, d_c], lse [n, h] or None). The query rows q_lat [n, h, d_c] and
         q_pe [n, h, d_r] are laid out slice after slice in that order; `key` names the subset for the
         per-step cache of batched groups."""
-        if self.batch_slices and ctx.page_table is not None and ctx.kv is not None and native.supports(q_lat):
+        kernel = paged.kernel_for(q_lat) if self.batch_slices else "torch"  # attention/paged.py
+        if kernel != "torch" and ctx.page_table is not None and ctx.kv is not None:
             cache = self.__dict__.get("_native")
             if cache is None:
-                cache = self.__dict__["_native"] = native.RowCache()
-            row_seq, row_pos = cache.get(ctx, key, idx)
-            return native.paged_attention(q_lat, q_pe, ctx.kv.layer(layer_idx), ctx.page_table, row_seq,
-                                          row_pos, scale, lse)
+                cache = self.__dict__["_native"] = paged.RowCache()
+            row_seq, row_pos = cache.get_on(ctx, key, idx, q_lat.device)
+            got = paged.attention(kernel, q_lat, q_pe, ctx.kv.layer(layer_idx), ctx.page_table, row_seq,
+                                  row_pos, scale, lse)
+            if got is not None:
+                return got
         if self.batch_slices:
             cache = self.__dict__.get("_batches")
             if cache is None:

@@ -38,6 +38,11 @@ class ModelRunner:
         self.step_rows: OrderedDict[int, int] = OrderedDict()  # step -> rows N (recent steps only)
         self.tables = RankTables()  # this rank's page tables of the live requests (from step messages)
         self._encoder: wire.PlanEncoder | None = None
+        self.graphs: Any = None  # CUDA graphs of decode steps (splash/engine/cuda_graph.py), CUDA only
+        if self.device.type == "cuda":
+            from splash.engine.cuda_graph import for_runner
+
+            self.graphs = for_runner(self)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
@@ -56,7 +61,12 @@ class ModelRunner:
         if plan.kind != "forward":
             raise ValueError(f"a {plan.kind!r} plan is not a step; the runner runs {', '.join(STEP_KINDS)}")
         ctx = self.context(plan, self.layout)
-        return self.model(self.input_ids(plan), ctx.positions, ctx)
+        ids = self.input_ids(plan)
+        if self.graphs is not None:
+            out = self.graphs.run(ids, ctx)
+            if out is not None:
+                return out
+        return self.model(ids, ctx.positions, ctx)
 
     def context(self, plan: StepPlan, layout: Any) -> Any:
         """The step's ForwardContext under `layout`, from this rank's tables (or the plan's own)."""
@@ -67,10 +77,12 @@ class ModelRunner:
                                     tables=self.tables if plan.delta is not None else None)
 
     def input_ids(self, plan: StepPlan) -> torch.Tensor:
+        from splash.model.context import to_device
+
         ids = plan.input_ids
         if isinstance(ids, np.ndarray):
-            return torch.from_numpy(ids.astype(np.int64)).to(self.device)
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
+            return to_device(torch.from_numpy(ids.astype(np.int64)), self.device)
+        return to_device(torch.tensor(ids, dtype=torch.long), self.device)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -82,7 +94,9 @@ class ModelRunner:
         rows = plan.sample_rows()
         if not rows:
             return hidden.new_empty(0, self.model.cfg.vocab_size)
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        from splash.model.context import to_device
+
+        idx = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         return self.model.compute_logits(hidden.index_select(0, idx))
 
     @property

@@ -151,6 +151,8 @@ def _destroy_group(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None
 
 def _release(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
     held = runner.__dict__.setdefault("released", {})
+    if getattr(runner, "graphs", None) is not None:
+        runner.graphs.reset()  # captured decode graphs point at the memory freed here
     if "kv_cache" in a["tags"] and "kv_cache" not in held:
         pool = runner.pool
         held["kv_cache"] = tuple(pool.data.shape)

@@ -120,7 +120,7 @@ class ForwardContext:
         width = max(map(len, lists), default=0)
         padded = [t + [-1] * (width - len(t)) for t in lists]
         host = torch.tensor(padded, dtype=torch.long).view(len(lists), width)
-        table = host.to(dev)
+        table = to_device(host, dev)
         out: list[SliceCtx] = []
         row = 0
         for k, s in enumerate(seqs):
@@ -132,9 +132,9 @@ class ForwardContext:
             pos, w_rows, w_slots = _rows_py(seqs, lists, P, holes)
         else:
             pos, w_rows, w_slots = _rows_torch(seqs, host, row, P)
-        return cls(positions=pos.to(dev), seqs=out, kv=kv, layout=layout, comm=comm, rank=rank,
-                   world=world, stats=stats if stats is not None else {}, write_rows=w_rows.to(dev),
-                   write_slots=w_slots.to(dev), page_table=table,
+        return cls(positions=to_device(pos, dev), seqs=out, kv=kv, layout=layout, comm=comm, rank=rank,
+                   world=world, stats=stats if stats is not None else {}, write_rows=to_device(w_rows, dev),
+                   write_slots=to_device(w_slots, dev), page_table=table,
                    max_end=max((s.start + s.num_new for s in seqs), default=0), page_size=P,
                    all_held=not holes)
 
@@ -160,7 +160,7 @@ class ForwardContext:
         if (have != need).any():  # longer than this step reaches: hide the rest, as a plan's table would
             host = np.where(np.arange(width)[None, :] < need[:, None], host, -1)
         holes = bool(((host >= 0).sum(axis=1) < need).any())
-        table = torch.from_numpy(host).to(dev)
+        table = to_device(torch.from_numpy(host), dev)
         out: list[SliceCtx] = []
         row = 0
         for k, (s, n) in enumerate(zip(seqs, need.tolist())):
@@ -168,11 +168,20 @@ class ForwardContext:
                                 table=(table, k, n)))
             row += s.num_new
         pos, w_rows, w_slots = _rows_np(st, nu, host, row, P)
-        return cls(positions=torch.from_numpy(pos).to(dev), seqs=out, kv=kv, layout=layout, comm=comm,
+        return cls(positions=to_device(torch.from_numpy(pos), dev), seqs=out, kv=kv, layout=layout, comm=comm,
                    rank=rank, world=world, stats=stats if stats is not None else {},
-                   write_rows=torch.from_numpy(w_rows).to(dev), write_slots=torch.from_numpy(w_slots).to(dev),
+                   write_rows=to_device(torch.from_numpy(w_rows), dev),
+                   write_slots=to_device(torch.from_numpy(w_slots), dev),
                    page_table=table, max_end=int((st + nu).max()) if B else 0, page_size=P,
                    all_held=not holes)
+
+
+def to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor of the step's plan on `dev`. CUDA: through pinned memory, without blocking the host
+    (a copy from pageable memory synchronizes the stream, so the host could not run ahead of the GPU)."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
 
 
 def _rows_np(starts: np.ndarray, nums: np.ndarray, host: np.ndarray, rows: int, P: int

@@ -22,6 +22,7 @@ from splash.model.shard import even_range, moe_mode, span
 V3_TYPES = ("deepseek_v3", "kimi_k2")
 _GROUPED = hasattr(torch, "_grouped_mm")
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DENSE_MAX = 1 << 14  # rows x held experts up to which CUDA runs every expert on every row (`MoE._dense`)
 
 
 def _padded_rows(n: int, width: int, vec: int = 64, least: int = 8) -> int:
@@ -172,6 +173,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d] -> [N, d]: routed + shared experts (this rank's partial sum on T ranks)."""
         w, idx = self._modules["gate"].forward(x)
+        if x.device.type == "cuda" and x.shape[0] * len(self.experts) <= DENSE_MAX:
+            out = self._dense(x, w, idx)  # no host sync: CUDA decode steps, CUDA graphs
+            shared = self._modules.get("shared")
+            return out.add_(shared.forward(x)) if shared is not None else out
         k = idx.shape[1]
         flat = idx.reshape(-1)
         ne = len(self.experts)
@@ -197,6 +202,20 @@ class MoE(nn.Module):
         if shared is not None:
             out.add_(shared.forward(x))
         return out
+
+    def _dense(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every held expert over every row, each weighted by its routing weight (0 where not chosen):
+        static shapes and no host sync (the routed paths read the expert counts on the host), at
+        E_held/k times the routed path's FLOPs, so only while rows x experts <= DENSE_MAX (a decode
+        batch). Equal to the routed paths to rounding (experts summed in ascending order)."""
+        b = self._buffers
+        ne = len(self.experts)
+        local = idx - self.experts.start  # [N, k]; outside [0, ne): another rank's expert
+        pick = local[:, :, None] == torch.arange(ne, device=x.device)  # [N, k, ne]
+        wm = (w[:, :, None] * pick).sum(dim=1)  # [N, ne] each held expert's weight per row
+        g, u = torch.bmm(x.expand(ne, *x.shape), b["gate_up"].transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(g) * u, b["down"].transpose(1, 2))  # [ne, N, d]
+        return (y * wm.t()[:, :, None]).to(x.dtype).sum(dim=0)
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
         # torch._grouped_mm runs each group's matmul as its own GEMM: bit-identical to the per-expert
