@@ -159,7 +159,7 @@ def part_e(path) -> None:
     from helpers_ckpt import hf_greedy, hf_reference
     from test_engine_dist import ENGINE, NEW, PROMPTS, run
 
-    from splash.engine.runner import build_engine
+    from splash.engine.build import build_engine
 
     hf = hf_reference(path)
     ref = [hf_greedy(hf, p, NEW) for p in PROMPTS]
@@ -196,7 +196,7 @@ def part_e(path) -> None:
 
 # ---- T: eager vs graph decode timing ---------------------------------------------------------------
 def part_t() -> None:
-    from splash.engine.runner import build_engine
+    from splash.engine.build import build_engine
     from splash.engine.sampling import SamplingParams
 
     sizes = [int(x) for x in os.environ.get("BATCHES", "1,8,32,128").split(",")]

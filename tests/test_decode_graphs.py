@@ -16,7 +16,7 @@ from test_fast_paths import TINY, _moe
 
 from splash.attention import native, paged
 from splash.engine import cuda_graph
-from splash.engine.runner import build_engine
+from splash.engine.build import build_engine
 
 
 def test_kernel_choice(monkeypatch) -> None:

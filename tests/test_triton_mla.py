@@ -149,7 +149,7 @@ def test_float64_engine_on_the_interpreted_kernel(tmp_path, monkeypatch):
     from test_engine_dist import ENGINE, NEW, PROMPTS, run
 
     from splash.attention import mha, paged
-    from splash.engine.runner import build_engine
+    from splash.engine.build import build_engine
 
     monkeypatch.setattr(mha, "_mode", mha._mode)  # restored afterwards: the engines below set "absorbed"
     path = build_checkpoint(tmp_path / "v3", "v3", seed=2)
