@@ -128,7 +128,8 @@ class SwitchPlanner:
         frees = [old[r, gone[r]].tolist() for r in range(T)]
         new_l = fresh.sum(axis=1).tolist()
         growth_l = _growth(dst, own, cols.n, cols.final, T).tolist()
-        batch = [(req.context, req.owner if row(src).owned else 0, o) for req, o in zip(live, owners)]
+        kept = row(src).owned  # source owners mean something (DP/DOP)
+        batch = [(req.context, req.owner if kept else 0, o) for req, o in zip(live, owners)]
         L = self.cfg.num_hidden_layers
         man, in_transit, w_growth = None, [0.0] * T, [0.0] * T
         if not dry_run or self.weight_headroom is not None:  # (only the weights check reads its bytes)
@@ -230,8 +231,9 @@ class SwitchPlanner:
     def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest], cols: Columns,
                        free: list[int]) -> list[int] | SwitchRefusal:
         """DP/DOP owners: kept from DP/DOP, else balanced by projected pages (LPT) where they fit."""
-        if not row(dst).owned or row(src).owned:
-            return [req.owner if row(src).owned else 0 for req in live]
+        kept = row(src).owned
+        if not row(dst).owned or kept:
+            return [req.owner if kept else 0 for req in live]
         avail = [f - r for f, r in zip(free, self.reserve)]
         # pages rank r lacks to own each request (everything beyond what it holds now)
         lacks = (cols.n[:, None] - cols.held_per_request().T).tolist()
