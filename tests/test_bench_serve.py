@@ -140,6 +140,8 @@ def test_bench_marks_live_switches_of_a_two_rank_server():
                   "--max-concurrency", "4", "--json")
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
+        info = httpx.get(srv.url + "/get_server_info", timeout=30).json()
+        assert info["max_num_batched_tokens"] == 2 * 2048  # the server's default budget at T = 2
         assert out["num_switches"] == 2, out.get("switches")
         assert [(s["src"], s["dst"]) for s in out["switches"]] == [("tp", "dop"), ("dop", "tp")]
         for s in out["switches"]:

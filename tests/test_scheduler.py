@@ -215,3 +215,15 @@ def test_long_prefill_cap_keeps_tokens_exact(cap):
     for s in seqs:
         assert s.output_token_ids == reference(s.prompt_token_ids, 6)
     assert max(chunks) == cap and alloc.num_used == [0]
+
+
+def test_default_token_budget_follows_vllms_cpu_defaults():
+    """A server takes vLLM's CPU server default, 2048 x T (a wave of prompts prefills in one step);
+    offline keeps max(512, max_num_seqs); neither is ever below max_num_seqs (every decode fits)."""
+    from splash.engine.scheduler import default_token_budget
+
+    assert default_token_budget(1, 64, serving=True) == 2048
+    assert default_token_budget(2, 64, serving=True) == 4096
+    assert default_token_budget(1, 4096, serving=True) == 4096
+    assert default_token_budget(1, 64, serving=False) == 512
+    assert default_token_budget(4, 1000, serving=False) == 1000
