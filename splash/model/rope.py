@@ -118,22 +118,15 @@ class Rotary:
         self.inv_freq = inv_freq.to(device)
         self.style = "complex" if cfg.model_type == "deepseek_v2" else (
             "interleave" if cfg.rope_interleave else "half")
-        # out = x[..., gather[:d]] * C + x[..., gather[d:]] * S with table row (C, S): C = cos, S = sin
-        # with its first half negated; both styles are this form, bit for bit (negation is exact).
-        h = dim // 2
-        if self.style == "interleave":  # outputs [x_even*c - x_odd*s, x_odd*c + x_even*s]
-            even, odd = torch.arange(0, dim, 2), torch.arange(1, dim, 2)
-            self._gather = torch.cat([even, odd, odd, even])
-        else:  # half: x*cos + cat(-x2, x1)*sin
-            idx = torch.arange(dim)
-            self._gather = torch.cat([idx, idx[h:], idx[:h]])
-        self._gather = self._gather.to(device)
+        # out = a * C + b * S with table row (C, S): C = cos, S = sin with its first half negated, a = x
+        # in the style's order and b = a with its halves swapped; both styles are this form, bit for
+        # bit (negation is exact). interleave: a = (x_even, x_odd), so out = [x_even*c - x_odd*s,
+        # x_odd*c + x_even*s]; half: a = x, out = x*cos + cat(-x2, x1)*sin.
         self._table: torch.Tensor | None = None  # [capacity, 2 * dim] float32, or complex [capacity, dim/2]
         self._memo: list[tuple[torch.Tensor, Any]] = []
 
     def to(self, device: torch.device | str) -> Rotary:
         self.inv_freq = self.inv_freq.to(device)
-        self._gather = self._gather.to(device)
         self._table, self._memo = None, []
         return self
 
@@ -202,6 +195,9 @@ class Rotary:
         cs = tables.get(x.dtype)
         if x.dim() == 3:
             cs = cs[:, None, :]
-        d = self.dim
-        y = x.index_select(-1, self._gather).mul_(cs)
-        return y[..., :d] + y[..., d:]
+        d, h = self.dim, self.dim // 2
+        # a and b by views and one cat: ~3x faster on a strided q_pe than gathering both with one
+        # index_select along the last dim (slow on CPU for a non-contiguous view).
+        a = x.unflatten(-1, (h, 2)).transpose(-1, -2).flatten(-2) if self.style == "interleave" else x
+        b = torch.cat([a[..., h:], a[..., :h]], dim=-1)
+        return a * cs[..., :d] + b * cs[..., d:]
