@@ -14,8 +14,10 @@ median of 8 regrets is itself uncertain by ~10-20%, as much as the differences t
 plain threshold switched back good switches on noise (and the block then kept the faster layout out
 for the rest of a run). A median at or under 1 + margin keeps the switch at once; one above it but
 within the noise extends the probation to `max_samples` comparable steps (the standard error shrinks
-as 1/sqrt(n)) and is then judged by the same rule. A slowdown the guard cannot prove is still seen by
-the policy, which prices both layouts at their measured pace and moves back past its own margin.
+as 1/sqrt(n)) and is then judged by the same rule. The standard error also counts the source's
+reference pace (the median of its last few steps, whose error every regret shares). A slowdown the
+guard cannot prove is still seen by the policy, which prices both layouts at their measured pace and
+moves back past its own margin.
 Hysteresis: a switch back is not itself watched, and a blocked layout is no candidate, so the pair
 cannot flap. Pure and step-clocked: deterministic.
 """
@@ -40,6 +42,7 @@ class Probation:
     regrets: list[float] = field(default_factory=list)
     buckets: set[int] = field(default_factory=set)
     seen: int = 0  # steps observed in dst (comparable or not)
+    ref_se: list[float] = field(default_factory=list)  # relative standard error of each counterfactual
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,10 @@ class RegretGuard:
         self.probation = Probation(src, dst, int(step)) if voluntary and src != dst else None
 
     def observe(self, step: int, layout: str, bucket: int, measured_s: float,
-                counterfactual_s: float | None) -> Verdict | None:
-        """One measured step; a Verdict when this step ends a probation."""
+                counterfactual_s: float | None, counterfactual_se: float = 0.0) -> Verdict | None:
+        """One measured step; a Verdict when this step ends a probation. `counterfactual_se`: the
+        relative standard error of the source's pace the counterfactual rests on (a median of few
+        steps is uncertain too, and every regret shares that error)."""
         p = self.probation
         if p is None:
             return None
@@ -109,6 +114,7 @@ class RegretGuard:
             return None
         if counterfactual_s is not None and counterfactual_s > 0 and measured_s > 0:
             p.regrets.append(measured_s / counterfactual_s)
+            p.ref_se.append(max(0.0, float(counterfactual_se)))
             p.buckets.add(int(bucket))
         n = len(p.regrets)
         if n >= self.window and (n >= max(self.window, self.max_samples) or self._conclusive()):
@@ -123,14 +129,24 @@ class RegretGuard:
         p = self.probation
         assert p is not None
         med = float(np.median(p.regrets))
-        return med <= 1 + self.margin or med > 1 + self.margin + self.z * median_se(p.regrets)
+        return med <= 1 + self.margin or med > 1 + self.margin + self.z * self._se(p)
+
+    @staticmethod
+    def _se(p: Probation) -> float:
+        """Standard error of the median regret: the destination's own noise (the regrets' spread) and
+        the source's reference pace, which does not shrink with more destination steps."""
+        if not p.regrets:
+            return float("nan")
+        med = float(np.median(p.regrets))
+        ref = med * float(np.median(p.ref_se)) if p.ref_se else 0.0
+        return float(np.hypot(median_se(p.regrets), ref))
 
     def _judge(self, step: int) -> Verdict:
         p = self.probation
         assert p is not None
         self.probation = None
         regret = float(np.median(p.regrets)) if p.regrets else float("nan")
-        se = median_se(p.regrets)
+        se = self._se(p)
         enough = len(p.regrets) >= min(self.min_samples, self.window)
         slower = enough and regret > 1 + self.margin
         back = slower and regret > 1 + self.margin + self.z * se

@@ -165,6 +165,12 @@ def test_guard_switches_back_only_beyond_the_noise_of_its_median():
     g = RegretGuard(margin=0.05, window=8, settle=0, z=2.0)  # the same tight slowdown: back at once
     out = _probation(g, [1.1], 8)
     assert out[-1] is not None and out[-1].switch_back and out[-1].samples == 8 and out[-1].se == 0.0
+    # The source's reference pace is a median of a few steps too: its error (10%) is shared by every
+    # regret and does not shrink with more destination steps, so the same tight 1.1 is not proven.
+    g = RegretGuard(margin=0.05, window=8, settle=0, z=2.0, max_samples=32)
+    g.switched(0, "dop", "tp", voluntary=True)
+    out = [g.observe(1 + i, "tp", 2, 0.011, 0.01, counterfactual_se=0.1) for i in range(32)]
+    assert out[:31] == [None] * 31 and not out[-1].switch_back and out[-1].se == pytest.approx(0.11)
     g = RegretGuard(margin=0.05, window=8, settle=0, z=0.0, max_samples=8)  # z = 0: the plain threshold
     assert _probation(g, [0.7, 1.1, 1.1, 1.5], 8)[-1].switch_back
     with pytest.raises(ConfigError):
