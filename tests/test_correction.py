@@ -16,7 +16,7 @@ from splash.core.correction import CorrectionConfig, StepCorrection, StepKey, bu
 from splash.core.costmodel import Batch, Theta
 from splash.core.layouts import Layout
 from splash.core.policy import PolicyConfig, decide
-from splash.core.regret import RegretGuard
+from splash.core.regret import RegretGuard, median_se
 from splash.core.sizes import GIB, AttentionSizes
 
 SIZES = AttentionSizes(PRESETS["tiny"])
@@ -136,6 +136,45 @@ def test_guard_keeps_a_good_switch_and_ends_on_other_moves():
     assert out[-1] is not None and not out[-1].switch_back and "only 1 step(s)" in out[-1].reason
     with pytest.raises(ConfigError):
         RegretGuard(window=4, patience=2)
+
+
+def _probation(guard: RegretGuard, cycle: list[float], steps: int) -> list:
+    """Feed a fresh probation (dop -> tp) `steps` comparable steps whose regrets repeat `cycle`."""
+    guard.switched(0, "dop", "tp", voluntary=True)
+    return [guard.observe(1 + i, "tp", 2, 0.01 * cycle[i % len(cycle)], 0.01) for i in range(steps)]
+
+
+def test_guard_switches_back_only_beyond_the_noise_of_its_median():
+    """Noisy steps (IQR 0.3 around a median regret of 1.2): at 8 samples 1.2 is within margin + 2
+    standard errors, so the probation goes on; with more samples the standard error shrinks and the
+    same slowdown is proven. A smaller one (1.1, IQR 0.2) is never proven: the switch is kept."""
+    assert median_se([1.0] * 8) == 0.0 and median_se([1.3]) == 0.0 and median_se([]) != median_se([])
+    assert median_se([0.6, 1.2, 1.2, 1.8] * 2) == pytest.approx(1.2533 * 0.3 / 1.349 / 8 ** 0.5)
+    g = RegretGuard(margin=0.05, window=8, settle=0, z=2.0, max_samples=32, patience=64)
+    out = _probation(g, [0.6, 1.2, 1.2, 1.8], 32)
+    assert out[:8] == [None] * 8, "1.2 +- 0.12 (2 standard errors) at 8 samples: not yet proven"
+    v = next(x for x in out if x is not None)
+    assert v.switch_back and 8 < v.samples <= 32 and v.regret == pytest.approx(1.2)
+    assert v.regret > 1.05 + 2 * v.se and "standard error" in v.reason and g.blocked("tp", 2, 40)
+    g = RegretGuard(margin=0.05, window=8, settle=0, z=2.0, max_samples=32, patience=64)
+    out = _probation(g, [0.7, 1.1, 1.1, 1.5], 32)
+    v = out[-1]
+    assert all(x is None for x in out[:-1]) and v is not None and v.samples == 32
+    assert not v.switch_back and v.regret == pytest.approx(1.1) and "within the noise" in v.reason
+    assert g.num_switch_backs == 0 and not g.blocked("tp", 2, 40)
+    g = RegretGuard(margin=0.05, window=8, settle=0, z=2.0)  # the same tight slowdown: back at once
+    out = _probation(g, [1.1], 8)
+    assert out[-1] is not None and out[-1].switch_back and out[-1].samples == 8 and out[-1].se == 0.0
+    # The source's reference pace is a median of a few steps too: its error (10%) is shared by every
+    # regret and does not shrink with more destination steps, so the same tight 1.1 is not proven.
+    g = RegretGuard(margin=0.05, window=8, settle=0, z=2.0, max_samples=32)
+    g.switched(0, "dop", "tp", voluntary=True)
+    out = [g.observe(1 + i, "tp", 2, 0.011, 0.01, counterfactual_se=0.1) for i in range(32)]
+    assert out[:31] == [None] * 31 and not out[-1].switch_back and out[-1].se == pytest.approx(0.11)
+    g = RegretGuard(margin=0.05, window=8, settle=0, z=0.0, max_samples=8)  # z = 0: the plain threshold
+    assert _probation(g, [0.7, 1.1, 1.1, 1.5], 8)[-1].switch_back
+    with pytest.raises(ConfigError):
+        RegretGuard(z=-1.0)
 
 
 def test_loop_on_a_synthetic_machine_switches_back_once_and_stays():

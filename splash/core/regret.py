@@ -7,9 +7,19 @@ on the same batch: src's own recent pace on comparable steps (the same batch-siz
 the runtime computes it as src's measured ratio there x src's prediction for this batch, see
 `correction.StepCorrection.measured`). A probation that finds fewer than `min_samples` comparable
 steps within `patience` steps keeps the switch. If the median of measured(dst) / counterfactual(src) exceeds
-1 + margin, the switch made things slower: the guard asks to switch back and blocks dst in the
-buckets it was tried on for `block_steps` steps. Hysteresis: a switch back is not itself watched, and
-a blocked layout is no candidate, so the pair cannot flap. Pure and step-clocked: deterministic.
+1 + margin by more than `z` standard errors of that median, the switch made things slower: the guard
+asks to switch back and blocks dst in the buckets it was tried on for `block_steps` steps.
+Why the standard error: one CPU step varies by 20-50% (IQR / median) on a shared machine, so the
+median of 8 regrets is itself uncertain by ~10-20%, as much as the differences the guard judges; a
+plain threshold switched back good switches on noise (and the block then kept the faster layout out
+for the rest of a run). A median at or under 1 + margin keeps the switch at once; one above it but
+within the noise extends the probation to `max_samples` comparable steps (the standard error shrinks
+as 1/sqrt(n)) and is then judged by the same rule. The standard error also counts the source's
+reference pace (the median of its last few steps, whose error every regret shares). A slowdown the
+guard cannot prove is still seen by the policy, which prices both layouts at their measured pace and
+moves back past its own margin.
+Hysteresis: a switch back is not itself watched, and a blocked layout is no candidate, so the pair
+cannot flap. Pure and step-clocked: deterministic.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ class Probation:
     regrets: list[float] = field(default_factory=list)
     buckets: set[int] = field(default_factory=set)
     seen: int = 0  # steps observed in dst (comparable or not)
+    ref_se: list[float] = field(default_factory=list)  # relative standard error of each counterfactual
 
 
 @dataclass(frozen=True)
@@ -43,26 +54,40 @@ class Verdict:
     switch_back: bool
     regret: float  # median measured(dst) / counterfactual(src); nan when nothing was comparable
     samples: int
+    se: float  # standard error of that median (from the regrets' interquartile range); nan: no samples
     step: int
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
         return {"src": self.src, "dst": self.dst, "switch_back": self.switch_back,
                 "regret": None if np.isnan(self.regret) else round(self.regret, 4), "samples": self.samples,
-                "step": self.step, "reason": self.reason}
+                "se": None if np.isnan(self.se) else round(self.se, 4), "step": self.step,
+                "reason": self.reason}
+
+
+def median_se(values: list[float]) -> float:
+    """Standard error of the median of `values` (normal approximation: 1.2533 sigma / sqrt(n), sigma
+    from the interquartile range, as `calibration.measure.Timing.se`): robust to the odd stalled step."""
+    n = len(values)
+    if n < 2:
+        return float("nan") if n == 0 else 0.0
+    q1, q3 = np.percentile(values, [25, 75])
+    return float(1.2533 * (q3 - q1) / 1.349 / n ** 0.5)
 
 
 class RegretGuard:
     def __init__(self, margin: float = 0.05, window: int = 8, settle: int = 1, block_steps: int = 2000,
-                 patience: int = 64, min_samples: int = 3) -> None:
+                 patience: int = 64, min_samples: int = 3, z: float = 2.0, max_samples: int = 32) -> None:
         if not 0 <= margin < 1:
             raise ConfigError(f"regret guard: margin must be in [0, 1), got {margin}")
-        if window < 1 or settle < 0 or block_steps < 0 or patience < window:
+        if window < 1 or settle < 0 or block_steps < 0 or patience < window or z < 0:
             raise ConfigError("regret guard: need window >= 1, settle >= 0, block_steps >= 0, "
-                              "patience >= window")
+                              "patience >= window, z >= 0")
         self.margin, self.window, self.settle = margin, window, settle
         self.block_steps, self.patience = block_steps, patience
         self.min_samples = min_samples  # fewest comparable steps a switch back rests on (<= window)
+        self.z = z  # standard errors of the median regret a switch back must clear beyond the margin
+        self.max_samples = max_samples  # comparable steps an inconclusive probation may extend to
         self.probation: Probation | None = None
         self.blocks: dict[tuple[str, int], int] = {}  # (layout, bucket) -> blocked until this step
         self.verdicts: list[Verdict] = []
@@ -74,8 +99,10 @@ class RegretGuard:
         self.probation = Probation(src, dst, int(step)) if voluntary and src != dst else None
 
     def observe(self, step: int, layout: str, bucket: int, measured_s: float,
-                counterfactual_s: float | None) -> Verdict | None:
-        """One measured step; a Verdict when this step ends a probation."""
+                counterfactual_s: float | None, counterfactual_se: float = 0.0) -> Verdict | None:
+        """One measured step; a Verdict when this step ends a probation. `counterfactual_se`: the
+        relative standard error of the source's pace the counterfactual rests on (a median of few
+        steps is uncertain too, and every regret shares that error)."""
         p = self.probation
         if p is None:
             return None
@@ -87,34 +114,62 @@ class RegretGuard:
             return None
         if counterfactual_s is not None and counterfactual_s > 0 and measured_s > 0:
             p.regrets.append(measured_s / counterfactual_s)
+            p.ref_se.append(max(0.0, float(counterfactual_se)))
             p.buckets.add(int(bucket))
-        if len(p.regrets) >= self.window:
+        n = len(p.regrets)
+        if n >= self.window and (n >= max(self.window, self.max_samples) or self._conclusive()):
             return self._judge(step)
-        if p.seen >= self.patience + self.settle:  # never comparable enough: keep the switch
+        if p.seen >= self.patience + self.settle:  # never comparable (or conclusive) enough: judge now
             return self._judge(step)
         return None
+
+    def _conclusive(self) -> bool:
+        """Whether the regrets so far decide: the median within the margin (keep), or above it by more
+        than z standard errors (back). Otherwise the probation collects more comparable steps."""
+        p = self.probation
+        assert p is not None
+        med = float(np.median(p.regrets))
+        return med <= 1 + self.margin or med > 1 + self.margin + self.z * self._se(p)
+
+    @staticmethod
+    def _se(p: Probation) -> float:
+        """Standard error of the median regret: the destination's own noise (the regrets' spread) and
+        the source's reference pace, which does not shrink with more destination steps."""
+        if not p.regrets:
+            return float("nan")
+        med = float(np.median(p.regrets))
+        ref = med * float(np.median(p.ref_se)) if p.ref_se else 0.0
+        return float(np.hypot(median_se(p.regrets), ref))
 
     def _judge(self, step: int) -> Verdict:
         p = self.probation
         assert p is not None
         self.probation = None
         regret = float(np.median(p.regrets)) if p.regrets else float("nan")
+        se = self._se(p)
         enough = len(p.regrets) >= min(self.min_samples, self.window)
-        back = enough and regret > 1 + self.margin
+        slower = enough and regret > 1 + self.margin
+        back = slower and regret > 1 + self.margin + self.z * se
         if back:
             for b in p.buckets:
                 self.blocks[(p.dst, b)] = step + self.block_steps
             self.switch_backs[(p.dst, p.src)] = self.switch_backs.get((p.dst, p.src), 0) + 1
             why = (f"{p.dst} ran {regret - 1:.1%} slower than {p.src} would have on comparable steps "
-                   f"(median of {len(p.regrets)}) > margin {self.margin:.1%}: back to {p.src}, {p.dst} "
-                   f"blocked there for {self.block_steps} steps")
+                   f"(median of {len(p.regrets)}, standard error {se:.1%}) > margin {self.margin:.1%} + "
+                   f"{self.z:g} standard errors: back to {p.src}, {p.dst} blocked there for "
+                   f"{self.block_steps} steps")
+        elif slower:
+            why = (f"{p.dst} ran {regret - 1:.1%} slower than {p.src} would have (median of "
+                   f"{len(p.regrets)}), within the noise (margin {self.margin:.1%} + {self.z:g} x standard "
+                   f"error {se:.1%}): "
+                   "switch kept; the policy weighs both layouts at their measured pace")
         elif enough:
             why = (f"{p.dst} paces at {regret:.2f}x {p.src} on comparable steps (median of "
                    f"{len(p.regrets)}): switch kept")
         else:
             why = (f"only {len(p.regrets)} step(s) of {p.dst} comparable with {p.src}'s recent ones in "
                    f"{p.seen} steps: switch kept")
-        v = Verdict(p.src, p.dst, back, regret, len(p.regrets), int(step), why)
+        v = Verdict(p.src, p.dst, back, regret, len(p.regrets), se, int(step), why)
         self.verdicts.append(v)
         return v
 

@@ -8,7 +8,8 @@ step, after a CUDA synchronize - prices the step in the layout that ran it (Eq 1
 theta, cached while the batch keeps its shape) and reports both. A step that switched layouts is not
 a sample (it also moved state). During a probation the guard also gets the counterfactual: what the
 source layout's own recent pace on steps of the same kind (batch-size bucket, mix) says this batch
-would have taken there; a step of a kind the source has not run recently is not compared.
+would have taken there (with that pace's standard error); a step of a kind the source has not run
+recently is not compared.
 `timer` replaces the clock with a synthetic step-time source (tests: deterministic, no wall clock).
 """
 
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from splash.core.correction import CorrectionConfig, Estimate, StepCorrection, StepKey
-from splash.core.regret import RegretGuard, Verdict
+from splash.core.regret import RegretGuard, Verdict, median_se
 
 log = logging.getLogger("splash.switch")
 
@@ -73,12 +74,13 @@ class StepFeedback:
         p = self.guard.probation
         if p is None:
             return None
-        counter = None
+        counter, counter_se = None, 0.0
         if layout == p.dst:  # comparable: the source measured on this very kind of step
             src = self.correction.measured(p.src, key, step)
             if src is not None:
                 counter = src.factor * self.price(p.src, plan, live)
-        return self.guard.observe(step, layout, key.bucket, measured, counter)
+                counter_se = median_se(self.correction.fresh(p.src, key, step)) / src.factor
+        return self.guard.observe(step, layout, key.bucket, measured, counter, counter_se)
 
     # ---- prices ----------------------------------------------------------------------------------------
     def priced(self, plan: Any) -> bool:
