@@ -7,7 +7,7 @@ import pytest
 
 from splash.core.config import PRESETS, ConfigError
 from splash.core.costmodel import Batch, Theta
-from splash.core.layouts import Layout
+from splash.core.layouts import LAYOUTS, Layout
 from splash.core.policy import Policy, PolicyConfig, decide, evaluate, resident_bytes
 from splash.core.sizes import GIB, AttentionSizes
 
@@ -124,6 +124,16 @@ def test_nothing_fits():
     th = _theta(memory_bytes=1e6)
     d = decide(SIZES, th, Batch.balanced(8, 4000, 1, 4), Layout.DP, 0)
     assert d.best is None and d.layout is Layout.DP and not d.switch and not d.feasible
+
+
+def test_memory_left_to_the_caller_prices_every_candidate_given():
+    """check_memory=False (an engine that ran the planner's dry check itself): the same starved theta
+    rules nothing out, and the verdict is the pricing alone - the fastest candidate, as with room."""
+    th = _theta(memory_bytes=1e6)
+    batch = Batch.balanced(8, 4000, 1, 4)
+    d = decide(SIZES, th, batch, Layout.DP, 0, PolicyConfig(check_memory=False))
+    roomy = decide(SIZES, _theta(memory_bytes=1e18), batch, Layout.DP, 0)
+    assert d.feasible == frozenset(LAYOUTS) and d.layout is roomy.layout and d.best is roomy.best
 
 
 def test_config_validation():

@@ -34,8 +34,10 @@ from typing import Any
 import numpy as np
 
 from splash.bench.report import report
+from splash.core.layouts import Layout
+from splash.engine.plan import LAYOUTS
 
-RUNS = ("tp", "dp", "cp", "dop", "auto")
+RUNS = (*LAYOUTS, "auto")
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
                        help=f"{what} (default {getattr(Workload, field):g}, quick {getattr(QUICK, field):g})")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="runs per layout, interleaved in rotating order; the median run counts (default 1)")
-    p.add_argument("--runs", default=",".join(RUNS), help="which of tp,dp,cp,dop,auto to run")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"which of {','.join(RUNS)} to run")
     p.add_argument("--kv-tokens", type=positive_int, default=None,
                    help="KV tokens per rank under DP (sets the memory budget; default: twice the longest "
                         "request)")
@@ -149,9 +151,8 @@ def snapshot(eng: Any) -> dict[str, Any]:
 
 
 def distinct_held(st: dict[str, Any]) -> int:
-    """Distinct KV tokens the live requests hold now (TP replicates every page on every rank)."""
-    used = st["kv_pages_used_per_rank"]
-    return (max(used) if st["layout"] == "tp" else sum(used)) * st["page_size"]
+    """Distinct KV tokens the live requests hold now (the core's rule: replicated pages count once)."""
+    return Layout.parse(st["layout"]).distinct(st["kv_pages_used_per_rank"]) * st["page_size"]
 
 
 def final_tokens(eng: Any) -> int:
@@ -379,7 +380,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = {"tp": 0, "dp": 1, "cp": 2, "dop": 3}
+    order = {name: i for i, name in enumerate(LAYOUTS)}
     fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     for name, r in doc["runs"].items():
         tl = r["timeline"]

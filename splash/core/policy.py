@@ -33,6 +33,9 @@ class PolicyConfig:
     min_dwell: int = 8  # steps to stay in a layout before a voluntary switch
     layouts: tuple[Layout, ...] = LAYOUTS  # the candidates
     page_size: int | None = 64  # KV page size (None: count tokens exactly)
+    # False: the caller has already left out the candidates that do not fit (an engine runs the switch
+    # planner's own Eq 5/6 check dry on its real pages), so the Policy prices them and judges no memory.
+    check_memory: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
@@ -157,7 +160,7 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
         cost = step_cost(lay, sizes, batch, theta, P)
         m = resident_bytes(lay, sizes, batch, T, P)
         steady = m + activation_bytes(lay, sizes, batch, T, theta.act_bytes) + R
-        fits = bool((steady <= H).all())
+        fits = bool((steady <= H).all()) or not config.check_memory
         if current is None or lay is current:
             peak, sw_fits, exposed = float(steady.max(initial=0)), True, 0.0
         else:
@@ -166,7 +169,7 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
             kv = kv_tok * sizes.kv_token_layer
             now = resident_bytes(lay, sizes, batch, T, P, False)
             peak_r = np.maximum(now_cur, now) + w + kv + R
-            peak, sw_fits = float(peak_r.max(initial=0)), bool((peak_r <= H).all())
+            peak, sw_fits = float(peak_r.max(initial=0)), bool((peak_r <= H).all()) or not config.check_memory
             exposed, _ = switch_time(w, kv, cost, theta)
         fixed = sizes.fixed_bytes_per_rank(T) + sizes.attention_weight_bytes(lay.sharded, T) + R
         pool = max(0, int((H - fixed) // sizes.k))

@@ -73,11 +73,11 @@ class AutoLayout:
         self.sizes = AttentionSizes(self.cfg, dt, dt)
         P = self.alloc.page_size
         d = self.theta.to_dict()
-        # Memory feasibility is decided on the engine's real pages (`fits`); the Policy's own memory
-        # model would double-count the step workspace the engine reserves apart, so it gets room to spare.
-        d.update(memory_bytes=1e18, reserve_bytes=0.0, act_bytes=dtype_bytes(dt))
+        d.update(act_bytes=dtype_bytes(dt))  # activations exchanged in the engine's own dtype
         self.theta = Theta.from_dict(d)
-        self.policy_cfg = PolicyConfig(margin=margin, min_dwell=min_dwell, page_size=P)
+        # Memory feasibility is the switch planner's check on the engine's real pages (`fits`, run dry),
+        # the one memory check: the Policy only prices the candidates that pass it.
+        self.policy_cfg = PolicyConfig(margin=margin, min_dwell=min_dwell, page_size=P, check_memory=False)
 
     def _init_feedback(self, margin: float) -> None:
         from splash.engine.feedback import StepFeedback
