@@ -191,7 +191,8 @@ def _attend_t(c: Chunk, kvt: torch.Tensor, dn: int, d_c: int, scale: float, lse:
     def values(p: torch.Tensor, hi: int) -> torch.Tensor:  # p [h, rows, hi] -> [rows, h, d_v]
         return torch.bmm(vt[:, :, :hi], p.transpose(1, 2)).permute(2, 0, 1)
 
-    return _blocked(scores, values, n, h, vt.shape[1], m, c.q_nope, c.q_pos, c.key_pos, scale, lse)
+    return _blocked(scores, values, n, h, vt.shape[1], m, c.q_nope, c.q_pos, c.key_pos, scale, lse,
+                    out=c.out)
 
 
 def attend(mla: MLA, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, key_pos: torch.Tensor,
@@ -212,6 +213,7 @@ class Chunk:
     latent: torch.Tensor
     key_pos: torch.Tensor
     q_pos: torch.Tensor
+    out: torch.Tensor | None = None  # where to write the values [n, h, d_v] (then also returned), if given
 
 
 _GROUP_KEYS = 8192  # context rows decompressed by one GEMM at most (bounds the step's extra memory)
@@ -242,7 +244,8 @@ def attend_many(mla: MLA, chunks: list[Chunk], scale: float, lse: bool = False
             rows = 0
             n, h, _ = c.q_nope.shape
             none = torch.full((n, h), float("-inf"), dtype=acc_dtype(c.q_nope.dtype), device=c.q_nope.device)
-            results.append((c.q_nope.new_zeros(n, h, mla.d_v), none if lse else None))
+            zeros = c.q_nope.new_zeros(n, h, mla.d_v) if c.out is None else c.out.zero_()
+            results.append((zeros, none if lse else None))
             continue
         if group and rows + c.latent.shape[0] > _GROUP_KEYS:
             flush()
@@ -272,12 +275,15 @@ def attend_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
 def _blocked(scores: Callable[[int, int, int], torch.Tensor],
              values: Callable[[torch.Tensor, int], torch.Tensor], n: int, h: int, d_v: int, m: int,
              like: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor,
-             scale: float, lse: bool, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             scale: float, lse: bool, block: int | None = None, out: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of n rows over m keys, `block` rows at a time (None: `_BLOCK` on CPU, all rows
     elsewhere, so no host sync per block): `scores(a, b, hi)` gives rows a:b's scores [h, b - a, hi]
-    against keys :hi, `values(p, hi)` their values [b - a, h, d_v] from probabilities p [h, b - a, hi]."""
+    against keys :hi, `values(p, hi)` their values [b - a, h, d_v] from probabilities p [h, b - a, hi];
+    written into `out` [n, h, d_v] if given (the caller's rows: no copy afterwards)."""
     acc = acc_dtype(like.dtype)
-    out = like.new_empty(n, h, d_v)
+    if out is None:
+        out = like.new_empty(n, h, d_v)
     total = torch.empty(n, h, dtype=acc, device=like.device) if lse else None
     cpu = like.device.type == "cpu"
     if block is None:

@@ -243,7 +243,7 @@ class MoE(nn.Module):
         rows = tok.new_zeros(ne * cmax).index_copy_(0, slot, tok)
         x3 = x.index_select(0, rows).view(ne, cmax, -1)
         g, u = torch.bmm(x3, b["gate_up"].transpose(1, 2)).chunk(2, dim=-1)
-        y3 = torch.bmm(F.silu(g) * u, b["down"].transpose(1, 2))
+        y3 = torch.bmm(F.silu(g).mul_(u), b["down"].transpose(1, 2))
         return y3.view(ne * cmax, -1).index_select(0, slot)
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -251,7 +251,7 @@ class MoE(nn.Module):
         b = self._buffers
         offs = counts.cumsum(0).to(torch.int32)
         g, u = torch._grouped_mm(xs, b["gate_up"].transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(g) * u, b["down"].transpose(1, 2), offs=offs)
+        return torch._grouped_mm(F.silu(g).mul_(u), b["down"].transpose(1, 2), offs=offs)
 
     def _looped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The same, one expert at a time (float64, accelerators); experts without rows are skipped."""
