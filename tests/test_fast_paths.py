@@ -52,7 +52,7 @@ def test_grouped_experts_equal_the_expert_loop(dtype: torch.dtype, world: int, m
     assert moe._use_grouped(torch.zeros(1, dtype=dtype))
     batched = []
     real = MoE._batched
-    monkeypatch.setattr(MoE, "_batched", lambda self, xs, c: batched.append(r := real(self, xs, c)) or r)
+    monkeypatch.setattr(MoE, "_batched", lambda self, *a: batched.append(r := real(self, *a)) or r)
     for n in (1, 3, 16, 200):
         x = torch.randn(n, TINY.hidden_size, generator=torch.Generator().manual_seed(n)).to(dtype)
         moe.batched_experts = False

@@ -129,10 +129,9 @@ class AttentionLayout(ABC):
         for k, rows in zip(split.mha, split.mha_rows):
             s = ctx.seqs[k]
             lat, pos = latent_of(k) if latent_of is not None else self.keys(layer_idx, s, ctx)
-            chunks.append(mha.Chunk(q_nope[rows], q_pe[rows], lat, pos, ctx.positions[s.rows]))
-        for rows, (o, t) in zip(split.mha_rows, mha.attend_many(mla, chunks, scale, lse)):
-            out[rows] = o
-            if total is not None:
+            chunks.append(mha.Chunk(q_nope[rows], q_pe[rows], lat, pos, ctx.positions[s.rows], out[rows]))
+        for rows, (_, t) in zip(split.mha_rows, mha.attend_many(mla, chunks, scale, lse)):
+            if total is not None:  # (the values went straight into `out`)
                 total[rows] = t
         return out, total
 

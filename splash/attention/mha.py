@@ -22,6 +22,7 @@ exact merge needs comes with them. Causal by position: a row at position p sees 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -156,6 +157,44 @@ def decompress_many(mla: MLA, latents: list[torch.Tensor]) -> list[tuple[torch.T
     return out
 
 
+def decompress_t(mla: MLA, latents: list[torch.Tensor]) -> torch.Tensor:
+    """Several chunks' context latents [m_i, d_c + d_r] -> [h, d_nope + d_v, sum m_i]: per held head, the
+    keys' k_nope and values as columns, one GEMM over all chunks (the fused weight's rows are W_UK and
+    W_UV^T of each head in turn). Both halves are read in place: a chunk's k_nope^T [d_nope, m] and v^T
+    [d_v, m] are row-major matrices with row stride sum m_i, which CPU BLAS multiplies as they are
+    (unlike the [m, h, *] layout `decompress_many` copies out of), so no per-chunk copy is made."""
+    b = mla._buffers
+    w_uk, w_uv = b["w_uk"], b["w_uv"]  # [h, d_nope, d_c], [h, d_c, d_v]
+    h, _, d_c = w_uk.shape
+    w = torch.cat([w_uk, w_uv.transpose(1, 2)], dim=1).view(-1, d_c)  # (~1 ms, per call: see kv_weight)
+    flat = latents[0] if len(latents) == 1 else torch.cat(latents)
+    return torch.mm(w, flat[:, :d_c].t()).view(h, -1, flat.shape[0])
+
+
+def _attend_t(c: Chunk, kvt: torch.Tensor, dn: int, d_c: int, scale: float, lse: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk over its decompressed context kvt [h, d_nope + d_v, m] (`decompress_t`): scores against
+    keys k^T [h, d_nope + d_r, m] (k_nope^T rows copied as they lie, k_pe^T shared over heads) in one
+    GEMM, so each score is rounded once as in `attend_blocked`; values as (v^T p^T)^T straight from kvt.
+    The blocking, masking and log-sum-exp are `attend_blocked`'s."""
+    q = torch.cat([c.q_nope, c.q_pe], dim=-1).transpose(0, 1)  # [h, n, d_nope + d_r]
+    h, n, e = q.shape
+    m = kvt.shape[2]
+    kt = kvt.new_empty(h, e, m)
+    kt[:, :dn] = kvt[:, :dn]
+    kt[:, dn:] = c.latent[:, d_c:].t()
+    vt = kvt[:, dn:]
+
+    def scores(a: int, b: int, hi: int) -> torch.Tensor:
+        return torch.bmm(q[:, a:b], kt[:, :, :hi])
+
+    def values(p: torch.Tensor, hi: int) -> torch.Tensor:  # p [h, rows, hi] -> [rows, h, d_v]
+        return torch.bmm(vt[:, :, :hi], p.transpose(1, 2)).permute(2, 0, 1)
+
+    return _blocked(scores, values, n, h, vt.shape[1], m, c.q_nope, c.q_pos, c.key_pos, scale, lse,
+                    out=c.out)
+
+
 def attend(mla: MLA, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, key_pos: torch.Tensor,
            q_pos: torch.Tensor, scale: float, lse: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -174,6 +213,7 @@ class Chunk:
     latent: torch.Tensor
     key_pos: torch.Tensor
     q_pos: torch.Tensor
+    out: torch.Tensor | None = None  # where to write the values [n, h, d_v] (then also returned), if given
 
 
 _GROUP_KEYS = 8192  # context rows decompressed by one GEMM at most (bounds the step's extra memory)
@@ -189,11 +229,12 @@ def attend_many(mla: MLA, chunks: list[Chunk], scale: float, lse: bool = False
     def flush() -> None:
         if not group:
             return
-        kvs = decompress_many(mla, [c.latent for c in group])
-        for c, (k, v) in zip(group, kvs):
-            q = torch.cat([c.q_nope, c.q_pe], dim=-1).transpose(0, 1).contiguous()  # [h, n, d_nope + d_r]
-            block = _BLOCK if q.device.type == "cpu" else q.shape[1]  # (elsewhere: no host sync per block)
-            results.append(attend_blocked(q, k, v, c.q_pos, c.key_pos, scale, lse, block))
+        kvt = decompress_t(mla, [c.latent for c in group])
+        at = 0
+        for c in group:
+            m = c.latent.shape[0]
+            results.append(_attend_t(c, kvt[:, :, at:at + m], mla.d_nope, mla.d_c, scale, lse))
+            at += m
         group.clear()
 
     rows = 0
@@ -203,7 +244,8 @@ def attend_many(mla: MLA, chunks: list[Chunk], scale: float, lse: bool = False
             rows = 0
             n, h, _ = c.q_nope.shape
             none = torch.full((n, h), float("-inf"), dtype=acc_dtype(c.q_nope.dtype), device=c.q_nope.device)
-            results.append((c.q_nope.new_zeros(n, h, mla.d_v), none if lse else None))
+            zeros = c.q_nope.new_zeros(n, h, mla.d_v) if c.out is None else c.out.zero_()
+            results.append((zeros, none if lse else None))
             continue
         if group and rows + c.latent.shape[0] > _GROUP_KEYS:
             flush()
@@ -220,18 +262,39 @@ def attend_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     """q [h, n, E], k [h, m, E], v [h, m, d_v] -> (out [n, h, d_v], lse [n, h] or None), causal by
     position, `block` query rows at a time against only the keys up to the block's last position."""
     h, n, _ = q.shape
-    acc = acc_dtype(q.dtype)
-    out = q.new_empty(n, h, v.shape[-1])
-    total = torch.empty(n, h, dtype=acc, device=q.device) if lse else None
-    m = k.shape[1]
-    cpu = q.device.type == "cpu"
+
+    def scores(a: int, b: int, hi: int) -> torch.Tensor:
+        return torch.matmul(q[:, a:b], k[:, :hi].transpose(1, 2))
+
+    def values(p: torch.Tensor, hi: int) -> torch.Tensor:
+        return torch.matmul(p, v[:, :hi]).transpose(0, 1)
+
+    return _blocked(scores, values, n, h, v.shape[-1], k.shape[1], q, q_pos, key_pos, scale, lse, block)
+
+
+def _blocked(scores: Callable[[int, int, int], torch.Tensor],
+             values: Callable[[torch.Tensor, int], torch.Tensor], n: int, h: int, d_v: int, m: int,
+             like: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor,
+             scale: float, lse: bool, block: int | None = None, out: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention of n rows over m keys, `block` rows at a time (None: `_BLOCK` on CPU, all rows
+    elsewhere, so no host sync per block): `scores(a, b, hi)` gives rows a:b's scores [h, b - a, hi]
+    against keys :hi, `values(p, hi)` their values [b - a, h, d_v] from probabilities p [h, b - a, hi];
+    written into `out` [n, h, d_v] if given (the caller's rows: no copy afterwards)."""
+    acc = acc_dtype(like.dtype)
+    if out is None:
+        out = like.new_empty(n, h, d_v)
+    total = torch.empty(n, h, dtype=acc, device=like.device) if lse else None
+    cpu = like.device.type == "cpu"
+    if block is None:
+        block = _BLOCK if cpu else n
     for a in range(0, n, block):
         b = min(a + block, n)
         lo, hi = 0, m
         if cpu:  # keys every row of the block sees need no mask; keys past its last row are skipped
             lo, hi = (int(i) for i in torch.searchsorted(key_pos, q_pos[[a, b - 1]], right=True))
             lo = min(lo, hi)
-        s = torch.matmul(q[:, a:b], k[:, :hi].transpose(1, 2)).mul_(scale)  # [h, rows, hi]
+        s = scores(a, b, hi).mul_(scale)  # [h, rows, hi]
         if lo < hi:
             s[:, :, lo:].masked_fill_((key_pos[None, lo:hi] > q_pos[a:b, None])[None], float("-inf"))
         if total is not None:
@@ -239,5 +302,5 @@ def attend_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
         p = torch.softmax(s, dim=-1, dtype=acc)
         if not cpu or lo == 0:  # a row may see no key (CP: none of its keys on this rank): 0, not NaN
             p = torch.nan_to_num(p, nan=0.0)
-        out[a:b] = torch.matmul(p.to(v.dtype), v[:, :hi]).transpose(0, 1)
+        out[a:b] = values(p.to(like.dtype), hi)
     return out, total

@@ -75,6 +75,10 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
 
     set_form(spec.attention_form)
     dev = rank_device(spec, grid)
+    if dev.type == "cpu":
+        from splash.engine.host_malloc import tune
+
+        tune()  # activations' memory reused across steps, not page-faulted back in
     path = resolve_model_path(spec.model)
     cfg = ModelConfig.from_hf(path)
     if spec.world > 1:

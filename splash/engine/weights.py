@@ -167,6 +167,10 @@ def _release(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
     gc.collect()
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
+    else:
+        from splash.engine.host_malloc import give_back
+
+        give_back()  # freed blocks kept for reuse (host_malloc) go back to the kernel too
 
 
 def _resume(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:

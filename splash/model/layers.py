@@ -120,4 +120,4 @@ class MLP(nn.Module):
             g, u = F.linear(x, gu).chunk(2, dim=-1)
         else:  # unfused, or the weights were replaced since (a reload, `.to()`)
             g, u = F.linear(x, b["gate_proj"]), F.linear(x, b["up_proj"])
-        return F.linear(F.silu(g) * u, b["down_proj"])
+        return F.linear(F.silu(g).mul_(u), b["down_proj"])

@@ -189,14 +189,16 @@ class MoE(nn.Module):
             counts = torch.bincount(key, minlength=ne + 1)[:ne]
             order = torch.argsort(key, stable=True)[:int(counts.sum())]
         tok = order // k
-        xs = x.index_select(0, tok)
-        if not self._use_grouped(x):
-            ys = self._looped(xs, counts)
+        wo = w.reshape(-1).index_select(0, order)[:, None]
+        fast = self._use_grouped(x)
+        ys = self._batched(x, tok, counts) if fast else None
+        if ys is None:
+            xs = x.index_select(0, tok)
+            ys = self._grouped(xs, counts) if fast else self._looped(xs, counts)
+        if fast:  # float32 weights: the same products as `ys * wo`, without its mixed-dtype copies
+            ys = ys.to(torch.float32).mul_(wo).to(x.dtype)
         else:
-            ys = self._batched(xs, counts)
-            if ys is None:
-                ys = self._grouped(xs, counts)
-        ys = (ys * w.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
+            ys = (ys * wo).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, tok, ys)
         shared = self._modules.get("shared")
         if shared is not None:
@@ -222,13 +224,15 @@ class MoE(nn.Module):
         # loop (tests/test_moe.py), in two calls instead of ~6 ops per expert. It has no float64.
         return _GROUPED and x.device.type == "cpu" and x.dtype in _GROUPED_DTYPES
 
-    def _batched(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
-        """The same as two batched GEMMs over [E, c_max, d], each expert's rows zero-padded to the busiest
-        expert's count: on CPU about twice as fast as the grouped GEMM (which runs one small GEMM per
-        expert). None when padding would more than double the rows (skewed routing: use `_grouped`).
-        Results equal the per-expert loop to rounding (not bit for bit: a batched GEMM blocks its
-        rows differently)."""
-        m, ne = xs.shape[0], counts.shape[0]
+    def _batched(self, x: torch.Tensor, tok: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Expert outputs [M, d] (unweighted) of rows x[tok] (sorted by expert, `counts` per expert) as two
+        batched GEMMs over [E, c_max, d], each expert's rows padded to the busiest expert's count: on
+        CPU about twice as fast as the grouped GEMM (which runs one small GEMM per expert). None when
+        padding would more than double the rows (skewed routing: use `_grouped`). The rows are
+        gathered straight into the padded layout; a padding row repeats row 0 and its output is never
+        read (GEMM rows are independent). Results equal the per-expert loop to rounding (not bit for
+        bit: a batched GEMM blocks its rows differently)."""
+        m, ne = tok.shape[0], counts.shape[0]
         cmax = int(counts.max()) if m else 0
         if m == 0 or ne * cmax > 2 * m + 8 * ne or not self.batched_experts:
             return None
@@ -236,9 +240,10 @@ class MoE(nn.Module):
         starts = counts.cumsum(0) - counts
         expert = torch.repeat_interleave(torch.arange(ne), counts, output_size=m)
         slot = expert * cmax + torch.arange(m) - starts.index_select(0, expert)
-        x3 = xs.new_zeros(ne * cmax, xs.shape[1]).index_copy_(0, slot, xs).view(ne, cmax, -1)
+        rows = tok.new_zeros(ne * cmax).index_copy_(0, slot, tok)
+        x3 = x.index_select(0, rows).view(ne, cmax, -1)
         g, u = torch.bmm(x3, b["gate_up"].transpose(1, 2)).chunk(2, dim=-1)
-        y3 = torch.bmm(F.silu(g) * u, b["down"].transpose(1, 2))
+        y3 = torch.bmm(F.silu(g).mul_(u), b["down"].transpose(1, 2))
         return y3.view(ne * cmax, -1).index_select(0, slot)
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -246,7 +251,7 @@ class MoE(nn.Module):
         b = self._buffers
         offs = counts.cumsum(0).to(torch.int32)
         g, u = torch._grouped_mm(xs, b["gate_up"].transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(g) * u, b["down"].transpose(1, 2), offs=offs)
+        return torch._grouped_mm(F.silu(g).mul_(u), b["down"].transpose(1, 2), offs=offs)
 
     def _looped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The same, one expert at a time (float64, accelerators); experts without rows are skipped."""
