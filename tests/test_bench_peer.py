@@ -45,6 +45,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     (["bench", "serve", "--peer", "vllm", "--model", "tiny", "--base-url", "http://x"], "drop --base-url"),
     (["bench", "serve", "--peer", "vllm", "--model", "tiny", "--vocab-size", "9"], "drop --vocab-size"),
     (["bench", "serve", "--layout", "dop"], "go with --peer"),
+    (["bench", "serve", "--rounds", "2"], "go with --peer"),
 ])
 def test_bad_peer_flags_get_one_line(capsys, monkeypatch, tmp_path, argv, msg):
     monkeypatch.setenv("SPLASH_PEER_VENV", str(tmp_path / "none"))
@@ -342,3 +343,21 @@ def test_serve_peer_end_to_end_with_a_stand_in(fake_venv, capsys, tmp_path):
         assert doc[side]["max_itl_ms"] == pytest.approx(max(ms for _, ms in doc[side]["itl_timeline"]),
                                                         abs=1e-3)
     assert (tmp_path / "itl.png").stat().st_size > 1000
+
+
+def test_serve_peer_rounds_alternate_and_report_median_ratios(fake_venv, capsys):
+    """--rounds 2: splash, peer, splash, peer; every round's ratios kept, the reported ratio per metric
+    is their median, and the table lists each round."""
+    args = ("bench", "serve", "--model", "tiny", "--peer", "vllm", "--num-prompts", "2", "--input-len", "8",
+            "--output-len", "3", "--max-concurrency", "2", "--disable-tqdm", "--startup-timeout", "240",
+            "--rounds", "2")
+    code, out, err = run_cli(capsys, *args, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert len(doc["rounds"]) == 2
+    for m, r in doc["ratios"].items():
+        each = [x["ratios"][m] for x in doc["rounds"]]
+        assert r == pytest.approx(sum(each) / 2), m  # the median of two
+        for x in doc["rounds"]:
+            assert x["ratios"][m] == pytest.approx(x["splash"][m] / x["vllm"][m])
+    assert doc["splash"]["output_throughput"] in [x["splash"]["output_throughput"] for x in doc["rounds"]]

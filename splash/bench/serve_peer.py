@@ -40,6 +40,9 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
                         "compiles for ~100 s)")
     p.add_argument("--peer-kv-gib", type=positive_float, default=2.0,
                    help="with --peer: the peer's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, default 2)")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="with --peer: run splash then the peer this many times, alternating; the ratios "
+                        "are the per-metric medians over rounds, each round's listed (default 1)")
     p.add_argument("--plot", default=None, metavar="FILE", type=output_file,
                    help="with --peer: write the inter-token latency over time of both servers (PNG)")
 
@@ -47,8 +50,9 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
 def check_args(a: argparse.Namespace) -> str | None:
     """A one-line problem with the side-by-side flags, or None."""
     if not a.peer:
-        if a.plot or a.layout or a.tp != 1:
-            return "--plot, --layout and --tp go with --peer vllm (without it, load-test a running server)"
+        if a.plot or a.layout or a.tp != 1 or a.rounds != 1:
+            return ("--plot, --layout, --tp and --rounds go with --peer vllm (without it, load-test a "
+                    "running server)")
         return None
     if a.base_url is not None:
         return "--peer starts both servers itself; drop --base-url"
@@ -101,12 +105,29 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
                            "max_concurrency": a.max_concurrency, "peer": a.peer,
                            "long_input_len": a.long_input_len if a.long_fraction > 0 else None,
                            "long_fraction": a.long_fraction}
-    doc["splash"] = serve_and_load(a, splash_command(a, port, name), env, port, "splash serve")
-    port = free_port()
-    peer_cmd = vllm_command(a, py, path, port, name)
-    doc["vllm"] = serve_and_load(a, peer_cmd, peer_env(a.tp, a.peer_kv_gib, python=py), port, "vLLM server")
-    doc["ratios"] = ratios(doc["splash"], doc["vllm"])
+    rounds = []
+    for _ in range(a.rounds):  # alternating, so a drift of the machine's speed hits both servers
+        port = free_port()
+        mine = serve_and_load(a, splash_command(a, port, name), env, port, "splash serve")
+        port = free_port()
+        peer_cmd = vllm_command(a, py, path, port, name)
+        theirs = serve_and_load(a, peer_cmd, peer_env(a.tp, a.peer_kv_gib, python=py), port, "vLLM server")
+        rounds.append({"splash": mine, "vllm": theirs, "ratios": ratios(mine, theirs)})
+    doc["rounds"] = [{"ratios": r["ratios"],
+                      **{k: {m: r[k][m] for m, _, _ in METRICS} for k in ("splash", "vllm")}} for r in rounds]
+    doc["ratios"] = {m: _median([r["ratios"][m] for r in rounds]) for m, _, _ in METRICS}
+    # the round whose throughput ratio is the median stands for the tables and the plot
+    mid = sorted(rounds, key=lambda r: r["ratios"]["output_throughput"] or 0.0)[(len(rounds) - 1) // 2]
+    doc["splash"], doc["vllm"] = mid["splash"], mid["vllm"]
     return doc
+
+
+def _median(xs: list[float | None]) -> float | None:
+    vals = sorted(x for x in xs if x is not None)
+    if not vals:
+        return None
+    k = len(vals)
+    return vals[k // 2] if k % 2 else (vals[k // 2 - 1] + vals[k // 2]) / 2
 
 
 def serve_and_load(a: argparse.Namespace, cmd: list[str], env: dict[str, str], port: int, what: str
@@ -159,11 +180,20 @@ def table(doc: dict[str, Any]) -> str:
     head = (f"serve, splash vs vLLM CPU: {doc['model']} {doc['dtype']}, {doc['tp']} rank(s){lay}; "
             f"{doc['num_prompts']} streamed completions of {doc['input_len']} + {doc['output_len']} tokens "
             f"at concurrency {doc['max_concurrency']}, ignore_eos")
-    lines = [head, "| metric | splash | vLLM CPU | splash / vLLM |", "|---|---|---|---|"]
+    multi = len(doc.get("rounds") or []) > 1
+    what = f"median of {len(doc['rounds'])} rounds" if multi else "splash / vLLM"
+    lines = [head, f"| metric | splash | vLLM CPU | {what} |" + (" each round |" if multi else ""),
+             "|---|---|---|---|" + ("---|" if multi else "")]
     for k, label, _ in METRICS:
         r = doc["ratios"][k]
-        lines.append(f"| {label} | {doc['splash'][k]:.1f} | {doc['vllm'][k]:.1f} | "
-                     f"{'-' if r is None else f'{r:.2f}x'} |")
+        row = (f"| {label} | {doc['splash'][k]:.1f} | {doc['vllm'][k]:.1f} | "
+               f"{'-' if r is None else f'{r:.2f}x'} |")
+        if multi:
+            each = [x["ratios"][k] for x in doc["rounds"]]
+            row += " " + ", ".join("-" if x is None else f"{x:.2f}x" for x in each) + " |"
+        lines.append(row)
+    if multi:
+        lines.append("(splash and vLLM columns: the round with the median throughput ratio)")
     return "\n\n".join(parts + ["\n".join(lines)])
 
 
