@@ -100,6 +100,8 @@ class SwitchController(AutoLayout):
         self.steps_since_switch = 0
         self._last_eval: tuple[Any, int] | None = None  # (running set key, step) the Policy last priced
         self.events: deque[SwitchEvent] = deque(maxlen=history)
+        # The last events as dicts, made once when each is logged: stats() runs after every step.
+        self._recent_events: deque[dict[str, Any]] = deque(maxlen=64)
         self.decisions: deque[LayoutDecision] = deque(maxlen=history)
         self.switches: dict[tuple[str, str], int] = {}
         self.refusals = 0
@@ -207,8 +209,8 @@ class SwitchController(AutoLayout):
 
         if isinstance(sw, SwitchRefusal):
             self.refusals += 1
-            self.events.append(SwitchEvent(plan.step, cur, dst, cause, mode, refused=sw.reason,
-                                           message=str(sw), plan_s=plan_s))
+            self._log_event(SwitchEvent(plan.step, cur, dst, cause, mode, refused=sw.reason,
+                                        message=str(sw), plan_s=plan_s))
             log.warning("step %d: %s; staying in %s", plan.step, sw, cur)
             self.steps_since_switch = 0  # do not re-plan the same refused move every step
             return
@@ -277,7 +279,7 @@ class SwitchController(AutoLayout):
             ev.ended = time.time()
             if timing is not None:
                 ev.exposed_s, ev.total_s = timing.exposed_s, timing.total_s
-            self.events.append(ev)
+            self._log_event(ev)
             self.exposed.append(ev.exposed_s)
         self.switches[(sw.src, sw.dst)] = self.switches.get((sw.src, sw.dst), 0) + 1
         self.steps_since_switch = 0
@@ -300,6 +302,11 @@ class SwitchController(AutoLayout):
                 log.warning("abort of switch plan %s: %s", sw.plan_id, e)
 
     # ---- introspection -----------------------------------------------------------------------------------
+    def _log_event(self, ev: SwitchEvent) -> None:
+        """A switch that ran (complete: its step has run) or was refused, kept for stats and logs."""
+        self.events.append(ev)
+        self._recent_events.append(ev.to_dict())
+
     def stats(self) -> dict[str, Any]:
         return {
             "layout_mode": "auto" if self.auto else "fixed",
@@ -308,7 +315,7 @@ class SwitchController(AutoLayout):
             "num_switches": sum(self.switches.values()),
             "switch_refusals": self.refusals,
             "switch_exposed_seconds": list(self.exposed),
-            "switch_events": [e.to_dict() for e in list(self.events)[-64:]],  # (bench serve marks them)
+            "switch_events": list(self._recent_events),  # (bench serve marks them)
             "theta_source": self.theta_source if self.auto else None,
             "weight_pages_withheld": [len(w) for w in self.withheld],
             "num_switch_backs": sum(self.switch_backs.values()),
