@@ -122,39 +122,10 @@ class FormCache:
 
 def decompress(mla: MLA, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Context latent [m, d_c + d_r] -> (keys [h, m, d_nope + d_r], values [h, m, d_v]) of held heads,
-    contiguous (every query block multiplies them)."""
-    return decompress_many(mla, [latent])[0]
-
-
-def kv_weight(mla: MLA) -> torch.Tensor:
-    """[d_c, h * (d_nope + d_v)]: W_UK^T and W_UV of each held head side by side, so one GEMM decompresses
-    keys and values (about 1.4x two GEMMs on CPU). Made per call (a ~1 ms copy) rather than kept: nothing
-    to keep in step with weight updates, switches and memory release."""
-    b = mla._buffers
-    w_uk, w_uv = b["w_uk"], b["w_uv"]  # [h, d_nope, d_c], [h, d_c, d_v]
-    h, dn, d_c = w_uk.shape
-    w = w_uk.new_empty(d_c, h, dn + w_uv.shape[-1])
-    w[:, :, :dn] = w_uk.permute(2, 0, 1)
-    w[:, :, dn:] = w_uv.permute(1, 0, 2)
-    return w.view(d_c, -1)
-
-
-def decompress_many(mla: MLA, latents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`decompress` of several chunks' context latents with one GEMM over all of them (a step's prompts:
-    one [sum m, d_c] product instead of a small one per prompt)."""
-    h, dn, dv, d_c = mla.num_heads, mla.d_nope, mla.d_v, mla.d_c
-    flat = latents[0] if len(latents) == 1 else torch.cat(latents)
-    kv = torch.mm(flat[:, :d_c], kv_weight(mla)).view(-1, h, dn + dv)
-    out, at = [], 0
-    for lat in latents:
-        m = lat.shape[0]
-        part = kv[at:at + m]
-        k = lat.new_empty(h, m, dn + lat.shape[1] - d_c)
-        k[:, :, :dn] = part[:, :, :dn].transpose(0, 1)
-        k[:, :, dn:] = lat[:, d_c:]
-        out.append((k, part[:, :, dn:].transpose(0, 1).contiguous()))
-        at += m
-    return out
+    contiguous: one chunk's `decompress_t` laid out for `attend_blocked`."""
+    kvt, dn = decompress_t(mla, [latent]), mla.d_nope
+    k = torch.cat([kvt[:, :dn], latent[:, mla.d_c:].t().expand(kvt.shape[0], -1, -1)], dim=1)
+    return k.transpose(1, 2).contiguous(), kvt[:, dn:].transpose(1, 2).contiguous()
 
 
 def decompress_t(mla: MLA, latents: list[torch.Tensor]) -> torch.Tensor:
@@ -162,11 +133,13 @@ def decompress_t(mla: MLA, latents: list[torch.Tensor]) -> torch.Tensor:
     keys' k_nope and values as columns, one GEMM over all chunks (the fused weight's rows are W_UK and
     W_UV^T of each head in turn). Both halves are read in place: a chunk's k_nope^T [d_nope, m] and v^T
     [d_v, m] are row-major matrices with row stride sum m_i, which CPU BLAS multiplies as they are
-    (unlike the [m, h, *] layout `decompress_many` copies out of), so no per-chunk copy is made."""
+    (unlike an [m, h, *] GEMM output, which would have to be copied out of), so no per-chunk copy is
+    made. The fused weight is made per call (~1 ms): nothing to keep in step with weight updates,
+    switches and memory release."""
     b = mla._buffers
     w_uk, w_uv = b["w_uk"], b["w_uv"]  # [h, d_nope, d_c], [h, d_c, d_v]
     h, _, d_c = w_uk.shape
-    w = torch.cat([w_uk, w_uv.transpose(1, 2)], dim=1).view(-1, d_c)  # (~1 ms, per call: see kv_weight)
+    w = torch.cat([w_uk, w_uv.transpose(1, 2)], dim=1).view(-1, d_c)
     flat = latents[0] if len(latents) == 1 else torch.cat(latents)
     return torch.mm(w, flat[:, :d_c].t()).view(h, -1, flat.shape[0])
 
