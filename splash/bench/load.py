@@ -158,7 +158,7 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
 
         events = await fetch_events(client)
     out = summarize(a, card["id"], results, duration)
-    gaps = [(t - start, x) for r in results if r.ok for t, x in zip(r.times, r.itl)]
+    gaps = delivery_gaps(results, start)
     out["max_itl_ms"] = max((g for _, g in gaps), default=0.0) * 1e3  # the worst stall
     if events:
         out.update(switch_stalls(gaps, events, wall0))
@@ -167,10 +167,14 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def delivery_gaps(results: list[RequestResult], start: float) -> list[tuple[float, float]]:
+    """(seconds since the first send, ITL seconds) of every delivery after a request's first."""
+    return [(t - start, x) for r in results if r.ok for t, x in zip(r.times, r.itl)]
+
+
 def itl_timeline(results: list[RequestResult], start: float) -> list[list[float]]:
     """[[seconds since the first send, ITL ms], ...] of every delivery after a request's first, by time."""
-    pts = [(t - start, x * 1000.0) for r in results if r.ok for t, x in zip(r.times, r.itl)]
-    return [[round(t, 4), round(ms, 3)] for t, ms in sorted(pts)]
+    return [[round(t, 4), round(x * 1000.0, 3)] for t, x in sorted(delivery_gaps(results, start))]
 
 
 def summarize(a: argparse.Namespace, model: str, results: list[RequestResult], duration: float
