@@ -210,3 +210,36 @@ def test_async_engine_streams_aborts_and_surfaces_errors():
         finally:
             bad.shutdown()
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_async_engine_built_on_thread_builds_and_steps_on_one_thread():
+    """`built_on_thread` (what `from_args` and the server use) runs the build and every step on the
+    engine thread, never on the caller's: two OpenMP pools in one process slow every step (see its
+    docstring). A build error reaches the caller with its own type."""
+    import threading
+
+    where: dict[str, set[int]] = {"build": set(), "step": set()}
+
+    def build():
+        where["build"].add(threading.get_ident())
+        eng = make_engine()
+        eng.on_step.append(lambda info: where["step"].add(threading.get_ident()))
+        return eng
+
+    async def main():
+        eng = AsyncEngine.built_on_thread(build)
+        try:
+            outs = await _collect(eng.generate([12, 13], greedy(max_tokens=5), "a"))
+            assert outs[-1].outputs[0].token_ids == ref([12, 13], 5)
+        finally:
+            eng.shutdown()
+        assert len(where["build"]) == 1 and where["step"] == where["build"]
+        assert threading.get_ident() not in where["build"]
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+    def broken():
+        raise FileNotFoundError("no checkpoint at /nowhere")
+
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        AsyncEngine.built_on_thread(broken)
