@@ -58,6 +58,11 @@ class _Mailbox:
 _Stream = tuple[asyncio.AbstractEventLoop, _Mailbox]
 
 
+def _put_all(batch: list[tuple[str, _Mailbox, Any]]) -> None:
+    for _, box, item in batch:
+        box.put(item)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -247,8 +252,7 @@ class AsyncEngine:
 
     def _finish_outputs(self, outs: list[RequestOutput]) -> None:
         """Deliver final snapshots the engine produced outside a step (aborts, pause with abort)."""
-        for out in outs:
-            self._deliver(out.request_id, out)
+        self._deliver_all([(out.request_id, out) for out in outs])
 
     async def abort_all(self) -> int:
         """Abort every request; each one's stream ends with what it had (finish reason abort)."""
@@ -292,14 +296,22 @@ class AsyncEngine:
 
     # ---- engine thread --------------------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        loop, q = stream
-        try:
-            loop.call_soon_threadsafe(q.put, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            self._streams.pop(request_id, None)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand each item to its stream's mailbox: one wake-up per event loop, not one per request
+        (each `call_soon_threadsafe` writes to the loop's self-pipe, a system call on the step's path)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, _Mailbox, Any]]] = {}
+        for rid, item in items:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((rid, stream[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                for rid, _, _ in batch:
+                    self._streams.pop(rid, None)
 
     def _handle(self, cmd: str, arg: Any) -> bool:
         """Apply one command; False means stop the loop."""
@@ -351,8 +363,7 @@ class AsyncEngine:
             self.engine.abort_all()
         except Exception:  # bookkeeping after a failure must not mask the failure
             log.exception("engine cleanup after an error failed")
-        for rid in list(self._streams):
-            self._deliver(rid, err)
+        self._deliver_all([(rid, err) for rid in list(self._streams)])
 
     def _loop(self) -> None:
         eng = self.engine
@@ -369,8 +380,9 @@ class AsyncEngine:
                         break
                 if not running or not eng.has_unfinished() or eng.is_paused:
                     continue
-                for out in eng.step():
-                    self._deliver(out.request_id, out)
+                outs = eng.step()
+                if outs:
+                    self._deliver_all([(out.request_id, out) for out in outs])
                 self._refresh_stats()
             except Exception as e:
                 log.exception("engine step failed")
