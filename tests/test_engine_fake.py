@@ -243,3 +243,29 @@ def test_async_engine_built_on_thread_builds_and_steps_on_one_thread():
 
     with pytest.raises(FileNotFoundError, match="nowhere"):
         AsyncEngine.built_on_thread(broken)
+
+
+def test_idle_engine_takes_in_a_burst_of_requests_before_stepping():
+    """Requests arriving close together at an idle engine are prefilled in one step (none runs a step
+    ahead of its burst); a later lone request still runs after one gap."""
+    rows: list[int] = []
+
+    async def main():
+        eng = AsyncEngine(make_engine())
+        eng.arrival_gap_s = 0.25  # generous: arrivals below are 10 ms apart, even on a loaded machine
+        eng.add_step_hook(lambda info: rows.append(info["rows"]))
+        try:
+            async def one(i):
+                await asyncio.sleep(0.01 * i)
+                return await _collect(eng.generate([12 + i, 13], greedy(max_tokens=3), f"b{i}"))
+
+            outs = await asyncio.gather(*(one(i) for i in range(4)))
+            assert [o[-1].outputs[0].token_ids for o in outs] == [ref([12 + i, 13], 3) for i in range(4)]
+            assert rows[0] == 8  # the four 2-token prompts in the first step
+            lone = await _collect(eng.generate([20, 21, 22], greedy(max_tokens=2), "lone"))
+            assert lone[-1].outputs[0].token_ids == ref([20, 21, 22], 2)
+            assert eng.engine.allocator.num_used == [0]
+        finally:
+            eng.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="plain torch ops only: no native CPU attention kernel (vLLM's flag; for comparisons)")
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=positive_float, default=None,
                    metavar="S", help="seconds before a dead or hung rank fails the engine (default 300)")
+    p.add_argument("--arrival-gap-ms", type=float, default=3.0, metavar="MS",
+                   help="an idle engine woken by a request waits for the rest of its burst (requests less "
+                        "than MS apart, up to 10 x MS) before stepping; 0 steps at once (default 3)")
     p.add_argument("--graceful-timeout", type=float, default=5.0,
                    help="seconds open requests get to finish after SIGINT/SIGTERM")
     p.add_argument("--log-level", default="warning",
@@ -93,7 +96,9 @@ def build_engine(args: argparse.Namespace) -> Any:
     if kw.get("node_rank") == 0:
         kw.pop("node_rank")
     factory = getattr(AsyncEngine, "from_args", None) or AsyncEngine
-    return factory(model=args.model, **kw)
+    engine = factory(model=args.model, **kw)
+    engine.arrival_gap_s = max(0.0, getattr(args, "arrival_gap_ms", 0.0)) / 1e3
+    return engine
 
 
 def run(args: argparse.Namespace) -> int:
