@@ -8,6 +8,7 @@ connections, let open requests end (bounded by --graceful-timeout), shut the eng
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import socket
@@ -141,6 +142,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"splash: serving {name!r} on http://{url_host}:{port}/v1 (Ctrl-C to stop)", flush=True)
 
     app = create_app(engine, model_name=name, api_key=args.api_key, on_ready=announce)
+    # Everything built so far (the model, the tokenizer, the app) lives as long as the server: move it
+    # out of the collector's generations, as vLLM's engine does, so that a full collection during the
+    # load scans only what requests made (a full one over the start-up heap stalled a step 70-110 ms).
+    gc.collect()
+    gc.freeze()
 
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_timeout,
                             access_log=args.log_level in ("info", "debug"))
