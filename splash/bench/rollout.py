@@ -26,6 +26,7 @@ DOP's all-to-alls make each step ~40% slower than TP's. Only a layout change can
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from dataclasses import dataclass
@@ -173,6 +174,11 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
                        device=args.device, theta=args.theta, switch_margin=args.switch_margin,
                        min_dwell_steps=args.min_dwell_steps, switch_mode=args.switch_mode)
     timeline: list[dict[str, Any]] = []
+    # What start-up built lives through the run: out of the collector's generations, as in `splash
+    # serve`, so a full collection (60-110 ms over that heap, stalling both ranks) cannot land in one
+    # layout's run and not another's.
+    gc.collect()
+    gc.freeze()
     try:
         st0 = eng.stats()
         for i, (p, n) in enumerate(zip(prompts, outs)):
@@ -201,6 +207,7 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
         decisions = list(eng.switcher.decisions) if eng.switcher is not None else []
     finally:
         eng.shutdown()
+        gc.unfreeze()
     gen = st["generation_tokens_total"]
     return {"throughput_tok_s": gen / makespan, "makespan_s": makespan,
             "switches": st.get("num_switches", 0), "switch_backs": st.get("num_switch_backs", 0),
