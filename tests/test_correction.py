@@ -244,3 +244,23 @@ def test_switch_back_and_correction_metrics():
         [("tp", "dop", 1.0)]
     gauge = fams["splash:step_time_correction"].samples
     assert [(s.labels["layout"], s.value) for s in gauge] == [("tp", 1.3)]
+
+
+def test_switch_exposed_histogram_counts_as_switches_come():
+    """The controller keeps bucket counts (not every switch's time); the Prometheus histogram built
+    from them is cumulative per `le` bound, +Inf counting all, with the sum of the times."""
+    from splash.engine.switching import EXPOSED_BUCKETS, ExposedHistogram
+    from splash.server.switch_metrics import SwitchCollector
+
+    h = ExposedHistogram()
+    for t in (0.0004, 0.001, 0.003, 20.0):
+        h.add(t)
+    col = SwitchCollector("m")
+    col.stats = {"switch_exposed_seconds": h.to_dict()}
+    fams = {f.name: f for f in col.collect()}
+    le = {s.labels["le"]: s.value for s in fams["splash:switch_exposed_seconds"].samples
+          if s.name.endswith("_bucket")}
+    assert le["0.0005"] == 1 and le["0.001"] == 2 and le["0.0025"] == 2 and le["0.005"] == 3
+    assert le[str(EXPOSED_BUCKETS[-1])] == 3 and le["+Inf"] == 4
+    total = [s.value for s in fams["splash:switch_exposed_seconds"].samples if s.name.endswith("_sum")]
+    assert total == [pytest.approx(20.0044)]

@@ -19,6 +19,7 @@ follow one rule (`kv.allocator.balanced_owners`), here too when pricing a batch 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
@@ -43,6 +44,22 @@ from splash.switch.step import SwitchTiming
 log = logging.getLogger("splash.switch")
 
 EXPOSED_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ExposedHistogram:
+    """Switches' exposed seconds, counted per bucket as they come: stats() runs after every step, so it
+    copies a fixed-size list, not one entry per switch the server ever made."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(EXPOSED_BUCKETS) + 1)  # values <= each bound (not cumulative), then +Inf
+        self.sum = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(EXPOSED_BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bounds": list(EXPOSED_BUCKETS), "counts": list(self.counts), "sum": self.sum}
 
 
 # ---- rank 0: decisions, plans, commits ---------------------------------------------------------------
@@ -105,7 +122,7 @@ class SwitchController(AutoLayout):
         self.decisions: deque[LayoutDecision] = deque(maxlen=history)
         self.switches: dict[tuple[str, str], int] = {}
         self.refusals = 0
-        self.exposed: list[float] = []  # every switch's exposed seconds (histogram source)
+        self.exposed = ExposedHistogram()  # every switch's exposed seconds on rank 0
         self.switch_backs: dict[tuple[str, str], int] = {}  # the regret guard's switches back, committed
         self._switch_back: Any = None  # a guard Verdict asking to go back at the next step
         self.feedback: Any = None  # StepFeedback (auto): the step clock behind the online correction
@@ -280,7 +297,7 @@ class SwitchController(AutoLayout):
             if timing is not None:
                 ev.exposed_s, ev.total_s = timing.exposed_s, timing.total_s
             self._log_event(ev)
-            self.exposed.append(ev.exposed_s)
+            self.exposed.add(ev.exposed_s)
         self.switches[(sw.src, sw.dst)] = self.switches.get((sw.src, sw.dst), 0) + 1
         self.steps_since_switch = 0
         cause = ev.cause if ev is not None else ""
@@ -314,7 +331,7 @@ class SwitchController(AutoLayout):
             "switches_total": {f"{a}->{b}": n for (a, b), n in sorted(self.switches.items())},
             "num_switches": sum(self.switches.values()),
             "switch_refusals": self.refusals,
-            "switch_exposed_seconds": list(self.exposed),
+            "switch_exposed_seconds": self.exposed.to_dict(),
             "switch_events": list(self._recent_events),  # (bench serve marks them)
             "theta_source": self.theta_source if self.auto else None,
             "weight_pages_withheld": [len(w) for w in self.withheld],

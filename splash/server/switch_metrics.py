@@ -11,7 +11,7 @@ collector only re-shapes them; a single-rank engine reports no switches.
 
 from __future__ import annotations
 
-import bisect
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,13 +45,14 @@ class SwitchCollector(Collector):
         for key, n in sorted(dict(self.stats.get("switches_total") or {}).items()):
             src, _, dst = str(key).partition("->")
             sw.add_metric([self.model_name, src, dst], float(n))
-        times = [float(t) for t in self.stats.get("switch_exposed_seconds") or ()]
+        h = self.stats.get("switch_exposed_seconds") or {}
+        counts = list(h.get("counts") or [0] * (len(EXPOSED_BUCKETS) + 1))
+        cumulative = list(itertools.accumulate(counts))
         hist = HistogramMetricFamily("splash:switch_exposed_seconds",
                                      EXPOSED_DOC, labels=["model_name"])
-        ordered = sorted(times)
-        buckets = [(str(b), float(bisect.bisect_right(ordered, b))) for b in EXPOSED_BUCKETS]
-        buckets.append(("+Inf", float(len(ordered))))
-        hist.add_metric([self.model_name], buckets, sum(times))
+        buckets = [(str(b), float(c)) for b, c in zip(EXPOSED_BUCKETS, cumulative)]
+        buckets.append(("+Inf", float(cumulative[-1])))
+        hist.add_metric([self.model_name], buckets, float(h.get("sum", 0.0)))
         backs = CounterMetricFamily("splash:switch_backs", BACKS_DOC, labels=["model_name", "from", "to"])
         for key, n in sorted(dict(self.stats.get("switch_backs_total") or {}).items()):
             src, _, dst = str(key).partition("->")
