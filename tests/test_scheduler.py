@@ -227,3 +227,19 @@ def test_default_token_budget_follows_vllms_cpu_defaults():
     assert default_token_budget(1, 4096, serving=True) == 4096
     assert default_token_budget(1, 64, serving=False) == 512
     assert default_token_budget(4, 1000, serving=False) == 1000
+
+
+def test_a_server_runs_128_sequences_by_default_offline_64():
+    """`max_num_seqs` unset: a server engine takes vLLM's CPU server default, 128 x T; an offline one 64;
+    a value given is kept either way."""
+    from splash.engine.build import build_engine
+    from splash.engine.scheduler import default_max_num_seqs
+
+    assert default_max_num_seqs(1, serving=True) == 128 and default_max_num_seqs(2, serving=True) == 256
+    for serving, want in ((True, 128), (False, 64)):
+        eng = build_engine("tiny", dtype="float32", num_kv_pages=64, serving=serving)
+        assert eng.scheduler.cfg.max_num_seqs == want and eng.stats()["max_num_seqs"] == want
+        eng.shutdown()
+    eng = build_engine("tiny", dtype="float32", num_kv_pages=64, serving=True, max_num_seqs=8)
+    assert eng.scheduler.cfg.max_num_seqs == 8
+    eng.shutdown()

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="name clients send as `model` (default: the --model value)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float64 (default: per device)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="bound on the running batch")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="bound on the running batch (default 128 x ranks, vLLM's CPU server default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default 2048 x ranks, vLLM's CPU server default)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")

@@ -20,7 +20,7 @@ from splash.engine.group import RankGroup
 from splash.engine.group_runner import GroupRunner
 from splash.engine.llm_engine import LLMEngine
 from splash.engine.plan import LAYOUTS
-from splash.engine.scheduler import SchedulerConfig, default_token_budget
+from splash.engine.scheduler import SchedulerConfig, default_max_num_seqs, default_token_budget
 from splash.engine.sizing import parse_bytes
 from splash.engine.spec import EngineSpec, load_rank, model_name
 from splash.engine.switch_options import resolve_layout
@@ -31,7 +31,7 @@ from splash.model import resolve_model_path
 log = logging.getLogger("splash.engine")
 
 
-def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, max_num_seqs: int = 64,
+def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  memory_per_rank: int | str | None = None, page_size: int = 16,
                  num_kv_pages: int | None = None, device: str | torch.device | None = None,
@@ -90,6 +90,8 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
             cfg.max_position_embeddings)
     if max_model_len < 2:
         raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
+    if max_num_seqs is None:
+        max_num_seqs = default_max_num_seqs(world, serving)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_token_budget(world, max_num_seqs, serving)
     try:  # refused before any rank starts

@@ -52,6 +52,14 @@ class SchedulerConfig:
         return min(pending, budget)
 
 
+def default_max_num_seqs(world: int, serving: bool) -> int:
+    """`max_num_seqs` when none is given: a server takes vLLM's CPU server default, 128 x T, so a client
+    that opens 128 streams (an RL rollout through the HTTP API) has them all running rather than half of
+    them queued (at concurrency 128 on `small`: +8% output tok/s, mean TTFT 1.9 s against 7.1 s, each
+    step longer); offline engines keep 64 (tests and benchmarks pass their own)."""
+    return 128 * world if serving else 64
+
+
 def default_token_budget(world: int, max_num_seqs: int, serving: bool) -> int:
     """`max_num_batched_tokens` when none is given.
 
