@@ -288,7 +288,7 @@ p = argparse.ArgumentParser()
 for f in ("--model", "--served-model-name", "--dtype", "--host", "--port", "--tensor-parallel-size"):
     p.add_argument(f)
 a = p.parse_args()
-assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+assert float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) in (2.0, 0.02)  # --peer-kv-gib reaches the peer
 os.execv(sys.executable, [sys.executable, "-m", "splash.cli", "serve", "--model", a.model,
                           "--served-model-name", a.served_model_name, "--dtype", a.dtype, "--host", a.host,
                           "--port", a.port, "--max-model-len", "256"])
@@ -326,7 +326,7 @@ def test_offline_peer_end_to_end_with_a_stand_in(fake_venv, capsys):
 def test_serve_peer_end_to_end_with_a_stand_in(fake_venv, capsys, tmp_path):
     code, out, err = run_cli(capsys, "bench", "serve", "--model", "tiny", "--peer", "vllm", "--num-prompts",
                              "3", "--input-len", "8", "--output-len", "4", "--max-concurrency", "2",
-                             "--disable-tqdm", "--json", "--startup-timeout", "240",
+                             "--disable-tqdm", "--json", "--startup-timeout", "240", "--peer-kv-gib", "0.02",
                              "--plot", str(tmp_path / "itl.png"))
     assert code == 0, err
     doc = json.loads(out)
@@ -350,7 +350,7 @@ def test_serve_peer_rounds_alternate_and_report_median_ratios(fake_venv, capsys)
     is their median, and the table lists each round."""
     args = ("bench", "serve", "--model", "tiny", "--peer", "vllm", "--num-prompts", "2", "--input-len", "8",
             "--output-len", "3", "--max-concurrency", "2", "--disable-tqdm", "--startup-timeout", "240",
-            "--rounds", "2")
+            "--rounds", "2", "--peer-kv-gib", "0.02")
     code, out, err = run_cli(capsys, *args, "--json")
     assert code == 0, err
     doc = json.loads(out)
@@ -361,3 +361,23 @@ def test_serve_peer_rounds_alternate_and_report_median_ratios(fake_venv, capsys)
         for x in doc["rounds"]:
             assert x["ratios"][m] == pytest.approx(x["splash"][m] / x["vllm"][m])
     assert doc["splash"]["output_throughput"] in [x["splash"]["output_throughput"] for x in doc["rounds"]]
+
+
+def test_serve_peer_gives_splash_the_kv_bytes_the_peer_gets():
+    """splash serve's pool in the side-by-side holds --peer-kv-gib per rank (vLLM's KV space), in pages
+    of splash serve's size: a smaller default pool would preempt at high concurrency."""
+    import argparse
+
+    import torch
+
+    from splash.core.config import ModelConfig
+    from splash.kv.pool import KVPool
+    from splash.model import resolve_model_path
+
+    a = argparse.Namespace(model="tiny", dtype="bfloat16", num_prompts=4, max_concurrency=2, tp=1,
+                           layout=None, api_key=None, peer_kv_gib=0.5)
+    cmd = serve_peer.splash_command(a, 8123, "tiny")
+    pages = int(cmd[cmd.index("--num-kv-pages") + 1])
+    cfg = ModelConfig.from_hf(resolve_model_path("tiny"))
+    per_page = KVPool.bytes_per_page(cfg, 16, torch.bfloat16)
+    assert pages == (2**29) // per_page and pages * per_page <= 2**29 < (pages + 1) * per_page

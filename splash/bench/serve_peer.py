@@ -74,7 +74,25 @@ def splash_command(a: argparse.Namespace, port: int, name: str) -> list[str]:
         cmd += ["--layout", a.layout]
     if a.api_key:
         cmd += ["--api-key", a.api_key]
-    return cmd
+    return cmd + ["--num-kv-pages", str(kv_pages_like_peer(a))]
+
+
+def kv_pages_like_peer(a: argparse.Namespace) -> int:
+    """splash's KV pool per rank in pages of `splash serve`'s size, holding the bytes the peer is given
+    (--peer-kv-gib, vLLM's KV space per rank): at high concurrency the smaller pool would preempt and
+    measure the pool, not the engine. (splash serve's own CPU default is 128 MiB, docs/runtime.md.)"""
+    import inspect
+
+    import torch
+
+    from splash.core.config import ModelConfig
+    from splash.engine.build import build_engine
+    from splash.kv.pool import KVPool
+    from splash.model import resolve_model_path
+
+    page = inspect.signature(build_engine).parameters["page_size"].default
+    cfg = ModelConfig.from_hf(resolve_model_path(a.model))
+    return KVPool.pages_for_budget(cfg, int(a.peer_kv_gib * 2**30), page, torch.bfloat16)
 
 
 def vllm_command(a: argparse.Namespace, py: str, path: str, port: int, name: str) -> list[str]:
