@@ -54,3 +54,16 @@ def test_tuned_malloc_reuses_freed_blocks_and_gives_them_back():
 def test_opt_out():
     got = _probe(SPLASH_MALLOC_TUNE="0")
     assert not got["tuned"] and got["returned_mib"] < 8, got  # untouched: give_back is a no-op
+
+
+def test_freeze_heap_moves_live_objects_out_of_the_collector_and_thaw_undoes_it():
+    import gc
+
+    from splash.engine.host_malloc import freeze_heap, thaw_heap
+
+    try:
+        freeze_heap()
+        assert gc.get_freeze_count() > 0
+    finally:
+        thaw_heap()
+    assert gc.get_freeze_count() == 0

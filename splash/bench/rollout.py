@@ -26,7 +26,6 @@ DOP's all-to-alls make each step ~40% slower than TP's. Only a layout change can
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from dataclasses import dataclass
@@ -166,6 +165,7 @@ def final_tokens(eng: Any) -> int:
 def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prompts: list[list[int]],
             outs: list[int], bar: Any = None) -> dict[str, Any]:
     from splash.engine.build import build_engine
+    from splash.engine.host_malloc import freeze_heap, thaw_heap
     from splash.engine.sampling import SamplingParams
 
     eng = build_engine(args.model, dtype=args.dtype, tp=args.tp, layout=layout, rank_group=group,
@@ -174,11 +174,9 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
                        device=args.device, theta=args.theta, switch_margin=args.switch_margin,
                        min_dwell_steps=args.min_dwell_steps, switch_mode=args.switch_mode)
     timeline: list[dict[str, Any]] = []
-    # What start-up built lives through the run: out of the collector's generations, as in `splash
-    # serve`, so a full collection (60-110 ms over that heap, stalling both ranks) cannot land in one
-    # layout's run and not another's.
-    gc.collect()
-    gc.freeze()
+    # What start-up built lives through the run, as in `splash serve`: frozen, so a full collection
+    # over it (stalling both ranks) cannot land in one layout's run and not another's.
+    freeze_heap()
     try:
         st0 = eng.stats()
         for i, (p, n) in enumerate(zip(prompts, outs)):
@@ -207,7 +205,7 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
         decisions = list(eng.switcher.decisions) if eng.switcher is not None else []
     finally:
         eng.shutdown()
-        gc.unfreeze()
+        thaw_heap()
     gen = st["generation_tokens_total"]
     return {"throughput_tok_s": gen / makespan, "makespan_s": makespan,
             "switches": st.get("num_switches", 0), "switch_backs": st.get("num_switch_backs", 0),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 from typing import Any
 
@@ -141,11 +142,9 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _median(xs: list[float | None]) -> float | None:
-    vals = sorted(x for x in xs if x is not None)
-    if not vals:
-        return None
-    k = len(vals)
-    return vals[k // 2] if k % 2 else (vals[k // 2 - 1] + vals[k // 2]) / 2
+    """The median of the ratios that exist (None where a peer metric was 0)."""
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
 
 
 def serve_and_load(a: argparse.Namespace, cmd: list[str], env: dict[str, str], port: int, what: str

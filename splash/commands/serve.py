@@ -8,7 +8,6 @@ connections, let open requests end (bounded by --graceful-timeout), shut the eng
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import signal
 import socket
@@ -106,6 +105,7 @@ def build_engine(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from splash.engine.host_malloc import freeze_heap
     from splash.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -143,11 +143,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"splash: serving {name!r} on http://{url_host}:{port}/v1 (Ctrl-C to stop)", flush=True)
 
     app = create_app(engine, model_name=name, api_key=args.api_key, on_ready=announce)
-    # Everything built so far (the model, the tokenizer, the app) lives as long as the server: move it
-    # out of the collector's generations, as vLLM's engine does, so that a full collection during the
-    # load scans only what requests made (a full one over the start-up heap stalled a step 70-110 ms).
-    gc.collect()
-    gc.freeze()
+    # Everything built so far (the model, the tokenizer, the app) lives as long as the server, as
+    # vLLM's engine does it: out of the collector's generations.
+    freeze_heap()
 
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_timeout,
                             access_log=args.log_level in ("info", "debug"))

@@ -8,11 +8,15 @@ keeps such blocks in the heap for reuse, as tcmalloc (which vLLM's CPU backend p
 Blocks above 32 MiB (KV pools, large weights) are still mapped and unmapped whole, and `give_back`
 (called when an RL trainer releases memory) returns every free page of the heap at once.
 SPLASH_MALLOC_TUNE=0 leaves malloc alone; anything but glibc on Linux is left alone too.
+
+The Python heap has the same kind of stall: `freeze_heap` moves what start-up built out of the
+collector's generations, so a full collection between steps does not scan the model again.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import sys
 from typing import Any
@@ -52,3 +56,16 @@ def give_back() -> None:
     libc = _libc() if _state.get("tuned") else None
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def freeze_heap() -> None:
+    """Collect, then freeze every object alive now (a process we own, after it loaded its model): a
+    full collection over the start-up heap stalled a step 60-113 ms; frozen, the collector scans only
+    what steps and requests make. `thaw_heap` before dropping what was frozen."""
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo `freeze_heap` (a frozen cycle is never collected), so a dropped model's cycles can go."""
+    gc.unfreeze()

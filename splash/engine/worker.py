@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from splash.engine import wire
+from splash.engine.host_malloc import freeze_heap, thaw_heap
 from splash.engine.plan import StepPlan
 
 log = logging.getLogger("splash.worker")
@@ -74,7 +75,7 @@ def unload(state: WorkerState) -> None:
     if state.rank_state is None:
         return
     state.rank_state = None
-    gc.unfreeze()  # a frozen cycle is never collected: let the dropped shard's go
+    thaw_heap()  # (a worker froze its shard after loading it)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -89,11 +90,9 @@ def stats_reply(state: WorkerState) -> dict[str, Any]:
 def _on_load(state: WorkerState, plan: StepPlan) -> None:
     reply = load_reply(state, plan)
     if state.rank_state is not None:
-        # A worker process is ours: its shard lives until the next unload, so it leaves the collector's
-        # generations and a full collection between steps scans only per-step objects (over the whole
-        # heap one stalled the group ~100 ms). `splash serve` does the same on rank 0.
-        gc.collect()
-        gc.freeze()
+        # A worker process is ours: its shard lives until the next unload (`splash serve` does the same
+        # on rank 0).
+        freeze_heap()
     state.grid.comm.all_gather_object(reply)
 
 
