@@ -148,9 +148,11 @@ def test_config_validation():
 def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
     """The engine's `_decide` (run on a stand-in controller): while requests wait and no layout holds
     more distinct KV than the current one it does not price anything; otherwise it prices the batch
-    once and re-prices only when the running set changes or `recheck` steps pass."""
+    once and re-prices only when the running set changes (at most every GAP steps), the queue fills
+    or empties, or RECHECK steps pass."""
     from types import SimpleNamespace
 
+    from splash.engine.auto_layout import GAP, RECHECK
     from splash.engine.switching import SwitchController
 
     priced = []
@@ -162,10 +164,12 @@ def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
 
     th = _theta(ranks=2, memory_bytes=1e18)
     ctl = SimpleNamespace(alloc=SimpleNamespace(layout="dop"), sched=SimpleNamespace(waiting=[object()]),
-                          distinct_tokens=distinct.get, fits=lambda lay, live, rows=None: True, _batch=batch,
-                          sizes=SIZES, theta=th, policy_cfg=PolicyConfig(page_size=16, min_dwell=0),
-                          steps_since_switch=5, decisions=[], _last_eval=None, feedback=None)
+                          distinct_tokens=distinct.get, fitting=lambda dsts, live, rows=None: list(dsts),
+                          _batch=batch, sizes=SIZES, theta=th,
+                          policy_cfg=PolicyConfig(page_size=16, min_dwell=0), steps_since_switch=5,
+                          decisions=[], _last_eval=None, feedback=None)
     ctl._record = functools.partial(SwitchController._record, ctl)
+    ctl._due = functools.partial(SwitchController._due, ctl)
     live = [SimpleNamespace(seq_id=i, owner=i % 2) for i in range(4)]
 
     def step(n, seqs=live):
@@ -176,13 +180,15 @@ def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
     step(1)
     step(2)
     assert priced == [1] and len(ctl.decisions) == 1
-    step(3, live[:3])  # a request left: the verdict may move
-    step(11, live[:3])  # contexts grew for `recheck` steps
-    assert priced == [1, 3, 11]
+    step(2, live[:3])  # a request left, but the batch was weighed a step ago
+    step(1 + GAP, live[:3])  # ... and GAP steps after: the verdict may move
+    step(RECHECK, live[:3])
+    step(1 + GAP + RECHECK, live[:3])  # contexts grew for RECHECK steps
+    assert priced == [1, 1 + GAP, 1 + GAP + RECHECK]
     rec = ctl.decisions[-1]
     assert set(rec.times_s) == {"tp", "dp", "cp", "dop"} and rec.chosen in rec.times_s
     # Queued again, but DP now admits as much as DOP: a tie keeps it a candidate, so the Policy runs.
     ctl.sched.waiting, distinct["dp"] = [object()], distinct["dop"]
-    step(12)
-    assert priced[-1] == 12 and ctl.decisions[-1].feasible in (["dop"], ["dop", "dp"])
+    step(2 + GAP + RECHECK)  # (the queue filled: weighed at once)
+    assert priced[-1] == 2 + GAP + RECHECK and ctl.decisions[-1].feasible in (["dop"], ["dop", "dp"])
     assert "cp" in ctl.decisions[-1].reason and "tp" in ctl.decisions[-1].reason

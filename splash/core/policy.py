@@ -14,6 +14,7 @@ prediction by what its measured steps say, and a layout known only by its prior 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,8 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class LayoutEval:
-    """One candidate layout on the live batch: predicted time and memory."""
+    """One candidate layout on the live batch: predicted time and memory (NaN memory, 0 pool tokens and
+    fits=True where the caller judged memory itself: `PolicyConfig.check_memory=False`)."""
 
     layout: Layout
     cost: StepCost
@@ -154,13 +156,19 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
     T, P = theta.ranks, config.page_size
     sizes.cfg.check_ranks(T)
     H, R = theta.memory_bytes, theta.reserve_bytes
-    now_cur = resident_bytes(current, sizes, batch, T, P, False) if current is not None else None
     out: dict[Layout, LayoutEval] = {}
+    if not config.check_memory:  # the caller judged memory: price only (an engine does this per decision)
+        for lay in config.layouts:
+            f, u = (corrections or {}).get(lay, (1.0, 0.0))
+            out[lay] = LayoutEval(lay, step_cost(lay, sizes, batch, theta, P), math.nan, True, math.nan, True,
+                                  math.nan, 0, float(f), float(u))
+        return out
+    now_cur = resident_bytes(current, sizes, batch, T, P, False) if current is not None else None
     for lay in config.layouts:
         cost = step_cost(lay, sizes, batch, theta, P)
         m = resident_bytes(lay, sizes, batch, T, P)
         steady = m + activation_bytes(lay, sizes, batch, T, theta.act_bytes) + R
-        fits = bool((steady <= H).all()) or not config.check_memory
+        fits = bool((steady <= H).all())
         if current is None or lay is current:
             peak, sw_fits, exposed = float(steady.max(initial=0)), True, 0.0
         else:
@@ -169,7 +177,7 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
             kv = kv_tok * sizes.kv_token_layer
             now = resident_bytes(lay, sizes, batch, T, P, False)
             peak_r = np.maximum(now_cur, now) + w + kv + R
-            peak, sw_fits = float(peak_r.max(initial=0)), bool((peak_r <= H).all()) or not config.check_memory
+            peak, sw_fits = float(peak_r.max(initial=0)), bool((peak_r <= H).all())
             exposed, _ = switch_time(w, kv, cost, theta)
         fixed = sizes.fixed_bytes_per_rank(T) + sizes.attention_weight_bytes(lay.sharded, T) + R
         pool = max(0, int((H - fixed) // sizes.k))
@@ -189,7 +197,15 @@ def decide(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout | 
     uncertainty)), so an unmeasured layout must beat the current one by margin and uncertainty.
     """
     current = None if current is None else Layout.parse(current)
-    evals = evaluate(sizes, theta, batch, current, config, corrections)
+    return choose(evaluate(sizes, theta, batch, current, config, corrections), current, steps_since_switch,
+                  config)
+
+
+def choose(evals: Mapping[Layout, LayoutEval], current: Layout | None, steps_since_switch: int,
+           config: PolicyConfig = PolicyConfig()) -> Decision:
+    """`decide` on candidates already evaluated (`evals` holds every layout of `config.layouts`): an
+    engine prices more layouts than it checks for memory, and passes the ones that fit."""
+    evals = {lay: evals[lay] for lay in config.layouts}
     feasible = [lay for lay in config.layouts if evals[lay].feasible]
     if not feasible:
         why = "no candidate layout fits this batch; stay and let admission shed load"

@@ -2,7 +2,7 @@
 
 `AutoLayout` is the policy half of the `SwitchController` (splash/engine/switching.py), which mixes it
 in and owns the state it reads: the allocators (`alloc`), the scheduler (`sched`), the memory check
-(`fits`, the planner's own, run dry), the distinct KV each layout holds (`distinct_tokens`) and the
+(`fitting`, the planner's own, run dry), the distinct KV each layout holds (`distinct_tokens`) and the
 decision log. `_decide` returns the layout to switch to, or None; the controller plans and commits.
 The step clock behind the online correction and the regret guard is splash/engine/feedback.py.
 """
@@ -19,13 +19,16 @@ import torch
 from splash.core.config import dtype_bytes
 from splash.core.costmodel import Batch, Theta, step_cost
 from splash.core.layouts import Layout
-from splash.core.policy import PolicyConfig, decide
+from splash.core.policy import PolicyConfig, choose, evaluate
 from splash.core.sizes import AttentionSizes
 from splash.engine.plan import LAYOUTS, StepPlan
 from splash.kv.allocator import balanced_owners
 from splash.switch.planner import dtype_name
 
 log = logging.getLogger("splash.switch")
+
+GAP = 4  # steps between two evaluations triggered by requests joining or leaving
+RECHECK = 16  # steps between two evaluations of an unchanged batch (its contexts grow)
 
 
 @dataclass
@@ -38,7 +41,8 @@ class LayoutDecision:
     switch: bool
     reason: str
     times_s: dict[str, float]  # predicted step time per layout (Eq 10 on the prior theta)
-    feasible: list[str]
+    feasible: list[str]  # known to fit: the current layout and the faster candidates that passed the
+    #                      memory check (one priced slower than the current layout is not checked)
     batch: int
     rows: int
     corrected_s: dict[str, float] = field(default_factory=dict)  # times_s x the correction in force
@@ -66,7 +70,7 @@ class AutoLayout:
     steps_since_switch: int
     _last_eval: tuple[Any, int] | None
     decisions: Any
-    # and, from the controller: distinct_tokens(dst), fits(dst, live, rows), _projected(seq)
+    # and, from the controller: distinct_tokens(dst), fitting(dsts, live, rows), _projected(seq)
 
     def _init_policy(self, dtype: Any, margin: float, min_dwell: int, budget: bool) -> None:
         dt = dtype_name(dtype)
@@ -107,9 +111,10 @@ class AutoLayout:
         return Batch.make(contexts, q, owners, ranks=self.world, reserved=reserved)
 
     def _decide(self, plan: StepPlan, live: list[Any]) -> str | None:
-        """Evaluate the Policy on the live batch. Memory feasibility is the engine's own page accounting
-        (`fits`, exactly what the planner will check); the Policy prices each candidate (Eq 10) and
-        applies its margin and dwell."""
+        """Evaluate the Policy on the live batch. The Policy prices each candidate (Eq 10) and applies
+        its margin and dwell; memory feasibility is the engine's own page accounting (`fitting`, exactly
+        what the planner will check), asked only of the candidates priced faster than the current
+        layout: no other could be chosen, and the planner's dry run costs more than the pricing."""
         cur = self.alloc.layout
         if not live:
             return None
@@ -120,28 +125,25 @@ class AutoLayout:
             cands = [lay for lay in LAYOUTS if lay == cur or self.distinct_tokens(lay) >= here]
             if cands == [cur]:
                 return None  # no other layout admits as much: nothing to weigh
-        # The verdict only moves when the batch does: re-evaluate when requests join or leave, the queue
-        # empties or fills, a dwell ends, or every `recheck` steps as contexts grow - not every step,
-        # where pricing four layouts would cost a few percent of a CPU step.
-        recheck = 8  # steps
-        key = (cur, queued, tuple(seq.seq_id for seq in live))
-        last = self._last_eval
-        if (last is not None and last[0] == key and plan.step - last[1] < recheck
-                and self.steps_since_switch != self.policy_cfg.min_dwell):
+        if not self._due(plan.step, (cur, queued, tuple(seq.seq_id for seq in live))):
             return None
-        self._last_eval = (key, plan.step)
         fb = self.feedback
         batch = fb.batch(plan, live) if fb is not None else self._batch(plan, live)
         rows = {s.req_id: s.num_new for s in plan.seqs}
         kind, est = fb.estimates(plan, plan.step) if fb is not None else (None, {})
         blocked = fb.blocked(kind, plan.step) if fb is not None else []
-        ok = [lay for lay in cands if lay == cur or (lay not in blocked and self.fits(lay, live, rows))]
-        cfg = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in ok))
+        here = Layout.parse(cur)
         corr = {Layout.parse(lay): (e.factor, e.uncertainty) for lay, e in est.items()}
+        priced = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in cands))
+        evals = evaluate(self.sizes, self.theta, batch, here, priced, corr or None)
+        faster = [lay for lay in cands if lay != cur and lay not in blocked
+                  and evals[Layout.parse(lay)].time < evals[here].time]
+        fit = set(self.fitting(faster, live, rows))
+        ok = [lay for lay in cands if lay == cur or lay in fit]
+        cfg = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in ok))
         # While the regret guard judges the last switch, only a forced move may leave (dwell not reached).
         dwell = 0 if fb is not None and fb.guard.holding else self.steps_since_switch
-        d = decide(self.sizes, self.theta, batch, cur, dwell, cfg, corr or None)
-        here = Layout.parse(cur)
+        d = choose(evals, here, dwell, cfg)
         if d.switch and est and est[cur].source != "measured" and d.evals[here].fits:
             # Measure before leaping: until the current layout has run a few steps of this kind, its
             # pace here is a guess too, and the guard would have nothing to compare the switch with.
@@ -150,12 +152,14 @@ class AutoLayout:
             self._last_eval = None  # look again next step
         chosen = d.layout.label.lower()
         if fb is not None:
-            fb.note_prices(plan, live, {lay.label.lower(): e.predicted for lay, e in d.evals.items()})
+            fb.note_prices(plan, live, {lay.label.lower(): e.predicted for lay, e in evals.items()})
         reason = d.reason
-        ruled = [lay for lay in LAYOUTS if lay not in ok and lay not in blocked]
-        if ruled:
-            why = "memory or the queue" if queued else "memory"
-            reason += f" ({why} rules out {','.join(ruled)})"
+        queue = [lay for lay in LAYOUTS if lay not in cands]
+        if queue:
+            reason += f" (the queue rules out {','.join(queue)})"
+        memory = [lay for lay in faster if lay not in fit]
+        if memory:
+            reason += f" (memory rules out {','.join(memory)})"
         if blocked:
             reason += f" ({','.join(blocked)} blocked after a switch back)"
         rec = self._record(plan, live, batch, cur, chosen, d.switch, reason,
@@ -166,6 +170,19 @@ class AutoLayout:
                                                   "B=%d rows=%d", plan.step, cur, chosen, reason, msg,
                                                   batch.size, batch.n_rows)
         return chosen if d.switch and chosen != cur else None
+
+    def _due(self, step: int, key: tuple[Any, ...]) -> bool:
+        """Whether to weigh the batch this step. The verdict only moves when the batch does: when the
+        queue empties or fills, a dwell ends, requests join or leave (at most every `GAP` steps: in a
+        narrowing tail they leave nearly every step), or every `RECHECK` steps as contexts grow - not
+        every step, where pricing and checking the layouts would cost a few percent of a CPU step."""
+        last = self._last_eval
+        gap = step - last[1] if last is not None else 0
+        if (last is None or last[0][:2] != key[:2] or self.steps_since_switch == self.policy_cfg.min_dwell
+                or gap >= RECHECK or (last[0] != key and gap >= GAP)):
+            self._last_eval = (key, step)
+            return True
+        return False
 
     def _record(self, plan: StepPlan, live: list[Any], batch: Any, cur: str, chosen: str, switch: bool,
                 reason: str, feasible: list[str], kind: Any, est: dict[str, Any]) -> LayoutDecision:

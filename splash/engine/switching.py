@@ -147,15 +147,15 @@ class SwitchController(AutoLayout):
         """Distinct KV tokens the group holds in `dst` (TP replicates: one rank's share)."""
         return self.replicas.distinct_tokens(dst)
 
-    def stranded(self, dst: str, live: list[Any]) -> str | None:
+    def stranded(self, dst: str, live: list[Any], need: tuple[int, int] | None = None) -> str | None:
         """Why `dst` could not serve some running or waiting request as far as the current layout can
         (its limit, prompt + max_tokens, or this layout's per-request reach if that is less): e.g. CP's
         position shards -> TP's one pool. None when no request loses reach. A switch must never strand
-        a request: queued ones were accepted for the layout they arrived in."""
+        a request: queued ones were accepted for the layout they arrived in. `need`: `_need(live)`."""
         seqs = [*live, *self.sched.waiting]
         if not seqs:
             return None
-        need, seq = max((self._projected(s), i) for i, s in enumerate(seqs))
+        need, seq = need or self._need(live)
         P = self.alloc.page_size
         cap = request_capacity(dst, self.capacity(dst), P)
         here = request_capacity(self.alloc.layout, self.capacity(self.alloc.layout), P)
@@ -166,14 +166,28 @@ class SwitchController(AutoLayout):
         return (f"{what} request {rid!r} reaches {need} tokens at its limit; one request holds at most {cap} "
                 f"in {dst}")
 
+    def _need(self, live: list[Any]) -> tuple[int, int]:
+        """(tokens, index in live + waiting) of the request that reaches furthest at its limit."""
+        return max(((self._projected(s), i) for i, s in enumerate([*live, *self.sched.waiting])),
+                   default=(0, 0))
+
     def fits(self, dst: str, live: list[Any], rows: dict[int, int] | None = None) -> bool:
         """Whether a switch to `dst` would be planned now: no request loses reach (`stranded`) and the
         planner's own checks pass, run dry (`SwitchPlanner.check`: owners, Eq 5 during the switch, Eq 6
         for the batch grown to each request's limit, replica pages counted). `rows`: this step's new
         rows per request (their pages are new wherever a table does not cover them yet)."""
-        if self.stranded(dst, live) is not None:
-            return False
-        return self._plan_rows(dst, rows or {}, live, self.mode, dry_run=True) is None
+        return dst in self.fitting([dst], live, rows)
+
+    def fitting(self, dsts: Sequence[str], live: list[Any], rows: dict[int, int] | None = None) -> list[str]:
+        """The layouts of `dsts` that `fits`, the batch checked and laid out once for all of them (the
+        Policy asks about every candidate each time it weighs the batch)."""
+        need = self._need(live)
+        dsts = [dst for dst in dsts if self.stranded(dst, live, need) is None]
+        if not dsts:
+            return []
+        reqs = self._live_requests(live, rows or {})
+        cols = self.planner.columns(reqs)
+        return [dst for dst in dsts if self._plan_reqs(dst, reqs, self.mode, dry_run=True, cols=cols) is None]
 
     # ---- requests from outside (benchmarks, tests) ------------------------------------------------
     def request(self, dst: str, mode: str | None = None) -> None:
@@ -198,8 +212,10 @@ class SwitchController(AutoLayout):
             (dst, m), cause = self._requested, "request"
             mode = m or mode
             self._requested = None
-        live = [s for s in self.sched.running if s.pages and any(p >= 0 for row in s.pages for p in row)]
         back, self._switch_back = self._switch_back, None
+        # The sequences holding pages (a fixed layout with nothing to switch needs none of this).
+        live = ([s for s in self.sched.running if any(row and max(row) >= 0 for row in s.pages)]
+                if self.auto or dst is not None or back is not None else [])
         if cause == "" and back is not None and back.dst == cur and live:
             dst, cause = back.src, "guard"
             self._record_back(plan, live, back)
@@ -241,22 +257,26 @@ class SwitchController(AutoLayout):
 
     def _plan(self, dst: str, plan: StepPlan, live: list[Any], mode: str) -> Any:
         """The planner's SwitchPlan (or refusal) for this step's live batch into `dst`."""
-        return self._plan_rows(dst, {s.req_id: s.num_new for s in plan.seqs}, live, mode)
+        return self._plan_reqs(dst, self._live_requests(live, {s.req_id: s.num_new for s in plan.seqs}), mode)
 
-    def _plan_rows(self, dst: str, rows: dict[int, int], live: list[Any], mode: str,
-                   dry_run: bool = False) -> Any:
-        """`_plan` given the step's rows per request; `dry_run`: the planner's check only (its refusal,
-        or None where it would plan)."""
-        reqs = [LiveRequest(seq.seq_id, context=seq.num_computed, owner=seq.owner,
+    def _live_requests(self, live: list[Any], rows: dict[int, int]) -> list[LiveRequest]:
+        """The planner's view of the live sequences, this step's rows included."""
+        return [LiveRequest(seq.seq_id, context=seq.num_computed, owner=seq.owner,
                             pages=[row[:] for row in seq.pages],
                             tokens=seq.num_computed + rows.get(seq.seq_id, 0),
                             projected=self._projected(seq))
                 for seq in live]
+
+    def _plan_reqs(self, dst: str, reqs: list[LiveRequest], mode: str, dry_run: bool = False,
+                   cols: Any = None) -> Any:
+        """The planner's plan into `dst`; `dry_run`: its check only (its refusal, or None where it would
+        plan); `cols`: `planner.columns(reqs)`, when already made."""
         self.planner.reserve = self.replicas.reserve(dst)
         # Leaving DP/CP gives the replicas' withheld pages back at commit: dst's Eq 6 has them.
         self.planner.returned = self.replicas.returned(dst)
         try:
-            return self.planner.check(dst, reqs, mode) if dry_run else self.planner.plan(dst, reqs, mode)
+            return (self.planner.check(dst, reqs, mode, cols) if dry_run
+                    else self.planner.plan(dst, reqs, mode))
         finally:
             self.planner.reserve, self.planner.returned = [0] * self.world, [0] * self.world
 

@@ -91,16 +91,23 @@ class SwitchPlanner:
         """
         return self._plan(dst, live, mode, dry_run=False)  # type: ignore[return-value]
 
-    def check(self, dst: str, live: Sequence[LiveRequest], mode: str = "overlapped") -> SwitchRefusal | None:
+    def check(self, dst: str, live: Sequence[LiveRequest], mode: str = "overlapped",
+              cols: Columns | None = None) -> SwitchRefusal | None:
         """`plan` as a dry run: the same owners, destination tables and Eq 5/6 checks, nothing allocated;
         the refusal `plan` would return, or None where it would plan the switch. The engine's one
-        memory-feasibility check (`SwitchController.fits` asks it before the Policy weighs a layout).
-        Without `weight_headroom` the manifest is not built: only the weights check reads its bytes."""
-        out = self._plan(dst, live, mode, dry_run=True)
+        memory-feasibility check (`SwitchController.fitting` asks it before the Policy weighs a layout).
+        Without `weight_headroom` the manifest is not built: only the weights check reads its bytes.
+        `cols`: `columns(live)` when several destinations are checked for the same batch."""
+        out = self._plan(dst, live, mode, dry_run=True, cols=cols)
         return out if isinstance(out, SwitchRefusal) else None
 
+    def columns(self, live: Sequence[LiveRequest]) -> Columns:
+        """The live requests checked and laid out side by side: what every destination's plan starts
+        from (computed once when several are checked)."""
+        return self._check_live(live)
+
     def _plan(self, dst: str, live: Sequence[LiveRequest], mode: str,
-              dry_run: bool) -> SwitchPlan | SwitchRefusal | None:
+              dry_run: bool, cols: Columns | None = None) -> SwitchPlan | SwitchRefusal | None:
         src, T, P = self.alloc.layout, self.world, self.alloc.page_size
         dst = str(dst).lower()
         if dst not in LAYOUTS:
@@ -109,7 +116,7 @@ class SwitchPlanner:
             raise ValueError(f"already running {src}; a switch needs a different destination")
         if mode not in MODES:
             raise ValueError(f"unknown switch mode {mode!r}; choose one of {', '.join(MODES)}")
-        cols = self._check_live(live)
+        cols = self._check_live(live) if cols is None else cols
         free = self.alloc.num_free
         owners = self._choose_owners(src, dst, live, cols, free)
         if isinstance(owners, SwitchRefusal):
