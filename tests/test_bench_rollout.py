@@ -97,3 +97,14 @@ def test_changes_keep_only_moves_of_the_verdict():
                    dec(3, "dop", "dp", ["dop", "dp"], t1), dec(4, "dp", "dp", ["dop", "dp"], t1)])
     assert [d["step"] for d in log] == [1, 3, 4]
     assert log[1]["switch"] and log[1]["predicted_ms"]["dp"] == pytest.approx(40.0)
+
+
+def test_run_order_is_a_permutation_and_varies_who_runs_before_whom():
+    from splash.bench.rollout import RUNS, run_order
+
+    runs = list(RUNS)
+    orders = [run_order(runs, rep) for rep in range(4)]
+    assert all(sorted(o) == sorted(runs) for o in orders)
+    assert len({o[0] for o in orders}) == 4, "a different layout starts each repeat"
+    before_auto = {o[o.index("auto") - 1] for o in orders if o.index("auto")}
+    assert len(before_auto) >= 2, "auto must not always follow the same layout"

@@ -98,7 +98,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
                        default=None,
                        help=f"{what} (default {getattr(Workload, field):g}, quick {getattr(QUICK, field):g})")
     p.add_argument("--repeats", type=positive_int, default=1,
-                   help="runs per layout, interleaved in rotating order; the median run counts (default 1)")
+                   help="runs per layout, interleaved in rotating order (reversed every other repeat); the "
+                        "median run counts (default 1)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"which of {','.join(RUNS)} to run")
     p.add_argument("--kv-tokens", type=positive_int, default=None,
                    help="KV tokens per rank under DP (sets the memory budget; default: twice the longest "
@@ -267,6 +268,15 @@ def per_repeat(every: dict[str, list[dict[str, Any]]], repeats: int) -> dict[str
             "auto_vs_oracle_gated_each": vs_oracle}
 
 
+def run_order(runs: list[str], rep: int) -> list[str]:
+    """Repeat `rep`'s order: rotated, so no layout always runs first or last, and reversed every other
+    repeat, so no layout always runs right after the same one (auto would otherwise always follow DOP,
+    whose heap it inherits)."""
+    order = runs if rep % 2 == 0 else runs[::-1]
+    k = rep % len(order)
+    return order[k:] + order[:k]
+
+
 def rollout(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -302,8 +312,8 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
 
             bar = progress_bar(len(runs) * args.repeats, "bench rollout", "run")
         every: dict[str, list[dict[str, Any]]] = {lay: [] for lay in runs}
-        for rep in range(args.repeats):  # rotate the order so no layout always runs first or last
-            for lay in runs[rep % len(runs):] + runs[:rep % len(runs)]:
+        for rep in range(args.repeats):
+            for lay in run_order(runs, rep):
                 every[lay].append(run_one(group, args, lay, memory, prompts, outs, bar))
                 if bar is not None:
                     bar.update(1)
