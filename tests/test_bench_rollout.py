@@ -108,3 +108,14 @@ def test_run_order_is_a_permutation_and_varies_who_runs_before_whom():
     assert len({o[0] for o in orders}) == 4, "a different layout starts each repeat"
     before_auto = {o[o.index("auto") - 1] for o in orders if o.index("auto")}
     assert len(before_auto) >= 2, "auto must not always follow the same layout"
+
+
+def test_gated_oracle_stays_in_its_layout_where_no_layout_holds_the_batch():
+    """A tail step whose batch, at its limits, outgrows every layout (the running one will preempt) is
+    priced in the layout that ran it, never in a faster layout that could not take the batch over."""
+    big_tail = [(0.05, 2, 5000)] * 4 + [(0.05, 2, 200)] * 6  # 5000 tokens: more than any capacity
+    runs = {"big": run(timeline([0.1] * 3, big_tail), 3000),
+            "small": run(timeline([0.1] * 8, [(0.02, 2, 200)] * 10), 1000)}
+    g = analyse(runs)["oracle_gated"]
+    assert g["wide_layout"] == "big" and g["makespan_s"] == pytest.approx(0.3 + 4 * 0.05 + 6 * 0.02)
+    assert analyse(runs)["oracle"]["makespan_s"] == pytest.approx(0.3 + 10 * 0.02)  # ungated: no gate

@@ -9,7 +9,9 @@ fastest per-step time any fixed layout showed at that batch size. It ignores swi
 memory that keeps a narrow-capacity layout out until the batch has shrunk, so it is an optimistic
 upper bound: if it is below the target, no switching policy can reach the target on this run. The
 gated bound admits a layout at a tail step only once the running requests, grown to their limits,
-fit its distinct KV capacity (the condition auto's Eq 6 check imposes, less per-rank packing).
+fit its distinct KV capacity (the condition auto's Eq 6 check imposes, less per-rank packing); at a
+step where none does (the batch outgrows even the wide layout, which will preempt), it stays in the
+layout that ran.
 """
 
 from __future__ import annotations
@@ -82,10 +84,11 @@ def analyse(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             p, tail = phases[name], 0.0
             for b, dt, kv in p["tail"]:
                 measured = [lay for lay in fixed if b in times[lay]]
-                fast = min((times[lay][b] for lay in measured), default=dt)  # none measured: as it ran
                 ok = [lay for lay in measured if kv <= capacity[lay]] if gated else measured
-                # no measured layout passes the gate: ungated at this step, so gating never lowers the bound
-                tail += min((times[lay][b] for lay in ok), default=fast)
+                # None passes the gate (the batch at its limits outgrows every layout: the run's own
+                # layout will preempt): no switch is admissible, so the step runs as it did, priced like
+                # its other steps (its own median at this batch size). None measured: as it ran.
+                tail += min((times[lay][b] for lay in ok), default=times[name].get(b, dt))
             total = p["wide_s"] + tail
             if best is None or total < best["makespan_s"]:
                 best = {"makespan_s": total, "wide_layout": name, "wide_s": p["wide_s"], "tail_s": tail}
