@@ -271,7 +271,7 @@ def per_repeat(every: dict[str, list[dict[str, Any]]], repeats: int) -> dict[str
 def run_order(runs: list[str], rep: int) -> list[str]:
     """Repeat `rep`'s order: rotated, so no layout always runs first or last, and reversed every other
     repeat, so no layout always runs right after the same one (auto would otherwise always follow DOP,
-    whose heap it inherits)."""
+    in whatever state DOP's run left the machine and the rank processes)."""
     order = runs if rep % 2 == 0 else runs[::-1]
     k = rep % len(order)
     return order[k:] + order[:k]
