@@ -101,11 +101,6 @@ class SwitchPlanner:
         out = self._plan(dst, live, mode, dry_run=True, cols=cols)
         return out if isinstance(out, SwitchRefusal) else None
 
-    def columns(self, live: Sequence[LiveRequest]) -> Columns:
-        """The live requests checked and laid out side by side: what every destination's plan starts
-        from (computed once when several are checked)."""
-        return self._check_live(live)
-
     def _plan(self, dst: str, live: Sequence[LiveRequest], mode: str,
               dry_run: bool, cols: Columns | None = None) -> SwitchPlan | SwitchRefusal | None:
         src, T, P = self.alloc.layout, self.world, self.alloc.page_size
@@ -116,7 +111,7 @@ class SwitchPlanner:
             raise ValueError(f"already running {src}; a switch needs a different destination")
         if mode not in MODES:
             raise ValueError(f"unknown switch mode {mode!r}; choose one of {', '.join(MODES)}")
-        cols = self._check_live(live) if cols is None else cols
+        cols = self.columns(live) if cols is None else cols
         free = self.alloc.num_free
         owners = self._choose_owners(src, dst, live, cols, free)
         if isinstance(owners, SwitchRefusal):
@@ -204,9 +199,10 @@ class SwitchPlanner:
                                f"{self.alloc.layout}")
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _check_live(self, live: Sequence[LiveRequest]) -> Columns:
+    def columns(self, live: Sequence[LiveRequest]) -> Columns:
         """Raise ValueError for inconsistent requests (the first bad request, in order); return their
-        source tables side by side."""
+        source tables side by side: what every destination's plan starts from (made once when several
+        destinations are checked for the same batch)."""
         T, P = self.world, self.alloc.page_size
         scalars = request_scalars(live, P, T)
         ok = first_bad(live, scalars, T)
