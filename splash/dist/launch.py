@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from splash.dist.affinity import bind
 from splash.dist.groups import DEFAULT_TIMEOUT_S, init_distributed
 
 
@@ -104,10 +105,12 @@ def resolve_launch(tp: int | None = None, nnodes: int = 1, node_rank: int = 0,
 
 # ---- worker processes ---------------------------------------------------------------------------
 def _entry(rank: int, world: int, init_method: str, backend: str | None, timeout_s: float,
-           threads: int | None, target: Callable[..., Any], args: tuple, results: Any) -> None:
+           threads: int | None, target: Callable[..., Any], args: tuple, results: Any,
+           cores: Sequence[int] | None = None) -> None:
     """Child main: join the grid, run target, post ("ok"|"err", rank, pickled payload)."""
     grid = None
     try:
+        bind(cores)
         if threads:
             import torch
 
@@ -192,11 +195,13 @@ class WorkerGroup:
 def start_workers(world: int, target: Callable[..., Any], args: Sequence[Any] = (),
                   ranks: Sequence[int] | None = None, init_method: str | None = None,
                   backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  threads: int | None = None) -> WorkerGroup:
+                  threads: int | None = None,
+                  cores: Mapping[int, Sequence[int]] | None = None) -> WorkerGroup:
     """Spawn `ranks` (default all) of a `world`-rank grid; each runs `target(grid, *args)`.
 
     `target` and `args` must be picklable (module-level function). `timeout_s` bounds every
-    data-plane collective inside the workers.
+    data-plane collective inside the workers. `cores`: the CPU cores each rank binds itself to
+    (`splash.dist.affinity.plan`); a rank not in it is not bound.
     """
     ranks = list(range(world)) if ranks is None else list(ranks)
     init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
@@ -206,7 +211,7 @@ def start_workers(world: int, target: Callable[..., Any], args: Sequence[Any] = 
     for r in ranks:
         p = ctx.Process(target=_entry, name=f"splash-rank{r}", daemon=True,
                         args=(r, world, init_method, backend, timeout_s, threads, target,
-                              tuple(args), results))
+                              tuple(args), results, (cores or {}).get(r)))
         p.start()
         procs[r] = p
     return WorkerGroup(procs, results)

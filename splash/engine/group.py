@@ -25,6 +25,7 @@ import time
 import weakref
 from typing import Any
 
+from splash.dist import affinity
 from splash.dist.groups import DEFAULT_TIMEOUT_S, check_devices, init_distributed, pick_backend
 from splash.dist.launch import LaunchSpec, WorkerError, WorkerGroup, resolve_launch, start_workers
 from splash.engine.plan import StepPlan, control_plan
@@ -71,6 +72,7 @@ class RankGroup:
         self.error: BaseException | None = None
         self.closed = False
         self.owner: Any = None  # the engine currently loaded (a new load replaces it)
+        self.bound: Any = None  # rank 0's thread and its CPU cores before it bound itself (to undo)
         ref = weakref.ref(self)
         atexit.register(lambda: (g := ref()) is not None and g.close())
 
@@ -101,10 +103,12 @@ class RankGroup:
             torch.set_num_threads(threads)
         workers = None
         start = start_timeout(timeout_s)
+        cores = affinity.plan(len(launch.ranks), threads or 1) if backend == "gloo" else None
+        by_rank = dict(zip(launch.ranks, cores)) if cores else {}
         if local:
             workers = start_workers(launch.world, worker_main, (timeout_s,), ranks=local,
                                     init_method=launch.init_method, backend=backend, timeout_s=start,
-                                    threads=threads)
+                                    threads=threads, cores=by_rank)
         try:
             grid = _watching(workers, lambda: init_distributed(0, launch.world, launch.init_method,
                                                                backend=backend, timeout_s=start,
@@ -117,7 +121,12 @@ class RankGroup:
         # Rank 0's control group gets the data-plane timeout too: a plan a hung rank never takes fails
         # the send after `timeout_s`. Workers keep the long default: they may wait idle for days.
         set_data_timeout(grid, timeout_s, control=True)
-        return cls(grid, launch, workers, timeout_s)
+        group = cls(grid, launch, workers, timeout_s)
+        # Rank 0 binds itself only now: the spawned ranks imported torch beside it on every core.
+        group.bound = affinity.bind(by_rank.get(0))
+        if by_rank:
+            log.info("ranks bound to CPU cores %s (%s=off to stop)", by_rank, affinity.ENV)
+        return group
 
     @property
     def world(self) -> int:
@@ -258,6 +267,8 @@ class RankGroup:
             self.grid.destroy()
         except Exception as e:  # noqa: BLE001 - a broken group may not tear down cleanly
             log.warning("rank group teardown: %s", e)
+        finally:
+            affinity.restore(self.bound)
 
 
 def _drain(workers: WorkerGroup) -> list[tuple[str, int, bytes]]:
@@ -341,9 +352,11 @@ def run_worker_node(launch: LaunchSpec, device: str | None = None, timeout_s: fl
         finally:
             grid.destroy()
         return 0
+    cores = affinity.plan(len(launch.ranks), threads or 1) if backend == "gloo" else None
     workers = start_workers(launch.world, worker_main, (timeout_s,), ranks=launch.ranks,
                             init_method=launch.init_method, backend=backend,
-                            timeout_s=start_timeout(timeout_s), threads=threads)
+                            timeout_s=start_timeout(timeout_s), threads=threads,
+                            cores=dict(zip(launch.ranks, cores)) if cores else None)
     try:
         while not workers.finished:
             workers.poll()  # raises WorkerError for a rank that failed (e.g. rank 0 went away)
