@@ -119,3 +119,15 @@ def test_gated_oracle_stays_in_its_layout_where_no_layout_holds_the_batch():
     g = analyse(runs)["oracle_gated"]
     assert g["wide_layout"] == "big" and g["makespan_s"] == pytest.approx(0.3 + 4 * 0.05 + 6 * 0.02)
     assert analyse(runs)["oracle"]["makespan_s"] == pytest.approx(0.3 + 10 * 0.02)  # ungated: no gate
+
+
+def test_a_run_alone_prices_its_own_tail_at_what_it_took():
+    """Skewed step times (one stall among quick steps): the oracle built from one fixed run, which can
+    only keep that run's layout, must come out at that run's makespan, not below it."""
+    tail = [(0.01, 2, 100)] * 5 + [(0.06, 2, 100)] + [(0.02, 1, 50)] * 4
+    runs = {"dop": run(timeline([0.1] * 3, tail), 3000)}
+    ph = analyse(runs)
+    for o in (ph["oracle"], ph["oracle_gated"]):
+        assert o["makespan_s"] == pytest.approx(runs["dop"]["makespan_s"])
+        assert o["vs_best_fixed"] == pytest.approx(1.0)
+    assert ph["runs"]["dop"]["tail_step_ms"]["B=2"] == pytest.approx(1e3 * 0.11 / 6)
