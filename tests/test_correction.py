@@ -13,7 +13,7 @@ import pytest
 
 from splash.core.config import PRESETS, ConfigError
 from splash.core.correction import CorrectionConfig, StepCorrection, StepKey, bucket, bucket_label, describe
-from splash.core.costmodel import Batch, Theta
+from splash.core.costmodel import Batch, Theta, step_cost
 from splash.core.layouts import Layout
 from splash.core.policy import PolicyConfig, decide
 from splash.core.regret import RegretGuard, median_se
@@ -177,17 +177,16 @@ def test_guard_switches_back_only_beyond_the_noise_of_its_median():
         RegretGuard(z=-1.0)
 
 
-def test_loop_on_a_synthetic_machine_switches_back_once_and_stays():
-    """The prior says TP is faster at B=2; on this synthetic machine TP truly runs 30% slower than the
-    prior says and DOP as predicted. The loop the engine runs: decide, run a step, measure, feed the
-    correction and the guard. Auto tries TP once, goes back, and never flaps."""
+def _loop(truth, steps: int = 120, unmeasured: float = 0.0):
+    """The loop the engine runs at B=2, TP and DOP: decide, run a step, measure (`truth(step, layout)`:
+    the machine's time over the prior's), feed the correction and the guard (its probation after a
+    switch, its recheck after a switch back). Returns (switches, guard, correction, layout, key)."""
     th, batch = _theta(), Batch.balanced(2, 64, 1, 2)
-    truth = {"tp": 1.3, "dop": 1.0}
     cfg = PolicyConfig(margin=0.05, min_dwell=4, layouts=(Layout.TP, Layout.DOP), page_size=None)
-    corr = StepCorrection(CorrectionConfig(unmeasured=0.0))  # optimistic about TP, so it tries it
+    corr = StepCorrection(CorrectionConfig(unmeasured=unmeasured))
     guard = RegretGuard(margin=0.05, window=4, block_steps=1000)
     key, cur, since, path, back = StepKey.of(batch.rows), "dop", 0, [], None
-    for step in range(120):
+    for step in range(steps):
         est = corr.estimates(["tp", "dop"], key, step)
         layouts = tuple(Layout.parse(lay) for lay in ("tp", "dop")
                         if lay == cur or not guard.blocked(lay, key.bucket, step))
@@ -201,16 +200,76 @@ def test_loop_on_a_synthetic_machine_switches_back_once_and_stays():
             cur, since, back = dst, 0, None
             continue  # the switching step is no sample
         since += 1
-        pred = {lay: e.predicted for lay, e in ((k.label.lower(), v) for k, v in d.evals.items())}
-        corr.observe(cur, key, pred[cur], pred[cur] * truth[cur], step)
-        src = guard.probation.src if guard.probation else None
-        cf = corr.measured(src, key, step) if src else None
-        v = guard.observe(step, cur, key.bucket, pred[cur] * truth[cur],
-                          cf.factor * pred[src] if cf is not None else None)
+        pred = {lay: step_cost(Layout.parse(lay), SIZES, batch, th, None).total for lay in ("tp", "dop")}
+        took = pred[cur] * truth(step, cur)
+        corr.observe(cur, key, pred[cur], took, step)
+        watched = guard.watching()
+        ref = corr.measured(watched[1], key, step) if watched and watched[0] == cur else None
+        v = guard.observe(step, cur, key.bucket, took, ref.factor * pred[watched[1]] if ref else None)
         back = v if v is not None and v.switch_back else None
+    return path, guard, corr, cur, key
+
+
+def test_loop_on_a_synthetic_machine_switches_back_once_and_stays():
+    """The prior says TP is faster at B=2; on this synthetic machine TP truly runs 30% slower than the
+    prior says and DOP as predicted. Auto tries TP once, goes back, and never flaps: the recheck finds
+    DOP, back again, faster than TP was, so TP stays blocked."""
+    path, guard, corr, cur, key = _loop(lambda step, lay: {"tp": 1.3, "dop": 1.0}[lay])
     assert [(a, b) for _, a, b in path] == [("dop", "tp"), ("tp", "dop")], path
     assert guard.num_switch_backs == 1 and cur == "dop"
     assert corr.estimate("tp", key, ["tp", "dop"]).factor == pytest.approx(1.3)
+    assert guard.blocked("tp", key.bucket, 100) and not any(v.unblocked for v in guard.verdicts)
+
+
+def test_loop_rechecks_a_switch_back_that_followed_the_machine_not_the_layout():
+    """TP truly runs 20% faster than the prior says (which already has it faster than DOP), but the
+    machine slows by 1.6x at the very step auto switches to TP (another tenant), and stays slow. Against
+    DOP's pace from before, TP looks slower, so the guard switches back; DOP, back again, runs slower
+    than TP did, so the recheck lifts TP's block, and auto returns to TP (now judged against DOP's slow
+    pace: kept) and stays there."""
+    slow_from: list[int] = []
+
+    def truth(step: int, lay: str) -> float:
+        if lay == "tp" and not slow_from:
+            slow_from.append(step)
+        return (0.8 if lay == "tp" else 1.0) * (1.6 if slow_from else 1.0)
+
+    path, guard, corr, cur, key = _loop(truth, steps=160, unmeasured=0.0)
+    assert [(a, b) for _, a, b in path] == [("dop", "tp"), ("tp", "dop"), ("dop", "tp")], path
+    assert guard.num_switch_backs == 1 and cur == "tp"
+    unblocked = [v for v in guard.verdicts if v.unblocked]
+    th, batch = _theta(), Batch.balanced(2, 64, 1, 2)
+    p_tp, p_dop = (step_cost(Layout.parse(lay), SIZES, batch, th, None).total for lay in ("tp", "dop"))
+    assert len(unblocked) == 1 and unblocked[0].regret == pytest.approx(1.6 * p_dop / (1.6 * 0.8 * p_tp))
+    assert "machine" in unblocked[0].reason and not guard.blocked("tp", key.bucket, 150)
+    last = guard.verdicts[-1]  # the second try, against DOP's slow pace: TP's true lead, kept
+    assert not last.switch_back and last.regret == pytest.approx(0.8 * p_tp / p_dop)
+
+
+def test_recheck_keeps_the_block_when_the_source_is_faster_and_ends_on_other_moves():
+    g = RegretGuard(margin=0.05, window=4, settle=1, block_steps=100)
+
+    def back_then(ratios: list[float]) -> list:
+        g.switched(0, "dop", "tp", voluntary=True)
+        v = [g.observe(1 + i, "tp", 2, 0.012, 0.010) for i in range(5)][-1]
+        assert v.switch_back and g.watching() == ("dop", "tp"), "next: DOP, against TP's pace"
+        g.switched(7, "tp", "dop", voluntary=False)  # the switch back keeps its recheck
+        assert g.watching() == ("dop", "tp") and g.recheck is not None
+        return [g.observe(8 + i, "dop", 2, 0.012 * r, 0.012) for i, r in enumerate([9.9] + ratios)]
+
+    out = back_then([0.8, 0.85, 0.8, 0.9])  # DOP runs faster than TP did: the switch back was right
+    assert out == [None] * 5 and g.recheck is None and g.blocked("tp", 2, 50)
+    out = back_then([1.0, 1.1, 1.2, 1.1])  # now the machine, not TP: lifted, once per pair
+    assert out[-1] is not None and out[-1].unblocked and not out[-1].switch_back
+    assert out[-1].to_dict()["unblocked"] and not g.blocked("tp", 2, 50) and ("tp", "dop") in g.rechecked
+    g.switched(0, "dop", "tp", voluntary=True)
+    [g.observe(1 + i, "tp", 2, 0.012, 0.010) for i in range(5)]
+    assert g.recheck is None and g.blocked("tp", 2, 50), "a second switch back of the pair is final"
+    g = RegretGuard(margin=0.05, window=4, settle=1, block_steps=100)
+    g.switched(0, "dop", "tp", voluntary=True)
+    [g.observe(1 + i, "tp", 2, 0.012, 0.010) for i in range(5)]
+    g.switched(7, "tp", "dp", voluntary=True)  # anything but the switch back ends the recheck
+    assert g.recheck is None and g.watching() == ("dp", "tp")
 
 
 def test_theta_profile_names(tmp_path, monkeypatch):

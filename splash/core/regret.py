@@ -19,7 +19,13 @@ reference pace (the median of its last few steps, whose error every regret share
 guard cannot prove is still seen by the policy, which prices both layouts at their measured pace and
 moves back past its own margin.
 Hysteresis: a switch back is not itself watched, and a blocked layout is no candidate, so the pair
-cannot flap. Pure and step-clocked: deterministic.
+cannot flap. But the source's pace the guard compared with is from *before* the switch: when the
+machine itself slows down just then (another tenant, a host's frequency drop), the destination looks
+slower than it is. So a switch back is rechecked: the source's next `window` comparable steps are
+compared with the pace the destination showed; if the source, back again, runs no faster than the
+destination did (median ratio at or over 1), the slowdown was the machine's, not the layout's, and
+the block is lifted (once per pair of layouts: the policy may try the destination again, at its
+measured pace). Pure and step-clocked: deterministic.
 """
 
 from __future__ import annotations
@@ -45,6 +51,18 @@ class Probation:
     ref_se: list[float] = field(default_factory=list)  # relative standard error of each counterfactual
 
 
+@dataclass
+class Recheck:
+    """A switch back under watch: does the source, run again, beat the pace the destination showed?"""
+
+    back: str  # the layout switched back to (the probation's source)
+    tried: str  # the layout given up and blocked (the probation's destination)
+    step: int  # the step whose verdict switched back
+    buckets: set[int]
+    ratios: list[float] = field(default_factory=list)  # measured(back) / counterfactual(tried)
+    seen: int = 0
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The end of a probation: keep the switch, or go back."""
@@ -57,9 +75,11 @@ class Verdict:
     se: float  # standard error of that median (from the regrets' interquartile range); nan: no samples
     step: int
     reason: str
+    unblocked: bool = False  # a recheck's verdict: the switch back followed the machine; block lifted
 
     def to_dict(self) -> dict[str, Any]:
         return {"src": self.src, "dst": self.dst, "switch_back": self.switch_back,
+                "unblocked": self.unblocked,
                 "regret": None if np.isnan(self.regret) else round(self.regret, 4), "samples": self.samples,
                 "se": None if np.isnan(self.se) else round(self.se, 4), "step": self.step,
                 "reason": self.reason}
@@ -89,14 +109,29 @@ class RegretGuard:
         self.z = z  # standard errors of the median regret a switch back must clear beyond the margin
         self.max_samples = max_samples  # comparable steps an inconclusive probation may extend to
         self.probation: Probation | None = None
+        self.recheck: Recheck | None = None
+        self.rechecked: set[tuple[str, str]] = set()  # (tried, back) pairs whose block was lifted once
         self.blocks: dict[tuple[str, int], int] = {}  # (layout, bucket) -> blocked until this step
         self.verdicts: list[Verdict] = []
         self.switch_backs: dict[tuple[str, str], int] = {}
 
     def switched(self, step: int, src: str, dst: str, voluntary: bool) -> None:
         """A switch committed at `step`. Only the policy's own (voluntary) switches are watched; any
-        other switch (forced, requested, a switch back) ends a probation unjudged."""
+        other switch (forced, requested, a switch back) ends a probation unjudged; any but the switch back
+        a recheck waits for ends that recheck."""
         self.probation = Probation(src, dst, int(step)) if voluntary and src != dst else None
+        r = self.recheck
+        if r is not None and (voluntary or (src, dst) != (r.tried, r.back)):
+            self.recheck = None
+
+    def watching(self) -> tuple[str, str] | None:
+        """(the layout under watch, the one its steps are compared with), or None: a probation compares
+        the destination with the source; a recheck, the source run again with the destination."""
+        if self.probation is not None:
+            return self.probation.dst, self.probation.src
+        if self.recheck is not None:
+            return self.recheck.back, self.recheck.tried
+        return None
 
     def observe(self, step: int, layout: str, bucket: int, measured_s: float,
                 counterfactual_s: float | None, counterfactual_se: float = 0.0) -> Verdict | None:
@@ -105,7 +140,7 @@ class RegretGuard:
         steps is uncertain too, and every regret shares that error)."""
         p = self.probation
         if p is None:
-            return None
+            return self._recheck(step, layout, bucket, measured_s, counterfactual_s)
         if layout != p.dst:  # the layout changed under the guard: nothing left to judge
             self.probation = None
             return None
@@ -122,6 +157,38 @@ class RegretGuard:
         if p.seen >= self.patience + self.settle:  # never comparable (or conclusive) enough: judge now
             return self._judge(step)
         return None
+
+    def _recheck(self, step: int, layout: str, bucket: int, measured_s: float,
+                 counterfactual_s: float | None) -> Verdict | None:
+        """One step of the source after a switch back, against the destination's measured pace."""
+        r = self.recheck
+        if r is None:
+            return None
+        if layout != r.back:
+            self.recheck = None
+            return None
+        r.seen += 1
+        if r.seen <= self.settle:
+            return None
+        if counterfactual_s is not None and counterfactual_s > 0 and measured_s > 0:
+            r.ratios.append(measured_s / counterfactual_s)
+        if len(r.ratios) < self.window and r.seen < self.patience + self.settle:
+            return None
+        self.recheck = None
+        if len(r.ratios) < min(self.min_samples, self.window):
+            return None  # nothing comparable: the block stands
+        ratio = float(np.median(r.ratios))
+        if ratio < 1.0:
+            return None  # the source runs faster than the destination did: the switch back was right
+        for b in r.buckets:
+            self.blocks.pop((r.tried, b), None)
+        self.rechecked.add((r.tried, r.back))
+        why = (f"after the switch back {r.back} runs at {ratio:.2f}x the pace {r.tried} showed (median of "
+               f"{len(r.ratios)}): the slowdown was the machine's, not {r.tried}'s; {r.tried} unblocked")
+        v = Verdict(r.back, r.tried, False, ratio, len(r.ratios), median_se(r.ratios), int(step), why,
+                    unblocked=True)
+        self.verdicts.append(v)
+        return v
 
     def _conclusive(self) -> bool:
         """Whether the regrets so far decide: the median within the margin (keep), or above it by more
@@ -153,6 +220,8 @@ class RegretGuard:
         if back:
             for b in p.buckets:
                 self.blocks[(p.dst, b)] = step + self.block_steps
+            if (p.dst, p.src) not in self.rechecked:
+                self.recheck = Recheck(p.src, p.dst, int(step), set(p.buckets))
             self.switch_backs[(p.dst, p.src)] = self.switch_backs.get((p.dst, p.src), 0) + 1
             why = (f"{p.dst} ran {regret - 1:.1%} slower than {p.src} would have on comparable steps "
                    f"(median of {len(p.regrets)}, standard error {se:.1%}) > margin {self.margin:.1%} + "

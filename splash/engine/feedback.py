@@ -9,7 +9,8 @@ theta, cached while the batch keeps its shape) and reports both. A step that swi
 a sample (it also moved state). During a probation the guard also gets the counterfactual: what the
 source layout's own recent pace on steps of the same kind (batch-size bucket, mix) says this batch
 would have taken there (with that pace's standard error); a step of a kind the source has not run
-recently is not compared.
+recently is not compared. After a switch back, the guard's recheck gets the reverse: what the layout
+given up showed on such steps.
 `timer` replaces the clock with a synthetic step-time source (tests: deterministic, no wall clock).
 """
 
@@ -65,21 +66,22 @@ class StepFeedback:
         wall = time.perf_counter() - self._t0
         step, layout, key, plan, live = self._step
         self._step = None
-        if (self.guard.probation is None and not self.priced(plan) and self._batch is not None
+        if (self.guard.watching() is None and not self.priced(plan) and self._batch is not None
                 and plan.step - self._batch[1] < SAMPLE_GAP):
             return None  # a new shape right after the last pricing: unsampled (the guard needs them all)
         predicted = self.price(layout, plan, live)
         measured = self.timer(layout, key, predicted) if self.timer is not None else wall
         self.correction.observe(layout, key, predicted, measured, step)
-        p = self.guard.probation
-        if p is None:
+        watched = self.guard.watching()
+        if watched is None:
             return None
+        running, other = watched
         counter, counter_se = None, 0.0
-        if layout == p.dst:  # comparable: the source measured on this very kind of step
-            src = self.correction.measured(p.src, key, step)
-            if src is not None:
-                counter = src.factor * self.price(p.src, plan, live)
-                counter_se = median_se(self.correction.fresh(p.src, key, step)) / src.factor
+        if layout == running:  # comparable: the other layout measured on this very kind of step
+            ref = self.correction.measured(other, key, step)
+            if ref is not None:
+                counter = ref.factor * self.price(other, plan, live)
+                counter_se = median_se(self.correction.fresh(other, key, step)) / ref.factor
         return self.guard.observe(step, layout, key.bucket, measured, counter, counter_se)
 
     # ---- prices ----------------------------------------------------------------------------------------

@@ -293,8 +293,8 @@ class SwitchController(AutoLayout):
             verdict = self.feedback.end()
             if verdict is not None:
                 self._switch_back = verdict if verdict.switch_back else None
-                (log.info if verdict.switch_back else log.debug)("step %d: regret guard: %s", st.plan.step,
-                                                                 verdict.reason)
+                (log.info if verdict.switch_back or verdict.unblocked else log.debug)(
+                    "step %d: regret guard: %s", st.plan.step, verdict.reason)
         sw, self.pending = self.pending, None
         if sw is None:
             return
