@@ -355,6 +355,59 @@ def test_auto_switch_back_by_the_regret_guard_changes_no_token(group, ckpt, tmp_
     assert set(rec.corrected_s) == set(rec.observed_s) == {"tp", "dp", "cp", "dop"} and rec.kind
 
 
+def test_auto_recheck_lifts_a_block_when_the_machine_slowed_and_changes_no_token(group, ckpt, tmp_path):
+    """The same crafted theta; a synthetic step-time source in which the machine slows 3x at the very
+    step auto leaves DOP: the destination (2 ms) looks slower than DOP's pace from before (1 ms), so the
+    guard switches back; DOP, back again, takes 3 ms, slower than the destination did, so the recheck
+    lifts the block. Tokens and logits equal the unswitched single-rank engine's (24 tokens per request:
+    room for the probation and the recheck after the dwell)."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    import json
+
+    from splash.calibration import runtime_prior
+    from splash.core.config import ModelConfig
+    from splash.core.correction import CorrectionConfig
+    from splash.core.sizes import AttentionSizes
+
+    path, _, _ = ckpt
+    new = 24
+    one = build_engine(model=path, num_kv_pages=96, **ENGINE)
+    try:
+        ref, ref_logits, _ = run(one, PROMPTS, new)
+    finally:
+        one.shutdown()
+    theta = runtime_prior(2, AttentionSizes(ModelConfig.from_hf(path), "fp64", "fp64")).to_dict()
+    theta["latency"] = 0.01
+    f = tmp_path / "theta.json"
+    f.write_text(json.dumps(theta))
+    eng = build_engine(model=path, rank_group=group, num_kv_pages=96, theta=str(f), min_dwell_steps=14,
+                       **ENGINE)
+    fb = eng.switcher.feedback
+    fb.correction.config = CorrectionConfig(min_samples=1)
+    fb.guard.window, fb.guard.settle = 2, 0
+    slow: list[str] = []
+
+    def timer(layout: str, key, predicted: float) -> float:
+        if layout != "dop" and not slow:
+            slow.append(layout)
+        return (0.003 if slow else 0.001) if layout == "dop" else 0.002
+
+    fb.timer = timer
+    try:
+        toks, logits, errors = run(eng, PROMPTS, new)
+        st = eng.stats()
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert toks == ref
+    close(logits, ref_logits, "auto with a switch back and a recheck")
+    verdicts = st["regret_verdicts"]
+    assert st["num_switch_backs"] >= 1 and verdicts[0]["switch_back"], verdicts
+    lifted = [v for v in verdicts if v["unblocked"]]
+    assert lifted and lifted[0]["dst"] == slow[0] and lifted[0]["regret"] == pytest.approx(1.5), verdicts
+
+
 def test_schedule_parsing_and_bad_input():
     assert parse_schedule("8:dp, 2:CP") == [(2, "cp"), (8, "dp")]
     for bad, msg in (("8-dp", "STEP:LAYOUT"), ("x:dp", "STEP:LAYOUT"), ("3:pp", "unknown layout"),
