@@ -16,6 +16,7 @@ def test_plan_gives_each_rank_its_own_cores(monkeypatch) -> None:
     assert affinity.plan(4, 1, range(2)) is None  # T=4 on 2 cores: oversubscribed, leave it to the OS
     assert affinity.plan(2, 2, range(3)) is None
     assert affinity.plan(1, 2, range(2)) is None  # one rank may use every core
+    assert affinity.for_ranks([0, 1], 1, "nccl") == {}  # GPU ranks: never bound
 
 
 def test_plan_can_be_turned_off_and_rejects_an_unknown_mode(monkeypatch) -> None:

@@ -303,13 +303,11 @@ def test_auto_layout_switches_without_changing_tokens(group, ckpt, tmp_path):
     close(logits, ref_logits, "auto")
 
 
-def test_auto_switch_back_by_the_regret_guard_changes_no_token(group, ckpt, tmp_path):
-    """The same crafted theta makes auto leave DOP once its dwell ends (in the decode phase); a synthetic
-    step-time source (no wall clock) then says every other layout runs 5x slower than DOP on this
-    machine: the regret guard switches back, counts it, blocks the layout it left, and every token and
-    logit equals the unswitched single-rank engine's (16 tokens per request: a longer decode phase)."""
-    if group.world != 2:
-        pytest.skip("once, at T = 2")
+def _guarded_auto(group, ckpt, tmp_path, new: int, timer):
+    """The unswitched single-rank reference (tokens, logits) for `new` tokens per request, and an auto
+    engine on the crafted theta (DOP's three collectives per layer at 10 ms latency: DP and TP predicted
+    far faster, so auto leaves DOP once its 14-step dwell ends), its guard judging on 2 steps and its
+    step clock replaced by `timer` (layout, key, predicted) -> seconds."""
     import json
 
     from splash.calibration import runtime_prior
@@ -318,14 +316,13 @@ def test_auto_switch_back_by_the_regret_guard_changes_no_token(group, ckpt, tmp_
     from splash.core.sizes import AttentionSizes
 
     path, _, _ = ckpt
-    new = 16
     one = build_engine(model=path, num_kv_pages=96, **ENGINE)
     try:
         ref, ref_logits, _ = run(one, PROMPTS, new)
     finally:
         one.shutdown()
     theta = runtime_prior(2, AttentionSizes(ModelConfig.from_hf(path), "fp64", "fp64")).to_dict()
-    theta["latency"] = 0.01  # DOP's three collectives per layer: DP and TP predicted far faster
+    theta["latency"] = 0.01
     f = tmp_path / "theta.json"
     f.write_text(json.dumps(theta))
     eng = build_engine(model=path, rank_group=group, num_kv_pages=96, theta=str(f), min_dwell_steps=14,
@@ -333,7 +330,20 @@ def test_auto_switch_back_by_the_regret_guard_changes_no_token(group, ckpt, tmp_
     fb = eng.switcher.feedback
     fb.correction.config = CorrectionConfig(min_samples=1)  # a short batch: judge on few steps
     fb.guard.window, fb.guard.settle = 2, 0
-    fb.timer = lambda layout, key, predicted: 0.001 if layout == "dop" else 0.005
+    fb.timer = timer
+    return ref, ref_logits, eng
+
+
+def test_auto_switch_back_by_the_regret_guard_changes_no_token(group, ckpt, tmp_path):
+    """The same crafted theta makes auto leave DOP once its dwell ends (in the decode phase); a synthetic
+    step-time source (no wall clock) then says every other layout runs 5x slower than DOP on this
+    machine: the regret guard switches back, counts it, blocks the layout it left, and every token and
+    logit equals the unswitched single-rank engine's (16 tokens per request: a longer decode phase)."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    new = 16
+    ref, ref_logits, eng = _guarded_auto(group, ckpt, tmp_path, new,
+                                         lambda layout, key, predicted: 0.001 if layout == "dop" else 0.005)
     try:
         toks, logits, errors = run(eng, PROMPTS, new)
         st = eng.stats()
@@ -363,29 +373,7 @@ def test_auto_recheck_lifts_a_block_when_the_machine_slowed_and_changes_no_token
     room for the probation and the recheck after the dwell)."""
     if group.world != 2:
         pytest.skip("once, at T = 2")
-    import json
-
-    from splash.calibration import runtime_prior
-    from splash.core.config import ModelConfig
-    from splash.core.correction import CorrectionConfig
-    from splash.core.sizes import AttentionSizes
-
-    path, _, _ = ckpt
     new = 24
-    one = build_engine(model=path, num_kv_pages=96, **ENGINE)
-    try:
-        ref, ref_logits, _ = run(one, PROMPTS, new)
-    finally:
-        one.shutdown()
-    theta = runtime_prior(2, AttentionSizes(ModelConfig.from_hf(path), "fp64", "fp64")).to_dict()
-    theta["latency"] = 0.01
-    f = tmp_path / "theta.json"
-    f.write_text(json.dumps(theta))
-    eng = build_engine(model=path, rank_group=group, num_kv_pages=96, theta=str(f), min_dwell_steps=14,
-                       **ENGINE)
-    fb = eng.switcher.feedback
-    fb.correction.config = CorrectionConfig(min_samples=1)
-    fb.guard.window, fb.guard.settle = 2, 0
     slow: list[str] = []
 
     def timer(layout: str, key, predicted: float) -> float:
@@ -393,7 +381,7 @@ def test_auto_recheck_lifts_a_block_when_the_machine_slowed_and_changes_no_token
             slow.append(layout)
         return (0.003 if slow else 0.001) if layout == "dop" else 0.002
 
-    fb.timer = timer
+    ref, ref_logits, eng = _guarded_auto(group, ckpt, tmp_path, new, timer)
     try:
         toks, logits, errors = run(eng, PROMPTS, new)
         st = eng.stats()

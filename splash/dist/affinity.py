@@ -1,9 +1,9 @@
 """Which CPU cores each of a node's ranks runs on (gloo/CPU only).
 
-Ranks that share a node's cores and float between them lose their caches to migrations and to each
-other's threads; measured on the 2-core machine at T=2 (`bench rollout --runs dop,tp`, 10 runs each),
-binding each rank to its own core made fixed DOP 13% and fixed TP 10% faster and their run-to-run
-spread smaller. So when the node's ranks times their threads fit the cores this process may use, each
+Ranks that share a node's cores float between them (free for the kernel to move onto each other's
+core); measured on the 2-core machine at T=2 (`bench rollout`, invocations alternating bound and
+unbound), binding each rank to its own core made fixed DOP 7% faster (18 runs each), fixed TP 10%
+(10 each) and auto 9% (8 each), and DOP's run-to-run spread 12.8% -> 9.5%. So when the node's ranks times their threads fit the cores this process may use, each
 local rank gets its own disjoint slice of them (vLLM's CPU engine binds its threads likewise). When
 they do not fit (e.g. T=4 on 2 cores) nothing is bound. `SPLASH_CPU_BIND=off` turns binding off.
 """
@@ -39,6 +39,12 @@ def plan(local_ranks: int, threads: int, allowed: Iterable[int] | None = None) -
     if local_ranks < 2 or local_ranks * threads > len(cores):
         return None
     return [tuple(cores[i * threads:(i + 1) * threads]) for i in range(local_ranks)]
+
+
+def for_ranks(ranks: Sequence[int], threads: int | None, backend: str) -> dict[int, tuple[int, ...]]:
+    """`plan` for a node's ranks by global rank ({} where nothing is bound): CPU ranks (gloo) only."""
+    cores = plan(len(ranks), threads or 1) if backend == "gloo" else None
+    return dict(zip(ranks, cores)) if cores else {}
 
 
 def bind(cores: Sequence[int] | None) -> tuple[int, set[int]] | None:

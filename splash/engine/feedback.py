@@ -66,13 +66,13 @@ class StepFeedback:
         wall = time.perf_counter() - self._t0
         step, layout, key, plan, live = self._step
         self._step = None
-        if (self.guard.watching() is None and not self.priced(plan) and self._batch is not None
+        watched = self.guard.watching()
+        if (watched is None and not self.priced(plan) and self._batch is not None
                 and plan.step - self._batch[1] < SAMPLE_GAP):
             return None  # a new shape right after the last pricing: unsampled (the guard needs them all)
         predicted = self.price(layout, plan, live)
         measured = self.timer(layout, key, predicted) if self.timer is not None else wall
         self.correction.observe(layout, key, predicted, measured, step)
-        watched = self.guard.watching()
         if watched is None:
             return None
         running, other = watched

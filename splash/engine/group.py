@@ -103,8 +103,7 @@ class RankGroup:
             torch.set_num_threads(threads)
         workers = None
         start = start_timeout(timeout_s)
-        cores = affinity.plan(len(launch.ranks), threads or 1) if backend == "gloo" else None
-        by_rank = dict(zip(launch.ranks, cores)) if cores else {}
+        by_rank = affinity.for_ranks(launch.ranks, threads, backend)
         if local:
             workers = start_workers(launch.world, worker_main, (timeout_s,), ranks=local,
                                     init_method=launch.init_method, backend=backend, timeout_s=start,
@@ -352,11 +351,10 @@ def run_worker_node(launch: LaunchSpec, device: str | None = None, timeout_s: fl
         finally:
             grid.destroy()
         return 0
-    cores = affinity.plan(len(launch.ranks), threads or 1) if backend == "gloo" else None
     workers = start_workers(launch.world, worker_main, (timeout_s,), ranks=launch.ranks,
                             init_method=launch.init_method, backend=backend,
                             timeout_s=start_timeout(timeout_s), threads=threads,
-                            cores=dict(zip(launch.ranks, cores)) if cores else None)
+                            cores=affinity.for_ranks(launch.ranks, threads, backend))
     try:
         while not workers.finished:
             workers.poll()  # raises WorkerError for a rank that failed (e.g. rank 0 went away)
