@@ -108,6 +108,9 @@ def test_run_order_is_a_permutation_and_varies_who_runs_before_whom():
     assert len({o[0] for o in orders}) == 4, "a different layout starts each repeat"
     before_auto = {o[o.index("auto") - 1] for o in orders if o.index("auto")}
     assert len(before_auto) >= 2, "auto must not always follow the same layout"
+    # Two runs alternate who goes first (rotating each repeat by one would undo the reversal).
+    pairs = [run_order(["dop", "auto"], rep) for rep in range(4)]
+    assert sum(o[0] == "auto" for o in pairs) == 2, pairs
 
 
 def test_gated_oracle_stays_in_its_layout_where_no_layout_holds_the_batch():
@@ -131,3 +134,31 @@ def test_a_run_alone_prices_its_own_tail_at_what_it_took():
         assert o["makespan_s"] == pytest.approx(runs["dop"]["makespan_s"])
         assert o["vs_best_fixed"] == pytest.approx(1.0)
     assert ph["runs"]["dop"]["tail_step_ms"]["B=2"] == pytest.approx(1e3 * 0.11 / 6)
+
+
+def test_oracle_chooses_by_every_repeat_and_pays_this_repeats_price():
+    """x has the fast wide phase; x and y cost the same per tail step, and each is lucky in one repeat.
+    Choosing by a repeat's own runs alone, the oracle runs x's wide phase and y's lucky tail: 1.2x the
+    best fixed run for two layouts of equal cost. Choosing by the pooled evidence (a tie: stay), it is
+    the best fixed run; a layout faster in every repeat is still chosen, at this repeat's price."""
+    from splash.bench.phases import pooled_times
+
+    def rep(x: float, y: float) -> dict:
+        return {"x": run(timeline([0.1] * 3, [(x, 2, 100)] * 10), 3000),
+                "y": run(timeline([0.1] * 8, [(y, 2, 100)] * 10), 3000)}
+
+    def both(reps: list[dict]) -> dict:
+        return pooled_times({k: [r[k] for r in reps] for k in ("x", "y")})
+
+    reps = [rep(0.03, 0.02), rep(0.02, 0.03)]
+    pooled = both(reps)
+    assert pooled["x"][bucket(2)] == pytest.approx(0.025) == pooled["y"][bucket(2)]
+    assert analyse(reps[0])["oracle_gated"]["vs_best_fixed"] == pytest.approx(0.6 / 0.5)  # y's luck
+    for r in reps:
+        assert analyse(r, pooled)["oracle_gated"]["vs_best_fixed"] == pytest.approx(1.0)
+    reps = [rep(0.03, 0.02), rep(0.03, 0.025)]
+    g = analyse(reps[1], both(reps))["oracle_gated"]
+    assert g["wide_layout"] == "x" and g["makespan_s"] == pytest.approx(0.3 + 10 * 0.025)
+    # A pooled choice that loses in this repeat (y: 0.0225 pooled, 0.03 here) is not taken: staying is.
+    reps = [rep(0.03, 0.015), rep(0.028, 0.03)]
+    assert analyse(reps[1], both(reps))["oracle_gated"]["makespan_s"] == pytest.approx(0.3 + 10 * 0.028)

@@ -12,6 +12,11 @@ gated bound admits a layout at a tail step only once the running requests, grown
 fit its distinct KV capacity (the condition auto's Eq 6 check imposes, less per-rank packing); at a
 step where none does (the batch outgrows even the wide layout, which will preempt), it stays in the
 layout that ran.
+With several repeats, the oracle of a repeat chooses each tail step's layout by every repeat's evidence
+(`pooled`: each layout's mean step time per batch size over all its runs) and pays what the chosen
+layout took in this repeat. Choosing by this repeat's means alone takes the minimum of four noisy
+estimates: a layout's lucky run would set the bound, which no policy could foresee (two layouts of equal
+cost, each lucky in one repeat, put that oracle below both fixed runs in every repeat).
 """
 
 from __future__ import annotations
@@ -66,11 +71,20 @@ def step_times(tail: Sequence[tuple[int, float, int]]) -> dict[int, float]:
     return {b: float(np.mean(v)) for b, v in by.items() if len(v) >= 3}
 
 
-def analyse(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Per-run phases, per-layout tail step times by batch size, and the oracle bound over the fixed runs."""
+def pooled_times(every: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, dict[int, float]]:
+    """Each layout's mean tail step time per batch-size bucket over all its runs (its repeats)."""
+    return {name: step_times([x for r in rs for x in split(r["timeline"])["tail"]])
+            for name, rs in every.items()}
+
+
+def analyse(runs: Mapping[str, Mapping[str, Any]],
+            pooled: Mapping[str, Mapping[int, float]] | None = None) -> dict[str, Any]:
+    """Per-run phases, per-layout tail step times by batch size, and the oracle bound over the fixed runs;
+    `pooled` (`pooled_times` over every repeat): what the oracle chooses each tail step's layout by."""
     phases = {name: split(r["timeline"]) for name, r in runs.items()}
     fixed = [name for name in runs if name != "auto"]
     times = {name: step_times(phases[name]["tail"]) for name in runs}
+    rank = pooled or times
     fastest: dict[int, tuple[str, float]] = {}
     for name in fixed:
         for b, dt in times[name].items():
@@ -84,14 +98,26 @@ def analyse(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         requests' limits where the timeline has them: no later preemption, as auto's Eq 6 demands)."""
         best = None
         for name in fixed:
-            p, tail = phases[name], 0.0
+            p, tail, own = phases[name], 0.0, 0.0
             for b, dt, kv in p["tail"]:
+                own += times[name].get(b, dt)
                 measured = [lay for lay in fixed if b in times[lay]]
                 ok = [lay for lay in measured if kv <= capacity[lay]] if gated else measured
                 # None passes the gate (the batch at its limits outgrows every layout: the run's own
                 # layout will preempt): no switch is admissible, so the step runs as it did, priced like
                 # its other steps (its own mean at this batch size). None measured: as it ran.
-                tail += min((times[lay][b] for lay in ok), default=times[name].get(b, dt))
+                if not ok:
+                    tail += times[name].get(b, dt)
+                    continue
+                # Chosen by the evidence (a tie, to rounding: stay), paid at what it took here.
+                def score(lay: str, b: int = b) -> float:
+                    return rank.get(lay, times[lay]).get(b, times[lay][b])
+
+                chosen = min(ok, key=score)
+                if name in ok and score(name) <= score(chosen) * (1 + 1e-9):
+                    chosen = name
+                tail += times[chosen][b]
+            tail = min(tail, own)  # never switching is a policy too (a pooled choice can lose here)
             total = p["wide_s"] + tail
             if best is None or total < best["makespan_s"]:
                 best = {"makespan_s": total, "wide_layout": name, "wide_s": p["wide_s"], "tail_s": tail}
