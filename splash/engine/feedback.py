@@ -47,6 +47,7 @@ class StepFeedback:
         self._t0 = 0.0
         self._batch: tuple[Any, int, Any] | None = None  # (shape signature, step, Batch)
         self._prices: dict[str, float] = {}  # layout -> prediction for the cached batch
+        self._shape_of: tuple[Any, tuple[tuple[int, int], ...]] = (None, ())  # (plan, its shape)
 
     # ---- the clock -----------------------------------------------------------------------------------
     def begin(self, plan: Any, live: list[Any], layout: str, switching: bool) -> None:
@@ -85,17 +86,21 @@ class StepFeedback:
         return self.guard.observe(step, layout, key.bucket, measured, counter, counter_se)
 
     # ---- prices ----------------------------------------------------------------------------------------
+    def _shape(self, plan: Any) -> tuple[tuple[int, int], ...]:
+        """The step's shape (requests and their rows), made once per plan: asked 2-3 times a step."""
+        if self._shape_of[0] is not plan:
+            self._shape_of = (plan, tuple((s.req_id, s.num_new) for s in plan.seqs))
+        return self._shape_of[1]
+
     def priced(self, plan: Any) -> bool:
         """Whether the cached Batch is this step's (same shape, recent enough)."""
         c = self._batch
-        return (c is not None and c[0] == tuple((s.req_id, s.num_new) for s in plan.seqs)
-                and plan.step - c[1] < REPRICE)
+        return c is not None and plan.step - c[1] < REPRICE and c[0] == self._shape(plan)
 
     def batch(self, plan: Any, live: list[Any]) -> Any:
         """The step's Batch, reused while its shape (requests and their rows) holds for REPRICE steps."""
         if not self.priced(plan):
-            sig = tuple((s.req_id, s.num_new) for s in plan.seqs)
-            self._batch = (sig, plan.step, self.batch_of(plan, live))
+            self._batch = (self._shape(plan), plan.step, self.batch_of(plan, live))
             self._prices = {}
         return self._batch[2]
 

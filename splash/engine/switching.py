@@ -214,7 +214,7 @@ class SwitchController(AutoLayout):
             self._requested = None
         back, self._switch_back = self._switch_back, None
         # The sequences holding pages (a fixed layout with nothing to switch needs none of this).
-        live = ([s for s in self.sched.running if any(row and max(row) >= 0 for row in s.pages)]
+        live = ([s for s in self.sched.running if holds_pages(s.pages)]
                 if self.auto or dst is not None or back is not None else [])
         if cause == "" and back is not None and back.dst == cur and live:
             dst, cause = back.src, "guard"
@@ -370,6 +370,12 @@ class SwitchController(AutoLayout):
         log.info("layout policy: prior %s; online correction (measured / predicted): %s; %d switch back(s)",
                  self.theta.source or self.theta_source, describe(self.feedback.correction.summary()),
                  sum(self.switch_backs.values()))
+
+
+def holds_pages(pages: list[list[int]]) -> bool:
+    """Whether a request's table (`pages[r][j]`, -1: not held) holds any page. An owning row is
+    usually told by its ends, before a scan of the whole row (every step, for every running request)."""
+    return any(row and (row[0] >= 0 or row[-1] >= 0 or max(row) >= 0) for row in pages)
 
 
 def attach_switching(engine: Any, cfg: Any, model: Any, *, auto: bool, schedule: list[tuple[int, str]],
