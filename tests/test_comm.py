@@ -211,6 +211,65 @@ def _raise_on_rank1(grid) -> int:
     return grid.rank
 
 
+def _rank0_exits(grid, path: str) -> None:
+    """Rank 0 leaves after one message: rank 1, waiting for the next one with no deadline (ranks sit
+    idle between requests), must notice rank 0 gone and say so, not wait for ever."""
+    c = shm.attach(grid.group, grid.rank, grid.world, grid.control, timeout_s=60)
+    c.broadcast_object("hello" if grid.rank == 0 else None, src=0)
+    c.all_reduce(torch.ones(2))  # rank 1 has read it before rank 0 leaves
+    if grid.rank == 0:
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        c.broadcast_object(None, src=0)
+        msg = "no error"
+    except RuntimeError as e:
+        msg = str(e)
+    with open(path, "w") as f:
+        f.write(f"{time.monotonic() - t0:.2f} {msg}")
+
+
+@pytest.mark.slow
+@needs_shm
+def test_shm_mailbox_wait_notices_rank0_gone(tmp_path) -> None:
+    path = str(tmp_path / "rank1.txt")
+    with pytest.raises(WorkerError):  # rank 0 exits without a result, on purpose
+        run_ranks(2, _rank0_exits, path, timeout=60)
+    waited, msg = open(path).read().split(" ", 1)
+    assert "rank 0" in msg and "exited" in msg, msg
+    assert float(waited) < 5
+
+
+def _mailbox(grid) -> dict:
+    """Rank 0's messages through a 64-byte mailbox: small ones inline, a larger one announced there and
+    sent over gloo, in order; another rank's broadcast on gloo; a wait through rank 0's 1.5 s pause."""
+    c = shm.attach(grid.group, grid.rank, grid.world, grid.control, timeout_s=60, slot_bytes=256,
+                   mail_bytes=64)
+    r = grid.rank
+    msgs = [("plan", 1), {"rows": list(range(500))}, b"x" * 40, ("after", 3)]
+    out = {"got": [c.broadcast_object(m if r == 0 else None, src=0) for m in msgs],
+           "gloo_from_1": c.broadcast_object(("one", r) if r == 1 else None, src=1)}
+    if r == 0:
+        time.sleep(1.5)
+    out["late"] = c.broadcast_object("late" if r == 0 else None, src=0)
+    out["bytes"] = dict(c.stats.current)
+    out["m"] = c._m
+    c.close()
+    return out
+
+
+@pytest.mark.slow
+@needs_shm
+def test_shm_mailbox_inline_and_over_gloo_in_order() -> None:
+    res = run_ranks(2, _mailbox, timeout=60)
+    msgs = [("plan", 1), {"rows": list(range(500))}, b"x" * 40, ("after", 3)]
+    for out in res:
+        assert out["got"] == msgs and out["gloo_from_1"] == ("one", 1) and out["late"] == "late"
+        assert out["m"] == 5  # rank 0's five messages took the mailbox (one of them announced gloo)
+    sent = sum(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in msgs + ["late"])
+    assert res[0]["bytes"][("broadcast_object", None)] == sent  # world 2: each byte sent once
+
+
 def _hang_rank1(grid) -> None:
     if grid.rank == 1:
         time.sleep(60)  # never joins the collective below

@@ -15,9 +15,15 @@ Ordering relies on x86-64's total store order (payload stores become visible bef
 so the segment is only used on x86-64 Linux. A message larger than a slot goes to gloo instead: every
 rank sees every header, so all ranks take the same path.
 
-Only the step's data plane lives here. Control messages (step plans: ranks may sit idle between
-requests, and a spinning wait would burn a core) and the layout-switch group (whose collectives must be
-asynchronous, to overlap with compute) stay on gloo; the async forms here complete before returning.
+Rank 0's step plans travel through a mailbox in the same segment (`broadcast_object` from rank 0):
+rank 0 waits until every rank has taken the last message (at once in practice: a step's collectives
+come between), writes the pickled bytes and publishes the message number; a rank waiting for the next
+message spins, yields, then sleeps in naps of at most 0.5 ms (1 ms once idle for a second: ranks sit
+idle between requests, and a spinning wait would burn a core), checks twice a second that rank 0's
+process is alive, and never times out. A message larger than the mailbox goes to gloo, announced in the
+mailbox, so every rank takes the same path. On gloo a plan cost a broadcast of 0.3-0.8 ms per step.
+The layout-switch group (whose collectives must be asynchronous, to overlap with compute) and the other
+control messages stay on gloo; the async forms here complete before returning.
 Waiting spins, then yields, then sleeps; it checks every half second that the other ranks' processes
 are alive (a dead peer raises at once) and gives up after the group's collective timeout.
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import pickle
 import platform
 import sys
 import time
@@ -42,6 +49,7 @@ from splash.dist.comm import Communicator, Handle, _done, _row_bytes
 from splash.dist.stats import Tag
 
 SLOT_BYTES = 4 << 20  # payload bytes per rank and buffer set; larger messages go to gloo
+MAIL_BYTES = 1 << 20  # rank 0's step-plan mailbox; a larger plan goes to gloo
 ENV = "SPLASH_COMM"  # "gloo" turns the shared-memory data plane off (e.g. to compare)
 _LINE = 64  # one cache line per rank flag, so flags never share a line
 _SPIN_S, _YIELD_S = 5e-5, 1e-3  # busy-poll this long, then yield the core until this long, then sleep
@@ -92,13 +100,15 @@ def _pid_ns() -> int:
 
 
 class _Segment:
-    """The mapped file: flags and pids (one line per rank), then 2 buffer sets of `world` slots."""
+    """The mapped file: flags and pids (one line per rank), then 2 buffer sets of `world` slots, then
+    the mailbox: its line (message number, bytes), one line per rank (the last message it took), and
+    `mail` bytes of payload."""
 
-    def __init__(self, fd: int, world: int, slot: int) -> None:
-        self.world, self.slot = world, slot
+    def __init__(self, fd: int, world: int, slot: int, mail: int = MAIL_BYTES) -> None:
+        self.world, self.slot, self.mail = world, slot, mail
         self.hdr = _hdr_bytes(world)  # [payload bytes, rows, op, dtype, shape key, counts[world]]
         self.ctrl = _LINE * (2 * world + 2)
-        self.mm = mmap.mmap(fd, self.nbytes(world, slot))
+        self.mm = mmap.mmap(fd, self.nbytes(world, slot, mail))
         self.words = np.frombuffer(self.mm, dtype=np.int64, count=self.ctrl // 8)
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
         step = _LINE // 8
@@ -112,10 +122,14 @@ class _Segment:
                         for row in offs]
         self.slots = [[self.bytes[o + self.hdr:o + self.hdr + slot] for o in row] for row in offs]
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        box = self.ctrl + 2 * world * (self.hdr + slot)
+        self.box = np.frombuffer(self.mm, dtype=np.int64, count=2, offset=box)  # [message number, bytes]
+        self.taken = np.frombuffer(self.mm, dtype=np.int64, count=world * step, offset=box + _LINE)[::step]
+        self.letter = memoryview(self.mm)[box + _LINE * (world + 1):box + _LINE * (world + 1) + mail]
 
     @staticmethod
-    def nbytes(world: int, slot: int) -> int:
-        return _LINE * (2 * world + 2) + 2 * world * (_hdr_bytes(world) + slot)
+    def nbytes(world: int, slot: int, mail: int = MAIL_BYTES) -> int:
+        return _LINE * (2 * world + 2) + 2 * world * (_hdr_bytes(world) + slot) + _LINE * (world + 1) + mail
 
     def typed(self, par: int, r: int, dtype: torch.dtype) -> torch.Tensor:
         """Rank r's whole slot of buffer set `par` as a flat tensor of `dtype`."""
@@ -130,6 +144,10 @@ class _Segment:
         mmap alive, and unmapping under a live view would crash a reader; it goes with the last view."""
         self.words = self.flags = self.pids = self.token = None  # type: ignore[assignment]
         self.bytes = self.headers = self.slots = None  # type: ignore[assignment]
+        self.box = self.taken = None  # type: ignore[assignment]
+        if self.letter is not None:
+            self.letter.release()
+            self.letter = None  # type: ignore[assignment]
         self._typed.clear()
 
 
@@ -143,6 +161,7 @@ class ShmCommunicator(Communicator):
         self.fallbacks = 0  # collectives that went to gloo because a message exceeded a slot
         self.check_pids = True  # off when a peer lives in another PID namespace (its pid means nothing here)
         self._broken: str | None = None  # after a timeout, dead peer or mismatch: call numbers no longer pair
+        self._m = 0  # mailbox messages so far (rank 0's broadcast_object)
 
     # ---- the protocol ---------------------------------------------------------------------------
     def _publish(self, op: str, t: torch.Tensor, rows: int, counts: Sequence[int] | None) -> tuple[int, bool]:
@@ -217,6 +236,77 @@ class ShmCommunicator(Communicator):
         flat = self.seg.typed(par, r, like.dtype)[first * per:(first + rows) * per]
         return flat.view(rows, *like.shape[1:])
 
+    # ---- rank 0's messages ------------------------------------------------------------------------
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """From rank 0 through the mailbox (see the module doc); from another rank, or where a peer's
+        pid cannot be watched (an idle wait could never notice rank 0 gone), through gloo."""
+        if src != 0 or not self.check_pids:
+            return super().broadcast_object(obj, src)
+        if self._broken is not None:
+            raise RuntimeError(f"rank {self.rank}: the shared-memory group is unusable after: {self._broken}")
+        self._m += 1
+        m, seg = self._m, self.seg
+        if self.rank == 0:
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            n = len(payload)
+            self._wait_taken(m - 1)
+            if n <= seg.mail:
+                seg.letter[:n] = payload
+            seg.box[1] = n if n <= seg.mail else -1
+            seg.box[0] = m  # after the bytes (total store order): a reader that sees m sees them
+            if n > seg.mail:
+                return super().broadcast_object(obj, src)
+            self.stats.record("broadcast_object", None, n * (self.world - 1))
+            return obj
+        self._wait_mail(m)
+        n = int(seg.box[1])
+        if n < 0:
+            seg.taken[self.rank] = m
+            return super().broadcast_object(None, src)
+        data = bytes(seg.letter[:n])
+        seg.taken[self.rank] = m
+        return pickle.loads(data)
+
+    def _wait_taken(self, m: int) -> None:
+        """Rank 0: until every rank has taken message m (bounded by the collective timeout)."""
+        taken, t0 = self.seg.taken, time.monotonic()
+        check = t0 + 0.5
+        for r in range(1, self.world):
+            while taken[r] < m:
+                now = time.monotonic()
+                if now - t0 < _YIELD_S:
+                    os.sched_yield()
+                    continue
+                time.sleep(5e-5)
+                if now >= check:
+                    check = now + 0.5
+                    self._check_peers(self._k + 1)
+                if now - t0 > self.timeout_s:
+                    self._broken = f"rank {r} did not take message #{m} in {self.timeout_s:g} s"
+                    raise RuntimeError(f"rank 0: {self._broken} (a rank hung)")
+
+    def _wait_mail(self, m: int) -> None:
+        """A rank other than 0: until message m is published. No deadline (ranks sit idle between
+        requests), but rank 0's process is watched; naps stay short so the first step after a pause
+        starts within a millisecond."""
+        box, t0 = self.seg.box, time.monotonic()
+        check, nap = t0 + 0.5, 5e-5
+        while box[0] < m:
+            now = time.monotonic()
+            waited = now - t0
+            if waited < _SPIN_S:
+                continue
+            if waited < _YIELD_S:
+                os.sched_yield()
+                continue
+            time.sleep(nap)
+            nap = min(2 * nap, 5e-4 if waited < 1.0 else 1e-3)
+            if now >= check:
+                check = now + 0.5
+                if not _alive(int(self.seg.pids[0])):
+                    self._broken = f"rank 0 (pid {int(self.seg.pids[0])}) exited"
+                    raise RuntimeError(f"rank {self.rank}: {self._broken} while this rank waited for a step")
+
     # ---- tensors --------------------------------------------------------------------------------
     def all_reduce_async(self, t: torch.Tensor, tag: Tag = None) -> Handle:
         n = t.numel()
@@ -271,7 +361,8 @@ class ShmCommunicator(Communicator):
 
 
 def attach(group: Any, rank: int, world: int, control_group: Any, timeout_s: float,
-           slot_bytes: int = SLOT_BYTES, enabled: bool | None = None) -> ShmCommunicator | None:
+           slot_bytes: int = SLOT_BYTES, enabled: bool | None = None,
+           mail_bytes: int = MAIL_BYTES) -> ShmCommunicator | None:
     """Every gloo rank calls this once, at start-up, whether or not it can use shared memory (so the
     two control-plane collectives here always pair up): rank 0 creates the segment file in /dev/shm
     and reserves its pages (a full /dev/shm fails here, not with SIGBUS mid-run), the others map it and
@@ -280,8 +371,9 @@ def attach(group: Any, rank: int, world: int, control_group: Any, timeout_s: flo
     or will not use it (other host, SPLASH_COMM=gloo, not x86-64 Linux): the caller keeps gloo."""
     import torch.distributed as dist
 
-    if slot_bytes <= 0 or slot_bytes % _LINE:
-        raise ValueError(f"slot_bytes must be a positive multiple of {_LINE}, got {slot_bytes}")
+    if slot_bytes <= 0 or slot_bytes % _LINE or mail_bytes < 0 or mail_bytes % _LINE:
+        raise ValueError(f"slot_bytes and mail_bytes must be multiples of {_LINE} (slots > 0), got "
+                         f"{slot_bytes} and {mail_bytes}")
     enabled = supported() if enabled is None else enabled
     seg: _Segment | None = None
     ok, path, msg = False, None, None
@@ -291,24 +383,26 @@ def attach(group: Any, rank: int, world: int, control_group: Any, timeout_s: flo
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
-                    os.ftruncate(fd, _Segment.nbytes(world, slot_bytes))
-                    os.posix_fallocate(fd, 0, _Segment.nbytes(world, slot_bytes))
-                    seg = _Segment(fd, world, slot_bytes)
+                    size = _Segment.nbytes(world, slot_bytes, mail_bytes)
+                    os.ftruncate(fd, size)
+                    os.posix_fallocate(fd, 0, size)
+                    seg = _Segment(fd, world, slot_bytes, mail_bytes)
                 finally:
                     os.close(fd)
                 token = np.frombuffer(os.urandom(16), dtype=np.int64)
                 seg.token[:] = token
-                msg = (path, token.tolist(), slot_bytes, _boot_id())
+                msg = (path, token.tolist(), slot_bytes, _boot_id(), mail_bytes)
             except OSError:
                 seg, msg = None, None
         out = [msg]
         dist.broadcast_object_list(out, src=0, group=control_group)
         msg = out[0]
-        if enabled and msg is not None and rank != 0 and msg[2] == slot_bytes and msg[3] == _boot_id():
+        if (enabled and msg is not None and rank != 0 and msg[2] == slot_bytes and msg[3] == _boot_id()
+                and msg[4] == mail_bytes):
             try:
                 fd = os.open(msg[0], os.O_RDWR)
                 try:
-                    seg = _Segment(fd, world, slot_bytes)
+                    seg = _Segment(fd, world, slot_bytes, mail_bytes)
                 finally:
                     os.close(fd)
             except (OSError, ValueError):
