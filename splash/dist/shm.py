@@ -18,7 +18,7 @@ rank sees every header, so all ranks take the same path.
 Rank 0's step plans travel through a mailbox in the same segment (`broadcast_object` from rank 0):
 rank 0 waits until every rank has taken the last message (at once in practice: a step's collectives
 come between), writes the pickled bytes and publishes the message number; a rank waiting for the next
-message spins, yields, then sleeps in naps of at most 0.5 ms (1 ms once idle for a second: ranks sit
+message spins, yields (20 ms), then sleeps in naps of at most 0.5 ms (1 ms once idle for a second: ranks sit
 idle between requests, and a spinning wait would burn a core), checks twice a second that rank 0's
 process is alive, and never times out. A message larger than the mailbox goes to gloo, announced in the
 mailbox, so every rank takes the same path. On gloo a plan cost a broadcast of 0.3-0.8 ms per step.
@@ -53,6 +53,9 @@ MAIL_BYTES = 1 << 20  # rank 0's step-plan mailbox; a larger plan goes to gloo
 ENV = "SPLASH_COMM"  # "gloo" turns the shared-memory data plane off (e.g. to compare)
 _LINE = 64  # one cache line per rank flag, so flags never share a line
 _SPIN_S, _YIELD_S = 5e-5, 1e-3  # busy-poll this long, then yield the core until this long, then sleep
+_MAIL_YIELD_S = 2e-2  # a rank waiting for rank 0's next plan yields this long before napping: rank 0's
+#                      host work between steps (sampling, scheduling) takes 1-2 ms, and a nap then
+#                      started the next step up to 0.5 ms late on every rank
 
 
 def supported() -> bool:
@@ -296,7 +299,7 @@ class ShmCommunicator(Communicator):
             waited = now - t0
             if waited < _SPIN_S:
                 continue
-            if waited < _YIELD_S:
+            if waited < _MAIL_YIELD_S:
                 os.sched_yield()
                 continue
             time.sleep(nap)
