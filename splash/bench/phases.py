@@ -16,7 +16,8 @@ With several repeats, the oracle of a repeat chooses each tail step's layout by 
 (`pooled`: each layout's mean step time per batch size over all its runs) and pays what the chosen
 layout took in this repeat. Choosing by this repeat's means alone takes the minimum of four noisy
 estimates: a layout's lucky run would set the bound, which no policy could foresee (two layouts of equal
-cost, each lucky in one repeat, put that oracle below both fixed runs in every repeat).
+tail cost, each lucky in one repeat, put that oracle at 1.2x the best fixed run in the repeat where the
+wide phase's layout was the unlucky one).
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ def analyse(runs: Mapping[str, Mapping[str, Any]],
     fixed = [name for name in runs if name != "auto"]
     times = {name: step_times(phases[name]["tail"]) for name in runs}
     rank = pooled or times
+
+    def score(lay: str, b: int) -> float:
+        """What the oracle chooses a tail step's layout by: the pooled mean, else this run's."""
+        return rank.get(lay, times[lay]).get(b, times[lay][b])
     fastest: dict[int, tuple[str, float]] = {}
     for name in fixed:
         for b, dt in times[name].items():
@@ -110,11 +115,8 @@ def analyse(runs: Mapping[str, Mapping[str, Any]],
                     tail += times[name].get(b, dt)
                     continue
                 # Chosen by the evidence (a tie, to rounding: stay), paid at what it took here.
-                def score(lay: str, b: int = b) -> float:
-                    return rank.get(lay, times[lay]).get(b, times[lay][b])
-
-                chosen = min(ok, key=score)
-                if name in ok and score(name) <= score(chosen) * (1 + 1e-9):
+                chosen = min(ok, key=lambda lay: score(lay, b))
+                if name in ok and score(name, b) <= score(chosen, b) * (1 + 1e-9):
                     chosen = name
                 tail += times[chosen][b]
             tail = min(tail, own)  # never switching is a policy too (a pooled choice can lose here)
