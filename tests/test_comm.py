@@ -240,14 +240,16 @@ def test_shm_mailbox_wait_notices_rank0_gone(tmp_path) -> None:
     assert float(waited) < 5
 
 
+MAIL_MSGS = [("plan", 1), {"rows": list(range(500))}, b"x" * 40, ("after", 3)]  # the second: over 64 B
+
+
 def _mailbox(grid) -> dict:
     """Rank 0's messages through a 64-byte mailbox: small ones inline, a larger one announced there and
     sent over gloo, in order; another rank's broadcast on gloo; a wait through rank 0's 1.5 s pause."""
     c = shm.attach(grid.group, grid.rank, grid.world, grid.control, timeout_s=60, slot_bytes=256,
                    mail_bytes=64)
     r = grid.rank
-    msgs = [("plan", 1), {"rows": list(range(500))}, b"x" * 40, ("after", 3)]
-    out = {"got": [c.broadcast_object(m if r == 0 else None, src=0) for m in msgs],
+    out = {"got": [c.broadcast_object(m if r == 0 else None, src=0) for m in MAIL_MSGS],
            "gloo_from_1": c.broadcast_object(("one", r) if r == 1 else None, src=1)}
     if r == 0:
         time.sleep(1.5)
@@ -262,11 +264,10 @@ def _mailbox(grid) -> dict:
 @needs_shm
 def test_shm_mailbox_inline_and_over_gloo_in_order() -> None:
     res = run_ranks(2, _mailbox, timeout=60)
-    msgs = [("plan", 1), {"rows": list(range(500))}, b"x" * 40, ("after", 3)]
     for out in res:
-        assert out["got"] == msgs and out["gloo_from_1"] == ("one", 1) and out["late"] == "late"
+        assert out["got"] == MAIL_MSGS and out["gloo_from_1"] == ("one", 1) and out["late"] == "late"
         assert out["m"] == 5  # rank 0's five messages took the mailbox (one of them announced gloo)
-    sent = sum(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in msgs + ["late"])
+    sent = sum(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in MAIL_MSGS + ["late"])
     assert res[0]["bytes"][("broadcast_object", None)] == sent  # world 2: each byte sent once
 
 

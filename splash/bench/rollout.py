@@ -245,14 +245,15 @@ def changes(decisions: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def per_repeat(every: dict[str, list[dict[str, Any]]], repeats: int) -> dict[str, Any]:
+def per_repeat(every: dict[str, list[dict[str, Any]]], repeats: int,
+               pooled: dict[str, dict[int, float]]) -> dict[str, Any]:
     """auto against the best fixed layout and against the gated per-phase oracle, repeat by repeat
-    (the runs of one repeat ran back to back, so the machine's state cancels best there)."""
-    from splash.bench.phases import analyse, pooled_times
+    (the runs of one repeat ran back to back, so the machine's state cancels best there); `pooled`:
+    `phases.pooled_times(every)`, what each repeat's oracle chooses by."""
+    from splash.bench.phases import analyse
 
     if "auto" not in every or len(every) < 2:
         return {}
-    pooled = pooled_times(every)
     vs_best, vs_oracle, vs_min, best_each = [], [], [], []
     for i in range(repeats):
         runs = {lay: every[lay][i] for lay in every}
@@ -335,6 +336,7 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
         group.close()
     from splash.bench.phases import analyse, pooled_times
 
+    pooled = pooled_times(every)
     fixed = {k: v for k, v in results.items() if k != "auto"}
     best = max(fixed, key=lambda k: fixed[k]["throughput_tok_s"]) if fixed else None
     of_medians = (results["auto"]["throughput_tok_s"] / fixed[best]["throughput_tok_s"]
@@ -342,8 +344,8 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
     doc = {"runs": results, "best_fixed": best,
            # the median over repeats of auto / best fixed within each repeat (and each repeat's below)
            "auto_vs_best_fixed": of_medians, "auto_vs_best_fixed_of_median_runs": of_medians,
-           **per_repeat(every, args.repeats),
-           "phases": analyse(results, pooled_times(every)),
+           **per_repeat(every, args.repeats, pooled),
+           "phases": analyse(results, pooled),
            "workload": {**wl.__dict__, "prompt_tokens": int(sum(map(len, prompts))),
                         "output_tokens": int(sum(outs)),
                         "longest_output": int(max(outs)), "median_output": float(np.median(outs))},

@@ -198,11 +198,12 @@ class ShmCommunicator(Communicator):
             self.fallbacks += 1
         return par, fits
 
-    def _wait(self, k: int) -> None:
-        """Until every flag reaches k: poll the first lagging rank (one scalar read), spinning for
-        ~50 us, then yielding the core until ~1 ms, then sleeping 50 us doubling to 0.5 ms - so a rank
-        waiting out a long prefill on another rank costs little CPU on a 2-core machine."""
-        flags = self.seg.flags
+    def _wait(self, k: int, flags: Any = None, what: str = "collective") -> None:
+        """Until every rank's counter (`flags`: the collective flags, or the mailbox's `taken`) reaches
+        k: poll the first lagging rank (one scalar read), spinning for ~50 us, then yielding the core
+        until ~1 ms, then sleeping 50 us doubling to 0.5 ms - so a rank waiting out a long prefill on
+        another rank costs little CPU on a 2-core machine."""
+        flags = self.seg.flags if flags is None else flags
         t0 = check = 0.0
         nap = 5e-5
         for r in range(self.world):
@@ -220,18 +221,19 @@ class ShmCommunicator(Communicator):
                 nap = min(2 * nap, 5e-4)
                 if now >= check:
                     check = now + 0.5
-                    self._check_peers(k)
+                    self._check_peers(k, flags, what)
                 if waited > self.timeout_s:
                     late = [j for j in range(self.world) if flags[j] < k]
-                    self._broken = f"ranks {late} did not reach collective #{k} in {self.timeout_s:g} s"
+                    self._broken = f"ranks {late} did not reach {what} #{k} in {self.timeout_s:g} s"
                     raise RuntimeError(f"rank {self.rank}: {self._broken} (a rank hung or left the step)")
 
-    def _check_peers(self, k: int) -> None:
+    def _check_peers(self, k: int, flags: Any = None, what: str = "collective") -> None:
         if not self.check_pids:
             return
+        flags = self.seg.flags if flags is None else flags
         for r in range(self.world):
-            if r != self.rank and self.seg.flags[r] < k and not _alive(int(self.seg.pids[r])):
-                self._broken = f"rank {r} (pid {int(self.seg.pids[r])}) exited during collective #{k}"
+            if r != self.rank and flags[r] < k and not _alive(int(self.seg.pids[r])):
+                self._broken = f"rank {r} (pid {int(self.seg.pids[r])}) exited during {what} #{k}"
                 raise RuntimeError(f"rank {self.rank}: {self._broken}")
 
     def _rows(self, par: int, r: int, like: torch.Tensor, rows: int, first: int = 0) -> torch.Tensor:
@@ -253,12 +255,14 @@ class ShmCommunicator(Communicator):
         if self.rank == 0:
             payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             n = len(payload)
-            self._wait_taken(m - 1)
-            if n <= seg.mail:
+            fits = n <= seg.mail
+            self._wait(m - 1, seg.taken, "message")  # every rank took the last one (rank 0: below)
+            if fits:
                 seg.letter[:n] = payload
-            seg.box[1] = n if n <= seg.mail else -1
+            seg.box[1] = n if fits else -1
             seg.box[0] = m  # after the bytes (total store order): a reader that sees m sees them
-            if n > seg.mail:
+            seg.taken[0] = m
+            if not fits:
                 return super().broadcast_object(obj, src)
             self.stats.record("broadcast_object", None, n * (self.world - 1))
             return obj
@@ -270,24 +274,6 @@ class ShmCommunicator(Communicator):
         data = bytes(seg.letter[:n])
         seg.taken[self.rank] = m
         return pickle.loads(data)
-
-    def _wait_taken(self, m: int) -> None:
-        """Rank 0: until every rank has taken message m (bounded by the collective timeout)."""
-        taken, t0 = self.seg.taken, time.monotonic()
-        check = t0 + 0.5
-        for r in range(1, self.world):
-            while taken[r] < m:
-                now = time.monotonic()
-                if now - t0 < _YIELD_S:
-                    os.sched_yield()
-                    continue
-                time.sleep(5e-5)
-                if now >= check:
-                    check = now + 0.5
-                    self._check_peers(self._k + 1)
-                if now - t0 > self.timeout_s:
-                    self._broken = f"rank {r} did not take message #{m} in {self.timeout_s:g} s"
-                    raise RuntimeError(f"rank 0: {self._broken} (a rank hung)")
 
     def _wait_mail(self, m: int) -> None:
         """A rank other than 0: until message m is published. No deadline (ranks sit idle between
