@@ -165,6 +165,7 @@ def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
     th = _theta(ranks=2, memory_bytes=1e18)
     ctl = SimpleNamespace(alloc=SimpleNamespace(layout="dop"), sched=SimpleNamespace(waiting=[object()]),
                           distinct_tokens=distinct.get, fitting=lambda dsts, live, rows=None: list(dsts),
+                          roomy=lambda dsts, live, rows=None: list(dsts),
                           _batch=batch, sizes=SIZES, theta=th,
                           policy_cfg=PolicyConfig(page_size=16, min_dwell=0), steps_since_switch=5,
                           decisions=[], _last_eval=None, feedback=None)

@@ -49,6 +49,7 @@ def live_batch(rng: random.Random, alloc: KVAllocator, src: str) -> tuple[list[S
 def test_fits_agrees_with_the_planner(seed):
     rng = random.Random(seed)
     verdicts: set[tuple[bool, str | None]] = set()
+    dropped = 0
     for _ in range(300):
         T, src = rng.choice([2, 4]), rng.choice(LAYOUTS)
         alloc = KVAllocator(rng.randint(8, 60), rng.choice([4, 16]), world=T, layout=src)
@@ -71,11 +72,17 @@ def test_fits_agrees_with_the_planner(seed):
             assert pre == planned, (f"{src}->{dst} T={T}: fits says {pre}, the planner "
                                     f"{'planned it' if planned else plan}")
             verdicts.add((planned, None if planned else plan.reason))
+            # The cheap pre-filter (distinct pages vs the batch at its limits) only drops what the
+            # planner refuses; `fits` asks it first, so the agreement above covers it too.
+            roomy = ctl.roomy([dst], live, rows) == [dst]
+            assert roomy or not planned, f"{src}->{dst} T={T}: roomy dropped a switch the planner plans"
+            dropped += not roomy
         # (withheld replica pages leave the pool's count: `withhold`)
         assert alloc.num_used == [sum(p >= 0 for s in live for p in s.pages[r]) for r in range(T)], \
             "planning and aborting leaked pages"
     # the random batches reach every verdict, so the agreement above means something
     assert verdicts >= {(True, None), (False, "eq5"), (False, "eq6"), (False, "owners")}, verdicts
+    assert dropped, "no batch outgrew a layout's distinct pages: the pre-filter went untested"
 
 
 def test_owners_refusal_names_the_pages_left():
@@ -120,3 +127,15 @@ def test_stranded_counts_queued_requests_and_only_lost_reach():
     assert ctl.stranded("cp", []) is None and ctl.stranded("dp", []) is None  # reach 40 -> 80 / 40
     ctl = ctl_for("tp", 30)
     assert all(ctl.stranded(dst, []) is None for dst in ("dp", "cp", "dop"))
+
+
+def test_holds_pages_reads_every_row_whatever_the_owner_hint():
+    """`holds_pages` looks at the owner's row first (the common case), but a page anywhere counts and
+    a wrong or out-of-range hint changes nothing."""
+    from splash.engine.switching import holds_pages
+
+    cases = [([[-1, -1], [-1, 3]], True), ([[-1, 5, -1], [-1, -1, -1]], True), ([[4], [-1]], True),
+             ([[-1, -1], [-1, -1]], False), ([[], []], False)]
+    for pages, held in cases:
+        for owner in (0, 1, 7, -1):
+            assert holds_pages(pages, owner) is held, (pages, owner)

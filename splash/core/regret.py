@@ -30,11 +30,10 @@ measured pace). Pure and step-clocked: deterministic.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from splash.core.config import ConfigError
 
@@ -81,8 +80,8 @@ class Verdict:
     def to_dict(self) -> dict[str, Any]:
         return {"src": self.src, "dst": self.dst, "switch_back": self.switch_back,
                 "unblocked": self.unblocked,
-                "regret": None if np.isnan(self.regret) else round(self.regret, 4), "samples": self.samples,
-                "se": None if np.isnan(self.se) else round(self.se, 4), "step": self.step,
+                "regret": None if math.isnan(self.regret) else round(self.regret, 4), "samples": self.samples,
+                "se": None if math.isnan(self.se) else round(self.se, 4), "step": self.step,
                 "reason": self.reason}
 
 
@@ -179,7 +178,7 @@ class RegretGuard:
         self.recheck = None
         if len(r.ratios) < min(self.min_samples, self.window):
             return None  # nothing comparable: the block stands
-        ratio = float(np.median(r.ratios))
+        ratio = float(statistics.median(r.ratios))
         if ratio < 1.0:
             return None  # the source runs faster than the destination did: the switch back was right
         for b in r.buckets:
@@ -197,7 +196,7 @@ class RegretGuard:
         than z standard errors (back). Otherwise the probation collects more comparable steps."""
         p = self.probation
         assert p is not None
-        med = float(np.median(p.regrets))
+        med = float(statistics.median(p.regrets))
         return med <= 1 + self.margin or med > 1 + self.margin + self.z * self._se(p)
 
     @staticmethod
@@ -206,15 +205,15 @@ class RegretGuard:
         the source's reference pace, which does not shrink with more destination steps."""
         if not p.regrets:
             return float("nan")
-        med = float(np.median(p.regrets))
-        ref = med * float(np.median(p.ref_se)) if p.ref_se else 0.0
-        return float(np.hypot(median_se(p.regrets), ref))
+        med = float(statistics.median(p.regrets))
+        ref = med * float(statistics.median(p.ref_se)) if p.ref_se else 0.0
+        return float(math.hypot(median_se(p.regrets), ref))
 
     def _judge(self, step: int) -> Verdict:
         p = self.probation
         assert p is not None
         self.probation = None
-        regret = float(np.median(p.regrets)) if p.regrets else float("nan")
+        regret = float(statistics.median(p.regrets)) if p.regrets else float("nan")
         se = self._se(p)
         enough = len(p.regrets) >= min(self.min_samples, self.window)
         slower = enough and regret > 1 + self.margin

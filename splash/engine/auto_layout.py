@@ -114,7 +114,9 @@ class AutoLayout:
         """Evaluate the Policy on the live batch. The Policy prices each candidate (Eq 10) and applies
         its margin and dwell; memory feasibility is the engine's own page accounting (`fitting`, exactly
         what the planner will check), asked only of the candidates priced faster than the current
-        layout: no other could be chosen, and the planner's dry run costs more than the pricing."""
+        layout: no other could be chosen, and the planner's dry run costs more than the pricing. While no
+        other layout's distinct KV holds the batch at its limits (`roomy`: a rollout's tail until it has
+        narrowed) there is nothing to weigh, and nothing is priced or logged."""
         cur = self.alloc.layout
         if not live:
             return None
@@ -127,9 +129,11 @@ class AutoLayout:
                 return None  # no other layout admits as much: nothing to weigh
         if not self._due(plan.step, (cur, queued, tuple(seq.seq_id for seq in live))):
             return None
+        rows = {s.req_id: s.num_new for s in plan.seqs}
+        if not self.roomy([lay for lay in cands if lay != cur], live, rows):
+            return None  # no other layout can hold the batch at its limits: nothing to weigh
         fb = self.feedback
         batch = fb.batch(plan, live) if fb is not None else self._batch(plan, live)
-        rows = {s.req_id: s.num_new for s in plan.seqs}
         kind, est = fb.estimates(plan, plan.step) if fb is not None else (None, {})
         blocked = fb.blocked(kind, plan.step) if fb is not None else []
         here = Layout.parse(cur)

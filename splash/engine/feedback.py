@@ -52,11 +52,18 @@ class StepFeedback:
     # ---- the clock -----------------------------------------------------------------------------------
     def begin(self, plan: Any, live: list[Any], layout: str, switching: bool) -> None:
         """The step `plan` is about to run in `layout` (`switching`: it also switches: no sample)."""
-        if switching or not plan.seqs:
+        if switching or not plan.seqs or self._unsampled(plan):
             self._step = None
             return
         self._step = (plan.step, layout, StepKey.of(s.num_new for s in plan.seqs), plan, live)
         self._t0 = time.perf_counter()
+
+    def _unsampled(self, plan: Any) -> bool:
+        """A new shape right after the last pricing is not a sample (the guard, watching, needs them
+        all): in a prefill-heavy phase the shape changes every step, and such a step costs no more."""
+        c = self._batch
+        return (self.guard.watching() is None and c is not None and plan.step - c[1] < SAMPLE_GAP
+                and not self.priced(plan))
 
     def end(self) -> Verdict | None:
         """The step ran: record it; a guard Verdict when this step ends a probation."""
@@ -68,9 +75,6 @@ class StepFeedback:
         step, layout, key, plan, live = self._step
         self._step = None
         watched = self.guard.watching()
-        if (watched is None and not self.priced(plan) and self._batch is not None
-                and plan.step - self._batch[1] < SAMPLE_GAP):
-            return None  # a new shape right after the last pricing: unsampled (the guard needs them all)
         predicted = self.price(layout, plan, live)
         measured = self.timer(layout, key, predicted) if self.timer is not None else wall
         self.correction.observe(layout, key, predicted, measured, step)

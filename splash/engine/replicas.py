@@ -69,6 +69,7 @@ class ReplicaPages:
         self.alloc = alloc
         self.weight_pages = list(weight_pages) if weight_pages is not None else [0] * alloc.world
         self.withheld: list[list[int]] = [[] for _ in range(alloc.world)]
+        self._distinct: dict[str, int] = {}  # distinct_tokens per layout while the pools keep their size
         if replicas(alloc.layout) and any(self.weight_pages):
             short = [(r, a.num_pages, w) for r, (a, w) in enumerate(zip(alloc.ranks, self.weight_pages))
                      if w >= a.num_pages]
@@ -86,8 +87,13 @@ class ReplicaPages:
                 for a, w, wp in zip(self.alloc.ranks, self.withheld, self.weight_pages)]
 
     def distinct_tokens(self, dst: str) -> int:
-        """Distinct KV tokens the group holds in `dst` (the layout table's count: TP one rank's share)."""
-        return row(dst).distinct(self.capacity(dst)) * self.alloc.page_size
+        """Distinct KV tokens the group holds in `dst` (the layout table's count: TP one rank's share).
+        Asked for every layout at every step that requests wait; the pools only change size here, when
+        replicas' pages are withheld or given back (`switched`)."""
+        n = self._distinct.get(dst)
+        if n is None:
+            n = self._distinct[dst] = row(dst).distinct(self.capacity(dst)) * self.alloc.page_size
+        return n
 
     def reserve(self, dst: str) -> list[int]:
         """Pages per rank a switch into `dst` must find for projection replicas (entering DP/CP)."""
@@ -101,6 +107,7 @@ class ReplicaPages:
     def switched(self, src: str, dst: str) -> None:
         """A switch `src` -> `dst` committed: withhold the replicas' pages entering DP/CP, give them back
         leaving."""
+        self._distinct.clear()
         if replicas(dst) and not replicas(src) and any(self.weight_pages):
             self.withheld = withhold(self.alloc, self.weight_pages)
         elif not replicas(dst) and replicas(src) and any(len(w) for w in self.withheld):

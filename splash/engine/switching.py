@@ -185,9 +185,23 @@ class SwitchController(AutoLayout):
         dsts = [dst for dst in dsts if self.stranded(dst, live, need) is None]
         if not dsts:
             return []
-        reqs = self._live_requests(live, rows or {})
+        rows = rows or {}
+        dsts = self.roomy(dsts, live, rows)
+        if not dsts:
+            return []
+        reqs = self._live_requests(live, rows)
         cols = self.planner.columns(reqs)
         return [dst for dst in dsts if self._plan_reqs(dst, reqs, self.mode, dry_run=True, cols=cols) is None]
+
+    def roomy(self, dsts: Sequence[str], live: list[Any], rows: dict[int, int] | None = None) -> list[str]:
+        """The layouts of `dsts` whose distinct KV pages (replicated KV: one rank's) hold the batch grown
+        to its requests' limits: Eq 6 summed over ranks, whatever the owners. A necessary condition of
+        the planner's per-rank check, and cheap: a layout it drops would be refused anyway, without the
+        page tables copied and laid out (a narrowing tail has 2-3 such layouts for many steps)."""
+        rows = rows or {}
+        P = self.alloc.page_size
+        pages = sum(-(-max(self._projected(s), s.num_computed + rows.get(s.seq_id, 0)) // P) for s in live)
+        return [dst for dst in dsts if pages * P <= self.distinct_tokens(dst)]
 
     # ---- requests from outside (benchmarks, tests) ------------------------------------------------
     def request(self, dst: str, mode: str | None = None) -> None:
@@ -214,7 +228,7 @@ class SwitchController(AutoLayout):
             self._requested = None
         back, self._switch_back = self._switch_back, None
         # The sequences holding pages (a fixed layout with nothing to switch needs none of this).
-        live = ([s for s in self.sched.running if holds_pages(s.pages)]
+        live = ([s for s in self.sched.running if holds_pages(s.pages, s.owner)]
                 if self.auto or dst is not None or back is not None else [])
         if cause == "" and back is not None and back.dst == cur and live:
             dst, cause = back.src, "guard"
@@ -372,9 +386,13 @@ class SwitchController(AutoLayout):
                  sum(self.switch_backs.values()))
 
 
-def holds_pages(pages: list[list[int]]) -> bool:
-    """Whether a request's table (`pages[r][j]`, -1: not held) holds any page. An owning row is
-    usually told by its ends, before a scan of the whole row (every step, for every running request)."""
+def holds_pages(pages: list[list[int]], owner: int = 0) -> bool:
+    """Whether a request's table (`pages[r][j]`, -1: not held) holds any page. Asked every step for every
+    running request: the owner's row (DP/DOP: every page; TP/CP: page 0 on rank 0) is usually told by
+    its first entry, before the other rows are scanned."""
+    first = pages[owner] if 0 <= owner < len(pages) else None
+    if first and first[0] >= 0:
+        return True
     return any(row and (row[0] >= 0 or row[-1] >= 0 or max(row) >= 0) for row in pages)
 
 
