@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
+import numpy.ma  # noqa: F401  (np.unique's first call imports it: 10-40 ms, on a switching step's plan)
 
 from splash.attention.registry import row
 from splash.core.config import ModelConfig, dtype_bytes, normalize_dtype
