@@ -193,3 +193,9 @@ def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
     step(2 + GAP + RECHECK)  # (the queue filled: weighed at once)
     assert priced[-1] == 2 + GAP + RECHECK and ctl.decisions[-1].feasible in (["dop"], ["dop", "dp"])
     assert "cp" in ctl.decisions[-1].reason and "tp" in ctl.decisions[-1].reason
+    # Everything admitted, but no other layout's distinct KV holds the batch at its limits (a rollout's
+    # tail): the batch is due to be weighed, yet nothing is priced or logged.
+    ctl.sched.waiting, ctl.roomy = [], lambda dsts, live, rows=None: []
+    n, logged = len(priced), len(ctl.decisions)
+    assert step(3 + GAP + RECHECK) is None and step(4 + 2 * GAP + RECHECK, live[:2]) is None
+    assert len(priced) == n and len(ctl.decisions) == logged
