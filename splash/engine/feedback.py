@@ -43,7 +43,7 @@ class StepFeedback:
         self.correction = StepCorrection(config)
         self.guard = RegretGuard(margin=margin)
         self.timer: Timer | None = None
-        self._step: tuple[int, str, StepKey, Any, list[Any]] | None = None  # the step under the clock
+        self._step: tuple[int, str, StepKey, Any, list[Any], Any] | None = None  # the step under the clock
         self._t0 = 0.0
         self._batch: tuple[Any, int, Any] | None = None  # (shape signature, step, Batch)
         self._prices: dict[str, float] = {}  # layout -> prediction for the cached batch
@@ -52,18 +52,18 @@ class StepFeedback:
     # ---- the clock -----------------------------------------------------------------------------------
     def begin(self, plan: Any, live: list[Any], layout: str, switching: bool) -> None:
         """The step `plan` is about to run in `layout` (`switching`: it also switches: no sample)."""
-        if switching or not plan.seqs or self._unsampled(plan):
+        watched = self.guard.watching()  # (nothing moves the guard before `end` reads it)
+        if switching or not plan.seqs or (watched is None and self._unsampled(plan)):
             self._step = None
             return
-        self._step = (plan.step, layout, StepKey.of(s.num_new for s in plan.seqs), plan, live)
+        self._step = (plan.step, layout, StepKey.of(s.num_new for s in plan.seqs), plan, live, watched)
         self._t0 = time.perf_counter()
 
     def _unsampled(self, plan: Any) -> bool:
-        """A new shape right after the last pricing is not a sample (the guard, watching, needs them
-        all): in a prefill-heavy phase the shape changes every step, and such a step costs no more."""
+        """A new shape right after the last pricing is not a sample (unless the guard watches: it needs
+        them all): in a prefill-heavy phase the shape changes every step, and such a step costs no more."""
         c = self._batch
-        return (self.guard.watching() is None and c is not None and plan.step - c[1] < SAMPLE_GAP
-                and not self.priced(plan))
+        return c is not None and plan.step - c[1] < SAMPLE_GAP and not self.priced(plan)
 
     def end(self) -> Verdict | None:
         """The step ran: record it; a guard Verdict when this step ends a probation."""
@@ -72,9 +72,8 @@ class StepFeedback:
         if self.sync is not None:
             self.sync()
         wall = time.perf_counter() - self._t0
-        step, layout, key, plan, live = self._step
+        step, layout, key, plan, live, watched = self._step
         self._step = None
-        watched = self.guard.watching()
         predicted = self.price(layout, plan, live)
         measured = self.timer(layout, key, predicted) if self.timer is not None else wall
         self.correction.observe(layout, key, predicted, measured, step)
