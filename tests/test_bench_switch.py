@@ -51,7 +51,7 @@ def test_bench_rollout_json(tmp_path):
     png = tmp_path / "rollout.png"
     out = splash("bench", "rollout", "--tp", "2", "--quick", "--requests", "6", "--output-max", "6",
                  "--runs", "dp,dop,auto", "--min-dwell-steps", "1", "--theta", "h200", "--json", "--quiet",
-                 "--plot", str(png))
+                 "--plot", str(png), "--keep-runs")
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout)
     assert set(doc["runs"]) == {"dp", "dop", "auto"}
@@ -76,6 +76,12 @@ def test_bench_rollout_json(tmp_path):
     assert len(doc["auto_vs_best_fixed_each"]) == 1 and doc["auto_vs_best_fixed"] > 0
     want = {"predicted_ms", "corrected_ms", "observed_ms", "correction"}
     assert all(want <= set(d) for d in auto["decision_log"])
+    # --keep-runs: every run, in the order it ran (one repeat here: each layout's run is its median run)
+    every = doc["every_run"]
+    assert [(r["repeat"], r["position"]) for r in every] == [(0, 0), (0, 1), (0, 2)]
+    assert sorted(r["layout"] for r in every) == ["auto", "dop", "dp"]
+    for r in every:
+        assert r["timeline"] == doc["runs"][r["layout"]]["timeline"]
 
 
 def test_bench_bad_input_is_one_line():

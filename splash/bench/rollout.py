@@ -101,6 +101,10 @@ def register(kinds: argparse._SubParsersAction) -> None:
                    help="runs per layout, interleaved in rotating order (reversed every other repeat); the "
                         "median run counts (default 1)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"which of {','.join(RUNS)} to run")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep every run in the JSON (`every_run`, in the order they ran, with each repeat's "
+                        "timeline), not only each layout's median run: for step-by-step comparisons of the "
+                        "runs of one repeat")
     p.add_argument("--kv-tokens", type=positive_int, default=None,
                    help="KV tokens per rank under DP (sets the memory budget; default: twice the longest "
                         "request)")
@@ -320,9 +324,11 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
 
             bar = progress_bar(len(runs) * args.repeats, "bench rollout", "run")
         every: dict[str, list[dict[str, Any]]] = {lay: [] for lay in runs}
+        ran: list[dict[str, Any]] = []  # (--keep-runs) every run, in the order they ran
         for rep in range(args.repeats):
-            for lay in run_order(runs, rep):
+            for pos, lay in enumerate(run_order(runs, rep)):
                 every[lay].append(run_one(group, args, lay, memory, prompts, outs, bar))
+                ran.append({"repeat": rep, "position": pos, "layout": lay, **every[lay][-1]})
                 if bar is not None:
                     bar.update(1)
         results = {}
@@ -354,6 +360,8 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
                       "switch_margin": args.switch_margin, "min_dwell_steps": args.min_dwell_steps,
                       "switch_mode": args.switch_mode, "repeats": args.repeats,
                       "seconds": time.perf_counter() - t_start}}
+    if getattr(args, "keep_runs", False):
+        doc["every_run"] = ran
     return doc
 
 
