@@ -360,7 +360,7 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
                       "switch_margin": args.switch_margin, "min_dwell_steps": args.min_dwell_steps,
                       "switch_mode": args.switch_mode, "repeats": args.repeats,
                       "seconds": time.perf_counter() - t_start}}
-    if getattr(args, "keep_runs", False):
+    if args.keep_runs:
         doc["every_run"] = ran
     return doc
 
