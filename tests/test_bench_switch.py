@@ -74,6 +74,10 @@ def test_bench_rollout_json(tmp_path):
     # auto ran on the h200 profile prior, corrected online; the ratios come per repeat too
     assert "profile:h200" in auto["theta_source"] and auto["theta_correction"]["dop"]["steps"] > 0
     assert len(doc["auto_vs_best_fixed_each"]) == 1 and doc["auto_vs_best_fixed"] > 0
+    # Of the repeats' total times (one repeat here: the runs' own makespans)
+    ms = {k: r["makespan_s"] for k, r in doc["runs"].items()}
+    assert doc["auto_vs_best_fixed_of_totals"] == pytest.approx(min(ms["dp"], ms["dop"]) / ms["auto"])
+    assert doc["auto_vs_oracle_gated_of_totals"] == pytest.approx(doc["auto_vs_oracle_gated_each"][0])
     want = {"predicted_ms", "corrected_ms", "observed_ms", "correction"}
     assert all(want <= set(d) for d in auto["decision_log"])
     # --keep-runs: every run, in the order it ran (one repeat here: each layout's run is its median run)

@@ -28,6 +28,65 @@ def test_buckets_and_keys():
     assert bucket_label(0) == "B=1" and bucket_label(2) == "B=3-4" and bucket_label(4) == "B=9-16"
     assert StepKey.of([1, 1, 0]) == StepKey(1, "decode")  # a request without rows does not count
     assert StepKey.of([5, 1, 1]) == StepKey(2, "prefill") and StepKey.of([5, 1]).label == "prefill B=2"
+    for rows in ([1], [1, 1, 1], [3], [1, 7, 1, 1, 1], [1] * 17, [2] * 9):  # a plan's slices: >= 1 row each
+        assert StepKey.sized(len(rows), sum(rows)) == StepKey.of(rows), rows
+
+
+def test_settled_answers_as_measured_does():
+    """`settled` (O(1), asked every step) says whether `measured` would answer: min_samples fresh."""
+    c = StepCorrection(CorrectionConfig(window=4, min_samples=2, stale_steps=10))
+    assert not c.settled("tp", DEC1, 0)
+    for step in range(0, 30, 3):
+        assert c.settled("tp", DEC1, step) == (c.measured("tp", DEC1, step) is not None), step
+        c.observe("tp", DEC1, 0.01, 0.01, step)
+        assert c.settled("tp", DEC1, step) == (c.measured("tp", DEC1, step) is not None), step
+    assert c.settled("tp", DEC1, 30) and not c.settled("tp", DEC1, 38) and not c.settled("dop", DEC1, 30)
+
+
+def _clock():
+    """A StepFeedback on a synthetic clock (every step 'takes' its price): (feedback, plan maker)."""
+    from splash.engine.feedback import StepFeedback
+    from splash.engine.plan import SeqSlice, StepPlan
+
+    fb = StepFeedback(SIZES, _theta(), None, ("tp", "dop"), 0.05,
+                      lambda plan, live: Batch.make([64] * len(plan.seqs), 1, None, ranks=2),
+                      config=CorrectionConfig(min_samples=3))
+    fb.timer = lambda layout, key, predicted: predicted
+
+    def plan(step: int, b: int = 4):
+        return StepPlan(step, "dop", [1] * b, [SeqSlice(i, 63, 1, i % 2, [], True) for i in range(b)])
+    return fb, plan
+
+
+def test_step_clock_samples_a_settled_kind_once_in_stride_and_every_step_under_watch():
+    """A kind of step the layout has not measured is sampled every step until it is (a verdict waits
+    on it); then once in STRIDE steps; while the guard watches a switch, every step again."""
+    from splash.engine.feedback import SAMPLE_GAP, STRIDE
+
+    fb, plan = _clock()
+
+    def run(steps, b, layout="dop"):
+        sampled = []
+        for step in steps:
+            n = fb.correction.steps.get(layout, 0)
+            fb.begin(plan(step, b), [], layout, switching=False)
+            fb.end()
+            if fb.correction.steps.get(layout, 0) > n:
+                sampled.append(step)
+        return sampled
+
+    def strided(sampled):
+        return sampled[:3] == list(range(sampled[0], sampled[0] + 3)) and \
+            all(b - a == STRIDE for a, b in zip(sampled[2:], sampled[3:]))
+    sampled = run(range(40), 4)
+    assert sampled[0] == 0 and strided(sampled), sampled
+    assert fb.correction.measured("dop", fb.key(plan(40)), 40).factor == pytest.approx(1.0)
+    # A new kind (B=9-16): sampled from the first step its new shape may be priced (SAMPLE_GAP after the
+    # last pricing), every step until measured, then once in STRIDE.
+    sampled = run(range(40, 70), 9)
+    assert sampled[0] <= 40 + SAMPLE_GAP and strided(sampled), sampled
+    fb.guard.switched(70, "dop", "tp", voluntary=True)  # under watch: every step is a sample
+    assert run(range(71, 75), 9, "tp") == [71, 72, 73, 74]
 
 
 def test_median_of_recent_ratios_ignores_an_outlier():

@@ -1,13 +1,14 @@
-"""Rank 0's step clock for `--layout auto`: time every step, price it, feed the correction and the guard.
+"""Rank 0's step clock for `--layout auto`: time steps, price them, feed the correction and the guard.
 
 The analytical core keeps the learning (`splash.core.correction.StepCorrection`: measured/predicted per
 layout and kind of step; `splash.core.regret.RegretGuard`: was the last switch worth it); this module is
-the runtime's side. `begin` (just before the step runs) notes the layout and the step's batch;
-`end` (right after) reads the clock - `runner.execute`'s wall time, as `splash calibrate` times a
-step, after a CUDA synchronize - prices the step in the layout that ran it (Eq 10 on the prior
-theta, cached while the batch keeps its shape) and reports both. A step that switched layouts is not
-a sample (it also moved state). During a probation the guard also gets the counterfactual: what the
-source layout's own recent pace on steps of the same kind (batch-size bucket, mix) says this batch
+the runtime's side. `begin` (just before the step runs) notes the layout and the step's batch; `end`
+(right after) reads the clock - `runner.execute`'s wall time, as `splash calibrate` times a step, after
+a CUDA synchronize - prices the step in the layout that ran it (Eq 10 on the prior theta, cached while
+the batch keeps its shape) and reports both. A step that switched layouts is not a sample (it also moved
+state); outside a guard's watch, a kind of step the layout has measured enough is sampled once in STRIDE
+steps (the rest cost the clock nothing). During a probation the guard also gets the counterfactual: what
+the source layout's own recent pace on steps of the same kind (batch-size bucket, mix) says this batch
 would have taken there (with that pace's standard error); a step of a kind the source has not run
 recently is not compared. After a switch back, the guard's recheck gets the reverse: what the layout
 given up showed on such steps.
@@ -22,6 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from splash.core.correction import CorrectionConfig, Estimate, StepCorrection, StepKey
+from splash.core.costmodel import step_cost
+from splash.core.layouts import Layout
 from splash.core.regret import RegretGuard, Verdict, median_se
 
 log = logging.getLogger("splash.switch")
@@ -29,6 +32,10 @@ log = logging.getLogger("splash.switch")
 REPRICE = 8  # steps a cached prediction of an unchanged batch shape is reused (contexts grow slowly)
 SAMPLE_GAP = 8  # a step whose shape changed is a sample only this many steps after the last pricing:
 #                 building a Batch costs ~0.2 ms, and prefill chunks change shape every step
+STRIDE = 4  # outside a guard's watch, a kind of step the layout has measured (min_samples fresh ratios)
+#             is sampled once in this many steps: a sample (clock, shape, price, record) cost ~40 us a
+#             step on the 2-core VM, ~0.5% of a rollout; the median over the window then spans 4x the
+#             steps, still a few dozen (the machine drifts over hundreds)
 Timer = Callable[[str, StepKey, float], float]  # (layout, key, predicted s) -> "measured" s
 
 
@@ -48,22 +55,38 @@ class StepFeedback:
         self._batch: tuple[Any, int, Any] | None = None  # (shape signature, step, Batch)
         self._prices: dict[str, float] = {}  # layout -> prediction for the cached batch
         self._shape_of: tuple[Any, tuple[tuple[int, int], ...]] = (None, ())  # (plan, its shape)
+        self._sampled = -STRIDE  # the last step sampled
 
     # ---- the clock -----------------------------------------------------------------------------------
     def begin(self, plan: Any, live: list[Any], layout: str, switching: bool) -> None:
         """The step `plan` is about to run in `layout` (`switching`: it also switches: no sample)."""
         watched = self.guard.watching()  # (nothing moves the guard before `end` reads it)
-        if switching or not plan.seqs or (watched is None and self._unsampled(plan)):
+        if switching or not plan.seqs:
             self._step = None
             return
-        self._step = (plan.step, layout, StepKey.of(s.num_new for s in plan.seqs), plan, live, watched)
+        key = self.key(plan)
+        if watched is None and (self._thinned(plan.step, layout, key) or self._unsampled(plan)):
+            self._step = None
+            return
+        self._step = (plan.step, layout, key, plan, live, watched)
         self._t0 = time.perf_counter()
+
+    def _thinned(self, step: int, layout: str, key: StepKey) -> bool:
+        """A kind of step this layout has measured enough is sampled once in STRIDE steps (the guard
+        watches every step; a kind not yet measured, every step its shape may be priced: a verdict
+        waits on it)."""
+        return step - self._sampled < STRIDE and self.correction.settled(layout, key, step)
 
     def _unsampled(self, plan: Any) -> bool:
         """A new shape right after the last pricing is not a sample (unless the guard watches: it needs
         them all): in a prefill-heavy phase the shape changes every step, and such a step costs no more."""
         c = self._batch
         return c is not None and plan.step - c[1] < SAMPLE_GAP and not self.priced(plan)
+
+    @staticmethod
+    def key(plan: Any) -> StepKey:
+        """The plan's kind of step (every slice of a plan has at least one row)."""
+        return StepKey.sized(len(plan.seqs), plan.num_rows)
 
     def end(self) -> Verdict | None:
         """The step ran: record it; a guard Verdict when this step ends a probation."""
@@ -77,6 +100,7 @@ class StepFeedback:
         predicted = self.price(layout, plan, live)
         measured = self.timer(layout, key, predicted) if self.timer is not None else wall
         self.correction.observe(layout, key, predicted, measured, step)
+        self._sampled = step
         if watched is None:
             return None
         running, other = watched
@@ -109,9 +133,6 @@ class StepFeedback:
 
     def price(self, layout: str, plan: Any, live: list[Any]) -> float:
         """Eq 10 on the prior theta for this step in `layout` (cached with the batch)."""
-        from splash.core.costmodel import step_cost
-        from splash.core.layouts import Layout
-
         b = self.batch(plan, live)
         if layout not in self._prices:
             self._prices[layout] = step_cost(Layout.parse(layout), self.sizes, b, self.theta,
@@ -126,7 +147,7 @@ class StepFeedback:
 
     # ---- what the policy and the log see -------------------------------------------------------------
     def estimates(self, plan: Any, step: int) -> tuple[StepKey, dict[str, Estimate]]:
-        key = StepKey.of(s.num_new for s in plan.seqs)
+        key = self.key(plan)
         return key, self.correction.estimates(self.layouts, key, step)
 
     def blocked(self, key: StepKey, step: int) -> list[str]:
