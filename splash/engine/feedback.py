@@ -33,9 +33,9 @@ REPRICE = 8  # steps a cached prediction of an unchanged batch shape is reused (
 SAMPLE_GAP = 8  # a step whose shape changed is a sample only this many steps after the last pricing:
 #                 building a Batch costs ~0.2 ms, and prefill chunks change shape every step
 STRIDE = 4  # outside a guard's watch, a kind of step the layout has measured (min_samples fresh ratios)
-#             is sampled once in this many steps: a sample (clock, shape, price, record) cost ~40 us a
-#             step on the 2-core VM, ~0.5% of a rollout; the median over the window then spans 4x the
-#             steps, still a few dozen (the machine drifts over hundreds)
+#             is sampled once in this many steps: on the 2-core VM a sample (clock, shape, price,
+#             record) costs ~40 us right after a step, and sampling every step cost ~0.25% of a
+#             rollout; the median over the window then spans 64 steps (the machine drifts over hundreds)
 Timer = Callable[[str, StepKey, float], float]  # (layout, key, predicted s) -> "measured" s
 
 
