@@ -54,16 +54,16 @@ class StepKey:
     mix: str = "decode"
 
     @classmethod
+    def sized(cls, requests: int, rows: int) -> StepKey:
+        """The key of a step of `requests` requests with `rows` rows in all, each request at least one
+        (an engine's step plan, told in O(1)): some request prefills exactly when rows > requests."""
+        return cls(bucket(requests), "prefill" if rows > requests else "decode")
+
+    @classmethod
     def of(cls, rows: Iterable[int]) -> StepKey:
         """The key of a step from its rows per request (requests with 0 rows do not count)."""
         active = [int(q) for q in rows if int(q) > 0]
-        return cls(bucket(len(active)), "prefill" if any(q > 1 for q in active) else "decode")
-
-    @classmethod
-    def sized(cls, requests: int, rows: int) -> StepKey:
-        """The key of a step of `requests` requests with `rows` rows in all, each request at least one
-        (an engine's step plan): the same as `of`, told in O(1) from two counts."""
-        return cls(bucket(requests), "prefill" if rows > requests else "decode")
+        return cls.sized(len(active), sum(active))
 
     @property
     def label(self) -> str:
