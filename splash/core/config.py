@@ -18,7 +18,9 @@ DTYPE_ALIASES: dict[str, str] = {
     "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
     "float8": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8",
 }
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
+# DeepSeek Sparse Attention (DSA): MLA plus a lightning indexer per layer (SPEC §9).
+SPARSE_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 
 class ConfigError(ValueError):
@@ -85,6 +87,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # DeepSeek Sparse Attention (V3.2, GLM-5): None for dense MLA models. The indexer scores every key
+    # with index_n_heads heads of index_head_dim; each query's main attention reads its top index_topk.
+    index_topk: int | None = None
+    index_head_dim: int = 0
+    index_n_heads: int = 0
+    # Per layer: "full" runs an indexer, "shared" reuses the previous full layer's top-k (GLM-5).
+    # None with index_topk set: every layer full (V3.2).
+    indexer_types: tuple[str, ...] | None = None
+    index_rope_interleave: bool = False  # the indexer's rotary: V3.2 half-split, GLM-5 interleaved
     # Checkpoint quantisation (e.g. DeepSeek-V3's FP8 128x128 block scales), as read from config.json.
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
 
@@ -97,6 +108,22 @@ class ModelConfig:
     def latent_dim(self) -> int:
         """Width of one token's cached latent per layer in absorbed MLA: d_c + d_r."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def is_sparse(self) -> bool:
+        """A DSA model: each query's MLA reads only the keys its layer's indexer selects."""
+        return self.index_topk is not None
+
+    def indexer_type(self, layer: int) -> str | None:
+        """"full" (an indexer of its own), "shared" (the previous full layer's top-k) or None (dense)."""
+        if not self.is_sparse:
+            return None
+        return "full" if self.indexer_types is None else self.indexer_types[layer]
+
+    @property
+    def indexer_layers(self) -> tuple[int, ...]:
+        """Layers with an indexer, hence with an indexer key cache (a per-token store of index_head_dim)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.indexer_type(i) == "full")
 
     @property
     def is_moe(self) -> bool:
@@ -164,6 +191,7 @@ class ModelConfig:
                 rope["rope_type"] = kind
         is_v2 = mt == "deepseek_v2"
         get = d.get
+        sparse = _sparse_fields(d) if mt in SPARSE_MODEL_TYPES else {}
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "vocab_size"):
             if not isinstance(get(k), int) or get(k) <= 0:
                 raise ConfigError(f"config field {k} must be a positive integer, got {get(k)!r}")
@@ -195,7 +223,7 @@ class ModelConfig:
             rms_norm_eps=float(get("rms_norm_eps") or 1e-6),
             rope_theta=float(theta or 10000.0),
             rope_scaling=rope,
-            rope_interleave=bool(get("rope_interleave", True)),
+            rope_interleave=True if sparse else bool(get("rope_interleave", True)),
             max_position_embeddings=int(get("max_position_embeddings") or 4096),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             attention_bias=bool(get("attention_bias", False)),
@@ -204,6 +232,7 @@ class ModelConfig:
             eos_token_id=get("eos_token_id"),
             pad_token_id=get("pad_token_id"),
             quantization_config=get("quantization_config"),
+            **sparse,
         )
 
     @classmethod
@@ -222,6 +251,50 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"{p} is not a JSON object")
         return cls.from_dict(d, name=os.path.basename(os.path.dirname(os.path.abspath(p))))
+
+
+def _sparse_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The DSA fields of a deepseek_v32 / glm_moe_dsa config.json, validated (as transformers derives
+    them: GLM's `indexer_types` from `index_topk_pattern` or `index_topk_freq`/`index_skip_topk_offset`)."""
+    mt, n = d["model_type"], int(d["num_hidden_layers"])
+    glm = mt == "glm_moe_dsa"
+    topk = d.get("index_topk", 2048)
+    dim = d.get("index_head_dim", 128)
+    heads = d.get("index_n_heads", 32 if glm else 64)
+    for k, v in (("index_topk", topk), ("index_head_dim", dim), ("index_n_heads", heads)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{mt} config field {k} must be a positive integer, got {v!r}")
+    rope = d.get("qk_rope_head_dim")
+    if isinstance(rope, int) and rope > dim:
+        raise ConfigError(f"{mt}: the indexer's rotary part (qk_rope_head_dim={rope}) is wider than its "
+                          f"head (index_head_dim={dim}); splash's indexer needs qk_rope_head_dim <= "
+                          "index_head_dim")
+    if isinstance(rope, int) and rope % 2:
+        raise ConfigError(f"{mt}: qk_rope_head_dim={rope} must be even for the indexer's rotary")
+    if not d.get("q_lora_rank"):
+        raise ConfigError(f"{mt}: the DSA indexer reads the query latent, so q_lora_rank must be set")
+    types: tuple[str, ...] | None = None
+    if glm:
+        raw = d.get("indexer_types")
+        if raw is None:
+            pattern = d.get("index_topk_pattern")
+            if pattern is not None:
+                raw = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) \
+                    else list(pattern)
+            else:
+                freq = max(int(d.get("index_topk_freq", 1) or 1), 1)
+                off = int(d.get("index_skip_topk_offset", 2))
+                raw = ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n)]
+        types = tuple(str(t) for t in raw)
+        if len(types) != n or any(t not in ("full", "shared") for t in types):
+            raise ConfigError(f"{mt}: indexer_types must name 'full' or 'shared' for each of the {n} layers, "
+                              f"got {list(types)!r}")
+        if types and types[0] != "full":
+            raise ConfigError(f"{mt}: layer 0 is 'shared' but no earlier layer has an indexer to share")
+        if all(t == "full" for t in types):
+            types = None
+    return {"index_topk": int(topk), "index_head_dim": int(dim), "index_n_heads": int(heads),
+            "indexer_types": types, "index_rope_interleave": glm}
 
 
 def _yarn(factor: float, orig: int, mscale: float, mscale_all_dim: float, beta_fast: float = 32,
