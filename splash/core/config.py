@@ -361,6 +361,24 @@ PRESETS["small"] = dataclasses.replace(
     v_head_dim=128,
 )
 
+# The built-in DSA models (DeepSeek Sparse Attention): tiny's body with a lightning indexer in every layer
+# (`tiny-dsa`, DeepSeek-V3.2's shape) or in every other layer with the rest sharing its top-k (`tiny-glm5`,
+# GLM-5's shape, interleaved indexer rotary). index_topk = 16 sits well below the prompts tests use, so
+# attention is really sparse there. `small-dsa`: `small` with an indexer whose cost per key relative to
+# the main attention is about V3.2's (8 x 128 MACs against 16 heads x (576 + 512), ~6%), top-k 2048.
+PRESETS["tiny-dsa"] = dataclasses.replace(
+    PRESETS["tiny"], name="tiny-dsa", model_type="deepseek_v32", index_topk=16, index_head_dim=32,
+    index_n_heads=8,
+)
+PRESETS["tiny-glm5"] = dataclasses.replace(
+    PRESETS["tiny-dsa"], name="tiny-glm5", model_type="glm_moe_dsa",
+    indexer_types=("full", "shared", "full", "shared"), index_rope_interleave=True,
+)
+PRESETS["small-dsa"] = dataclasses.replace(
+    PRESETS["small"], name="small-dsa", model_type="deepseek_v32", index_topk=2048, index_head_dim=128,
+    index_n_heads=8,
+)
+
 
 def resolve_model_config(model: str) -> ModelConfig:
     """A preset name, a checkpoint directory, or a config.json path -> ModelConfig."""
