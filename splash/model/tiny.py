@@ -1,10 +1,12 @@
 """The built-in models: PRESETS["tiny"] (tests, demos) and PRESETS["small"] (benchmarks with DeepSeek-V3's
-real MLA dims) written as real Hugging Face checkpoints.
+real MLA dims) written as real Hugging Face checkpoints, and their DeepSeek Sparse Attention variants
+PRESETS["tiny-dsa"] (DeepSeek-V3.2, DeepseekV32ForCausalLM), PRESETS["tiny-glm5"] (GLM-5,
+GlmMoeDsaForCausalLM: every other layer shares the previous indexer's top-k) and PRESETS["small-dsa"].
 
 Deterministic random weights (a seed), scaled so activations stay O(1) through the layers and the
 logits are neither flat nor one-hot, plus a byte-level BPE tokenizer built here with `tokenizers` from a
 short built-in text, with BOS/EOS/PAD at the preset's ids. No download, no transformers needed;
-transformers can still load the result (DeepseekV3ForCausalLM) for comparisons.
+transformers can still load the result (DeepseekV3ForCausalLM, or the DSA classes) for comparisons.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from safetensors.torch import save_file
 from splash.core.config import PRESETS, ConfigError, ModelConfig
 
 TINY_VERSION = "1"
-BUILTIN_MODELS = ("tiny", "small")  # names `--model` takes besides a checkpoint directory
+BUILTIN_MODELS = ("tiny", "small", "tiny-dsa", "tiny-glm5", "small-dsa")  # names `--model` takes besides a checkpoint directory
+ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 SPECIALS = {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"}
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -47,7 +51,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
         rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
-    arch = "DeepseekV2ForCausalLM" if cfg.model_type == "deepseek_v2" else "DeepseekV3ForCausalLM"
+    arch = ARCHITECTURES.get(cfg.model_type, "DeepseekV3ForCausalLM")
     keys = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
             "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
             "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
@@ -58,6 +62,15 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
     d = {k: getattr(cfg, k) for k in keys}
     d.update(architectures=[arch], model_type=cfg.model_type, num_key_value_heads=cfg.num_attention_heads,
              rope_parameters=rope, rope_theta=cfg.rope_theta, dtype="float32", initializer_range=0.02)
+    if cfg.is_sparse:
+        # DSA: the indexer's dims; transformers' dense/MoE pattern written out as its save_pretrained does
+        # (it derives the same from first_k_dense_replace, ignoring moe_layer_freq); GLM-5's per-layer
+        # indexer pattern as a list ("full" everywhere when the preset has none).
+        d.update(index_topk=cfg.index_topk, index_head_dim=cfg.index_head_dim, index_n_heads=cfg.index_n_heads,
+                 mlp_layer_types=["sparse" if cfg.is_moe_layer(i) else "dense"
+                                  for i in range(cfg.num_hidden_layers)])
+        if cfg.model_type == "glm_moe_dsa":
+            d["indexer_types"] = [cfg.indexer_type(i) for i in range(cfg.num_hidden_layers)]
     return d
 
 
@@ -89,6 +102,13 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         s[f"{a}.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
         s[f"{a}.kv_b_proj.weight"] = (H * dkv, cfg.kv_lora_rank)
         s[f"{a}.o_proj.weight"] = (d, H * cfg.v_head_dim)
+        if cfg.indexer_type(i) == "full":  # DSA's lightning indexer (a "shared" GLM-5 layer has none)
+            x = f"{a}.indexer"
+            s[f"{x}.wq_b.weight"] = (cfg.index_n_heads * cfg.index_head_dim, int(cfg.q_lora_rank))
+            s[f"{x}.wk.weight"] = (cfg.index_head_dim, d)
+            s[f"{x}.k_norm.weight"] = (cfg.index_head_dim,)  # a LayerNorm (eps 1e-6): weight and bias
+            s[f"{x}.k_norm.bias"] = (cfg.index_head_dim,)
+            s[f"{x}.weights_proj.weight"] = (cfg.index_n_heads, d)
         if cfg.is_moe_layer(i):
             s[f"{p}.mlp.gate.weight"] = (int(cfg.n_routed_experts), d)
             if cfg.model_type != "deepseek_v2":
@@ -103,7 +123,9 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """N(0, 1/fan_in) projections (residual outputs x0.7), unit norms, N(0, 1) embeddings.
+    """N(0, 1/fan_in) projections (residual outputs x0.7), unit norms, N(0, 1) embeddings; the DSA
+    indexer's LayerNorm bias N(0, 0.1^2), its projections N(0, 1/fan_in) like the others, so its index
+    scores are O(1) and spread (few exact ReLU-zero ties).
 
     The LM-head rows of control / non-ASCII bytes and of BOS/PAD are shrunk 10x, so greedy text from
     this random model is mostly printable; the residual scale keeps greedy runs from settling into
@@ -113,6 +135,8 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     for name, shape in weight_shapes(cfg).items():
         if name.endswith("norm.weight") or "layernorm" in name:
             t = torch.ones(shape)
+        elif name.endswith("k_norm.bias"):  # the DSA indexer's LayerNorm
+            t = 0.1 * torch.randn(shape, generator=g)
         elif name.endswith("e_score_correction_bias"):
             t = 0.05 * torch.randn(shape, generator=g)
         elif name == "model.embed_tokens.weight":
@@ -212,7 +236,7 @@ def cache_dir() -> str:
 
 
 def write_builtin_model(path: str | os.PathLike[str], name: str = "tiny", seed: int = 0) -> str:
-    """Write the built-in model `name` ("tiny" or "small") to `path`; both share tiny's tokenizer."""
+    """Write the built-in model `name` (one of BUILTIN_MODELS) to `path`; all share tiny's tokenizer."""
     if name not in BUILTIN_MODELS:
         raise ConfigError(f"no built-in model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
     return write_tiny_model(path, seed=seed, cfg=PRESETS[name])
