@@ -336,6 +336,33 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling=_yarn(32, 4096, 1.0, 1.0, beta_fast=1, beta_slow=1),
         bos_token_id=163584, eos_token_id=163585,
     ),
+    # DeepSeek Sparse Attention at full size. V3.2: DeepSeek-V3's dims plus a lightning indexer in every
+    # layer (transformers' DeepseekV32Config). GLM-5: transformers' GlmMoeDsaConfig defaults (the hub's
+    # zai-org/GLM-5 dims); its default indexer_types derive from index_topk_freq = 1, i.e. every layer
+    # runs its own indexer (a checkpoint whose config.json names "shared" layers gets them at load).
+    "deepseek-v3.2": ModelConfig(
+        name="deepseek-v3.2", model_type="deepseek_v32", vocab_size=129280, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, topk_method="noaux_tc",
+        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=3, max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling=_yarn(40, 4096, 1.0, 1.0), bos_token_id=0, eos_token_id=1,
+        index_topk=2048, index_head_dim=128, index_n_heads=64, index_rope_interleave=False,
+    ),
+    "glm-5": ModelConfig(
+        name="glm-5", model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144,
+        intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=78,
+        num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=1, topk_group=1, topk_method="noaux_tc",
+        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=3, rms_norm_eps=1e-5, max_position_embeddings=202752, rope_theta=10000.0,
+        rope_scaling=None, bos_token_id=0, eos_token_id=1,
+        index_topk=2048, index_head_dim=128, index_n_heads=32, indexer_types=None,
+        index_rope_interleave=True,
+    ),
     # The built-in default model: DeepSeek-V3 architecture at toy size (MoE included), so CPU demos
     # and multi-rank tests are quick. 8 heads split over T = 1, 2, 4, 8.
     "tiny": ModelConfig(
