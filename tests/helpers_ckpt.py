@@ -126,8 +126,7 @@ class SimpleRunner:
 
         cfg = model.cfg
         self.model, self.P = model, page_size
-        self.pool = KVPool(cfg.num_hidden_layers, num_pages, page_size, cfg.latent_dim, model.dtype,
-                           model.device)
+        self.pool = KVPool.for_model(cfg, num_pages, page_size, model.dtype, model.device)
         self.free = list(range(num_pages))[::-1]  # pop from the end; reversed so pages are out of order
         self.layout = layout or LocalLayout()
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from splash.attention import mha, paged
+from splash.attention import mha, paged, sparse
 from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
 from splash.core.layouts import Layout, Ownership
@@ -65,7 +65,11 @@ class AttentionLayout(ABC):
         """Attention of the slices `idx` (positions in ctx.seqs, batch order; None: all) over the pages
         this rank holds -> (out [n, h, d_c], lse [n, h] or None). The query rows q_lat [n, h, d_c] and
         q_pe [n, h, d_r] are laid out slice after slice in that order; `key` names the subset for the
-        per-step cache of batched groups."""
+        per-step cache of batched groups. A DSA step attends each row's selected keys only."""
+        sp = ctx.sparse
+        if sp is not None and sp.active:
+            slots = sp.selection(self, layer_idx, idx, key, ctx)
+            return sparse.attend_selected(q_lat, q_pe, ctx.kv.flat_layer(layer_idx), slots, scale, lse)
         kernel = paged.kernel_for(q_lat) if self.batch_slices else "torch"  # attention/paged.py
         if kernel != "torch" and ctx.page_table is not None and ctx.kv is not None:
             cache = self.__dict__.get("_native")
@@ -96,10 +100,26 @@ class AttentionLayout(ABC):
             at += s.num_new
         return out, total
 
+    def select(self, layer_idx: int, idx: list[int] | None, ctx: ForwardContext, sp: sparse.SparseStep
+               ) -> torch.Tensor:
+        """DSA: [n, k] local slots of the top-k keys of each row of the slices `idx` (None: all), rows
+        slice after slice. Here every key a slice sees is on this rank (one rank, TP, DP and DOP
+        owners); CP overrides this with the merge of every rank's candidates."""
+        assert sp.rows is not None
+        seqs = ctx.seqs if idx is None else [ctx.seqs[k] for k in idx]
+        dev = ctx.positions.device
+        parts = [sparse.local_candidates(layer_idx, s, sp.rows, torch.arange(s.row_start, s.row_start + s.num_new,
+                                                                             device=dev), ctx, sp.k)[2]
+                 for s in seqs]
+        return torch.cat(parts) if parts else torch.zeros(0, sp.k, dtype=torch.long, device=dev)
+
     def forms(self, ctx: ForwardContext, key: str, idx: list[int] | None, mla: MLA, key_share: int = 1
               ) -> mha.FormSplit | None:
         """The slices `idx` (None: all) split by attention form, cached per step under `key`; None when
-        all take the absorbed form. Depends on the plan alone, so every rank splits alike."""
+        all take the absorbed form. Depends on the plan alone, so every rank splits alike. A sparse DSA
+        step takes the absorbed form throughout (each row reads its own selected keys)."""
+        if ctx.sparse is not None and ctx.sparse.active:
+            return None
         cache = self.__dict__.get("_forms")
         if cache is None:
             cache = self.__dict__["_forms"] = mha.FormCache()

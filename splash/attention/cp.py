@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from splash.attention import sparse
 from splash.attention.base import AttentionLayout
 from splash.attention.kernel import merge
 from splash.attention.tp import check_heads
@@ -32,6 +33,35 @@ def _by_head_slice(t: torch.Tensor, world: int) -> torch.Tensor:
 class CPLayout(AttentionLayout):
     name = "cp"
     core = Layout.CP
+
+    def select(self, layer_idx: int, idx: list[int] | None, ctx: ForwardContext, sp: sparse.SparseStep
+               ) -> torch.Tensor:
+        """DSA under CP: no rank holds every key, so each rank's top-k candidates among the keys it
+        holds (score, global position) are all-gathered and merged by (score desc, position asc) into
+        the global top-k, which equals the one-rank selection; each rank then keeps the selected keys
+        it holds as local slots (-1 for the others)."""
+        assert sp.rows is not None
+        seqs = ctx.seqs if idx is None else [ctx.seqs[k] for k in idx]
+        dev, k, P = ctx.positions.device, sp.k, ctx.page_size
+        if ctx.world == 1:
+            return super().select(layer_idx, idx, ctx, sp)
+        scores, pos, seg = [], [], []
+        for j, s in zip(range(len(ctx.seqs)) if idx is None else idx, seqs):
+            rows = torch.arange(s.row_start, s.row_start + s.num_new, device=dev)
+            sc, ps, _ = sparse.local_candidates(layer_idx, s, sp.rows, rows, ctx, k)
+            scores.append(sc)
+            pos.append(ps)
+            seg.append(torch.full((s.num_new,), j, dtype=torch.long, device=dev))
+        sc, ps = torch.cat(scores), torch.cat(pos)
+        n, world = sc.shape[0], ctx.world
+        all_sc = ctx.comm.all_gather(sc.contiguous(), tag=layer_idx).permute(1, 0, 2).reshape(n, world * k)
+        all_ps = ctx.comm.all_gather(ps.contiguous(), tag=layer_idx).permute(1, 0, 2).reshape(n, world * k)
+        by_pos = torch.sort(all_ps, dim=-1, stable=True).indices  # ties in score then go to the earlier key
+        all_sc, all_ps = all_sc.gather(1, by_pos), all_ps.gather(1, by_pos)
+        best, col = sparse.top_keys(all_sc, k)
+        gpos = all_ps.gather(1, col).masked_fill(torch.isinf(best), -1)
+        held = ctx.page_table[torch.cat(seg)[:, None], (gpos // P).clamp(min=0)]  # this rank's page, or -1
+        return torch.where((gpos >= 0) & (held >= 0), held * P + gpos % P, -1)
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:

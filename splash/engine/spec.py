@@ -105,7 +105,7 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
             pool_weights -= replica_bytes(net, spec.world)  # (only a budgeted pool uses weights)
     pages = kv_pages(cfg, tdtype, spec.page_size, pool_weights, reserve, spec.memory_per_rank,
                      spec.num_kv_pages, spec.max_num_seqs, max_model_len, dev, keep_free=keep_free)
-    pool = KVPool(cfg.num_hidden_layers, pages, spec.page_size, cfg.latent_dim, tdtype, dev)
+    pool = KVPool.for_model(cfg, pages, spec.page_size, tdtype, dev)
     runner = ModelRunner(net, pool, layout, grid.comm, grid.rank, spec.world)
     runner.switch_comm = getattr(grid, "switch", None)  # layout-switch transfers (splash/engine/switching.py)
     return RankState(runner=runner, pages=pages, weight_bytes=weights, reserve_bytes=reserve)

@@ -155,8 +155,7 @@ def _release(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
         runner.graphs.reset()  # captured decode graphs point at the memory freed here
     if "kv_cache" in a["tags"] and "kv_cache" not in held:
         pool = runner.pool
-        held["kv_cache"] = tuple(pool.data.shape)
-        pool.data = torch.empty(0, dtype=pool.dtype, device=pool.device)
+        held["kv_cache"] = pool.release()
     if "weights" in a["tags"] and "weights" not in held:
         keep = a.get("backup", True)
         on_host = keep and runner.device.type != "cpu"  # an accelerator's weights wait in host memory
@@ -190,8 +189,7 @@ def _resume(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
         if saved.get("dir"):
             shutil.rmtree(saved["dir"], ignore_errors=True)
     if "kv_cache" in a["tags"] and "kv_cache" in held:
-        pool = runner.pool
-        pool.data = torch.zeros(held.pop("kv_cache"), dtype=pool.dtype, device=pool.device)
+        runner.pool.restore(held.pop("kv_cache"))
 
 
 _OPS = {"disk": _stage_disk, "tensors": _stage_tensors, "dist": _stage_dist, "init_group": _init_group,

@@ -20,6 +20,7 @@ import torch
 
 if TYPE_CHECKING:
     from splash.attention.base import AttentionLayout
+    from splash.attention.sparse import SparseStep
     from splash.engine.plan import SeqSlice
     from splash.engine.tables import RankTables
     from splash.kv.pool import KVPool
@@ -92,6 +93,7 @@ class ForwardContext:
     max_end: int = 0  # longest context after this step (positions are all < max_end)
     page_size: int = 16
     all_held: bool = False  # this rank holds every page of every slice (write_rows is then all rows)
+    sparse: SparseStep | None = None  # DSA models: the step's index rows and top-k selections
 
     @property
     def num_rows(self) -> int:

@@ -21,6 +21,7 @@ from torch import nn
 
 from splash.core.config import ConfigError, ModelConfig, head_slice
 from splash.model.context import ForwardContext
+from splash.model.indexer import Indexer
 from splash.model.layers import MLP, RMSNorm, check_activation
 from splash.model.loader import CheckpointReader
 from splash.model.mla import MLA
@@ -48,6 +49,9 @@ class DecoderLayer(nn.Module):
         d = cfg.hidden_size
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.self_attn = MLA(cfg, rotary, heads, dtype, device)
+        # DSA: "full" layers run an indexer, "shared" ones reuse the previous full layer's top-k
+        self.indexer_type = cfg.indexer_type(idx)
+        self.indexer = Indexer(cfg, rotary, dtype, device) if self.indexer_type == "full" else None
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.is_moe = cfg.is_moe_layer(idx)
         self.mlp: MoE | MLP
@@ -62,12 +66,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight", dev)
         self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight", dev)
         self.self_attn.load(reader, f"{prefix}.self_attn", dev)
+        if self.indexer is not None:
+            self.indexer.load(reader, f"{prefix}.self_attn.indexer", dev)
         self.mlp.load(reader, f"{prefix}.mlp", dev)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         m = self._modules  # direct, as in MLA: no hooks here, and the nn.Module machinery is not free
         attn = m["self_attn"]
-        q_in, latent_new = attn.prepare(m["input_layernorm"].forward(x), ctx.positions)
+        xn = m["input_layernorm"].forward(x)
+        q_in, latent_new = attn.prepare(xn, ctx.positions)
+        if ctx.sparse is not None:  # DSA: this layer's index rows (None: shared) before its attention
+            ix = m.get("indexer")
+            ctx.sparse.begin(self.idx, None if ix is None else ix.prepare(xn, q_in, ctx.positions), ctx)
         x = x + ctx.layout.attention(self.idx, attn, q_in, latent_new, ctx)
         h = m["mlp"].forward(m["post_attention_layernorm"].forward(x))
         if self.mlp_partial:
@@ -148,13 +158,15 @@ class DeepseekForCausalLM(nn.Module):
     def weight_counts(self) -> dict[str, int]:
         """Elements this rank holds per part: attention, mlp (dense), experts (routed), shared,
         router, embed, lm_head, norms. What the fixed parallelism splits is mlp/experts/shared/embed."""
-        parts = ("attention", "mlp", "experts", "shared", "router", "embed", "lm_head", "norms")
+        parts = ("attention", "indexer", "mlp", "experts", "shared", "router", "embed", "lm_head", "norms")
         out = dict.fromkeys(parts, 0)
         for name, b in self.named_buffers():
             if b is None or name.startswith("rotary."):
                 continue
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 part = "norms"
+            elif ".indexer." in name:
+                part = "indexer"
             elif ".self_attn." in name:
                 part = "attention"
             elif ".mlp.gate." in name:
@@ -196,6 +208,10 @@ class DeepseekForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [N] -> residual stream [N, d] after the last layer (pre final norm)."""
+        if self.cfg.is_sparse and ctx.sparse is None:
+            from splash.attention.sparse import SparseStep
+
+            ctx.sparse = SparseStep(self.cfg.index_topk, ctx)
         x = self.embed_tokens(input_ids, ctx)
         # the step's rotary rows, looked up once and memoised for every layer (no device sync: the
         # plan gives the bound)

@@ -179,9 +179,11 @@ class Rotary:
         self._memo = [(positions, out), *self._memo[:1]]
         return out
 
-    def apply(self, x: torch.Tensor, tables: Any) -> torch.Tensor:
-        """Rotate x [N, h, d_r] (or [N, d_r]) by the tables of its rows' positions."""
-        if self.style == "complex":
+    def apply(self, x: torch.Tensor, tables: Any, style: str | None = None) -> torch.Tensor:
+        """Rotate x [N, h, d_r] (or [N, d_r]) by the tables of its rows' positions. `style` overrides the
+        model's ("half" / "interleave"): the DSA indexer rotates its keys in its own style."""
+        style = style or self.style
+        if style == "complex":
             squeeze = x.dim() == 2
             if squeeze:
                 x = x[:, None, :]
@@ -198,6 +200,6 @@ class Rotary:
         d, h = self.dim, self.dim // 2
         # a and b by views and one cat: ~3x faster on a strided q_pe than gathering both with one
         # index_select along the last dim (slow on CPU for a non-contiguous view).
-        a = x.unflatten(-1, (h, 2)).transpose(-1, -2).flatten(-2) if self.style == "interleave" else x
+        a = x.unflatten(-1, (h, 2)).transpose(-1, -2).flatten(-2) if style == "interleave" else x
         b = torch.cat([a[..., h:], a[..., :h]], dim=-1)
         return a * cs[..., :d] + b * cs[..., d:]

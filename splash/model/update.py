@@ -118,6 +118,12 @@ def full_shapes(model: Any) -> dict[str, tuple[int, ...]]:
         out[f"{s}.kv_a_layernorm.weight"] = (a.d_c,)
         out[f"{s}.kv_b_proj.weight"] = (h * dkv, a.d_c)
         out[f"{s}.o_proj.weight"] = (d, h * a.d_v)
+        ix = layer.indexer
+        if ix is not None:
+            hd = ix.head_dim
+            out.update({f"{s}.indexer.wq_b.weight": tuple(ix.wq_b.shape), f"{s}.indexer.wk.weight": (hd, d),
+                        f"{s}.indexer.k_norm.weight": (hd,), f"{s}.indexer.k_norm.bias": (hd,),
+                        f"{s}.indexer.weights_proj.weight": (ix.n_heads, d)})
         m, mp = layer.mlp, f"{p}.mlp"
         if layer.is_moe:
             e, inter = m.e, m.inter
@@ -171,6 +177,10 @@ def targets(model: Any, name: str) -> list[Target]:
         return [Target(layer.input_layernorm.weight)]
     if rest == "post_attention_layernorm.weight":
         return [Target(layer.post_attention_layernorm.weight)]
+    if rest.startswith("self_attn.indexer.") and layer.indexer is not None:  # replicated on every rank
+        names = {"wq_b.weight": "wq_b", "wk.weight": "wk", "k_norm.weight": "k_norm_w",
+                 "k_norm.bias": "k_norm_b", "weights_proj.weight": "weights_proj"}
+        return [Target(layer.indexer._buffers[names[rest.removeprefix("self_attn.indexer.")]])]
     if rest.startswith("self_attn."):
         return _attn_targets(layer.self_attn, rest.removeprefix("self_attn."))
     if rest.startswith("mlp."):

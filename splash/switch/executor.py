@@ -14,7 +14,8 @@ most one layer is ever in transit. Blocking mode: `start()` moves and installs e
 
 Per layer: weights move by one all-gather of every rank's head blocks (q_b, w_uk, w_uv, o) into a
 replicated layout, or are sliced locally into a sharded one; KV moves by one variable all-to-all
-carrying only the valid tokens of each moved page (an all-gather into TP is the all-to-all in which
+carrying only the valid tokens of each moved page, every per-token store of the layer side by side
+(the latent and, in a DSA model, the indexer's keys: `KVPool.read_rows`) (an all-gather into TP is the all-to-all in which
 each holder sends to every non-holder), so the bytes counted per (op, "switch.w.i" / "switch.kv.i")
 equal the manifest's. On CUDA the transfers are issued from a side stream.
 """
@@ -140,8 +141,8 @@ class SwitchExecutor:
             self._install(self._installed)
         freed = list(self.plan.frees[self.rank])
         if self.poison_freed and freed and self.pool.data.is_floating_point():
-            # Debug aid: any later read of a retired page turns into NaN logits.
-            self.pool.data[:, torch.tensor(freed, dtype=torch.long, device=self.pool.device)] = float("nan")
+            # Debug aid: any later read of a retired page (of any store) turns into NaN logits.
+            self.pool.poison(torch.tensor(freed, dtype=torch.long, device=self.pool.device))
         if hasattr(self.model, "attn_sharded"):
             self.model.attn_sharded = row(self.plan.dst).shards_projections and self.plan.world > 1
         self.result.freed = freed
@@ -170,7 +171,7 @@ class SwitchExecutor:
                 flat = torch.cat([blocks[k].reshape(-1) for k in WEIGHT_KEYS])
                 hw = self.comm.all_gather_async(flat, switch_tag("w", i))
             if self.moves_kv:
-                rows = self.pool.flat_layer(i).index_select(0, self.send_slots)
+                rows = self.pool.read_rows(i, self.send_slots)  # every per-token store of layer i
                 hk = self.comm.all_to_all_var_async(rows, self.send_counts, switch_tag("kv", i),
                                                     self.recv_counts)
         self._handles[i] = (hw, hk)
@@ -200,7 +201,7 @@ class SwitchExecutor:
             # clone: a view would keep the whole replica alive, and retiring it is the point
             mla.set_heads(self.dst_heads, {k: v.clone() for k, v in mla.head_tensors(self.dst_heads).items()})
         if received is not None:
-            self.pool.write(i, self.recv_slots, received)
+            self.pool.write_rows(i, self.recv_slots, received)
         if before is not None:
             after = torch.cuda.Event(enable_timing=True)
             after.record(torch.cuda.current_stream(self._stream.device))  # type: ignore[union-attr]

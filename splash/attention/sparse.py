@@ -1,0 +1,160 @@
+"""DeepSeek Sparse Attention over the paged cache: the indexer's top-k, then MLA over just those keys.
+
+A DSA model's step carries a `SparseStep` (ctx.sparse). Before each layer's attention the model hands
+it that layer's index rows (`IndexRows`: queries, head weights, the step's new index keys, which are
+stored here into the pool's "index_k" store exactly where the latent goes, so the indexer cache is
+placed as the latent is in every layout). A "shared" layer (GLM-5) hands None and reuses the last
+full layer's selection.
+
+Selection rule, the same on every rank and in every layout: query t scores every key s <= t,
+I[t, s] = sum_h w[t, h] ReLU(q[t, h] . k[s]), and keeps the top `index_topk` by (score descending,
+position ascending): ReLU makes exact ties possible (every head's dot product <= 0 gives 0), so ties
+go to the earlier position, deterministically. A query seeing at most `index_topk` keys keeps them all,
+so a step whose every context fits (`max_end <= index_topk`) is dense: it runs the dense kernels
+(every attention form) and only writes the index keys; `active` is that test, from the plan alone, so
+every rank agrees.
+
+Where keys live follows the layout (`AttentionLayout.select`): a rank holding every key of the slices
+it attends (local, TP, DP and DOP owners) selects directly; CP, where each rank holds a position shard,
+forms the global top-k from every rank's local top-k candidates (score, position), all-gathered and
+merged in the same (score desc, position asc) order, which equals the single-rank selection exactly
+(`CPLayout.select`). Then each rank attends the selected keys it holds (`attend_selected`), with the
+log-sum-exp for CP's exact merge.
+
+Scores are float32 as in the reference (float64 for a float64 model: `indexer.score_dtype`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from splash.attention.kernel import acc_dtype
+
+if TYPE_CHECKING:
+    from splash.attention.base import AttentionLayout
+    from splash.model.context import ForwardContext, SliceCtx
+    from splash.model.indexer import IndexRows
+
+_CHUNK = 1 << 22  # elements of a score block ([rows, heads, keys]) or key gather ([rows, K, D]) at once
+
+
+class SparseStep:
+    """One step of a DSA model on one rank: the running layer's index rows and the selections."""
+
+    def __init__(self, topk: int, ctx: ForwardContext) -> None:
+        self.topk = topk
+        self.active = ctx.max_end > topk  # some query sees more keys than it may read
+        self.k = min(topk, ctx.max_end)  # selected keys per row (padded with -1), the same on every rank
+        self.layer = -1
+        self.rows: IndexRows | None = None
+        self._sel: dict[str, torch.Tensor] = {}  # subset key -> [n, k] local slots (-1: none / not here)
+
+    def begin(self, layer: int, rows: IndexRows | None, ctx: ForwardContext) -> None:
+        """Layer `layer` is next: a full layer stores its new index keys and selects afresh."""
+        self.layer, self.rows = layer, rows
+        if rows is None:
+            if not self._sel and self.active and layer == 0:
+                raise RuntimeError("a shared DSA layer needs an earlier layer with an indexer")
+            return
+        self._sel = {}
+        kv = ctx.kv
+        if kv is not None and ctx.write_slots is not None:
+            new = rows.k_new if ctx.all_held else rows.k_new[ctx.write_rows]
+            kv.write_store("index_k", layer, ctx.write_slots, new)
+
+    def selection(self, layout: AttentionLayout, layer: int, idx: list[int] | None, key: str,
+                  ctx: ForwardContext) -> torch.Tensor:
+        """[n, k] local slots of the keys each row of the slices `idx` attends (-1: no key / not held
+        here), rows slice after slice; a shared layer gets the last full layer's."""
+        got = self._sel.get(key)
+        if got is not None:
+            return got
+        if self.rows is None:
+            raise RuntimeError(f"layer {layer} shares the top-k of a layer that did not select for {key!r}")
+        got = self._sel[key] = layout.select(layer, idx, ctx, self)
+        return got
+
+
+def rows_of(ctx: ForwardContext, idx: list[int] | None) -> torch.Tensor:
+    """Step rows of the slices `idx` (None: all), slice after slice."""
+    if idx is None:
+        return torch.arange(ctx.num_rows, device=ctx.positions.device)
+    seqs = ctx.seqs
+    parts = [torch.arange(seqs[k].row_start, seqs[k].row_start + seqs[k].num_new) for k in idx]
+    out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return out.to(ctx.positions.device)
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [n, H, d], w [n, H] (score dtype), keys [m, d] -> I [n, m] = sum_h w ReLU(q_h . k)."""
+    n, h, _ = q.shape
+    m = keys.shape[0]
+    kt = keys.to(q.dtype).t()
+    out = q.new_empty(n, m)
+    step = max(1, _CHUNK // max(1, h * m))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        s = torch.relu(torch.matmul(q[a:b], kt))  # [r, H, m]
+        out[a:b] = torch.matmul(w[a:b, None, :], s)[:, 0]
+    return out
+
+
+def top_keys(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row the `k` best columns of scores [n, m] (columns in ascending position order) by (score
+    descending, column ascending) -> (scores [n, k], columns [n, k]); -inf scores mark missing keys
+    (the row sees fewer than k), padded when m < k."""
+    n, m = scores.shape
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    best = scores.gather(1, order)
+    if m < k:
+        best = torch.cat([best, best.new_full((n, k - m), float("-inf"))], dim=1)
+        order = torch.cat([order, order.new_zeros(n, k - m)], dim=1)
+    return best, order
+
+
+def local_candidates(layer: int, s: SliceCtx, rows: IndexRows, q_rows: torch.Tensor, ctx: ForwardContext,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best `k` keys of slice `s` among those this rank holds, for its rows `q_rows` ->
+    (scores [n, k] (-inf: none), positions [n, k], local slots [n, k]; -1 where none)."""
+    slots, pos = s.key_slots()  # held keys, positions ascending
+    n = q_rows.shape[0]
+    if pos.numel() == 0:
+        neg = torch.full((n, k), -1, dtype=torch.long, device=q_rows.device)
+        return torch.full((n, k), float("-inf"), dtype=rows.w.dtype, device=q_rows.device), neg, neg.clone()
+    keys = ctx.kv.store_flat("index_k", layer)[slots]
+    sc = index_scores(rows.q[q_rows], rows.w[q_rows], keys)
+    sc.masked_fill_(pos[None, :] > ctx.positions[q_rows][:, None], float("-inf"))  # causal
+    best, col = top_keys(sc, k)
+    miss = torch.isinf(best)
+    return best, pos[col].masked_fill(miss, -1), slots[col].masked_fill(miss, -1)
+
+
+def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor,
+                    scale: float, lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Absorbed MLA of each row over its selected keys: q_lat [n, h, d_c], q_pe [n, h, d_r], the layer's
+    latent `flat` [slots, D], slots [n, k] (-1: none) -> (out [n, h, d_c], lse [n, h] or None). A row
+    with no key here gets out 0 and lse -inf (CP merges it away)."""
+    n, h, d_c = q_lat.shape
+    acc = acc_dtype(q_lat.dtype)
+    out = q_lat.new_zeros(n, h, d_c)
+    total = torch.full((n, h), float("-inf"), dtype=acc, device=q_lat.device) if lse else None
+    k = slots.shape[1] if slots.dim() == 2 else 0
+    if n == 0 or k == 0:
+        return out, total
+    q = torch.cat([q_lat, q_pe], dim=-1)  # [n, h, D]
+    step = max(1, _CHUNK // max(1, k * flat.shape[1]))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        sl = slots[a:b]
+        miss = sl < 0
+        keys = flat[sl.clamp(min=0)]  # [r, k, D]
+        s = torch.matmul(q[a:b], keys.transpose(1, 2)).to(acc)  # [r, h, k]
+        s.mul_(scale)
+        s.masked_fill_(miss[:, None, :], float("-inf"))
+        if total is not None:
+            total[a:b] = torch.logsumexp(s, dim=-1)
+        p = torch.softmax(s, dim=-1)
+        out[a:b] = torch.nan_to_num(torch.matmul(p.to(keys.dtype), keys[..., :d_c]), nan=0.0)
+    return out, total
