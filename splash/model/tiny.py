@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 from splash.core.config import PRESETS, ConfigError, ModelConfig
 
 TINY_VERSION = "1"
-BUILTIN_MODELS = ("tiny", "small", "tiny-dsa", "tiny-glm5", "small-dsa")  # names `--model` takes besides a checkpoint directory
+# names `--model` takes besides a checkpoint directory
+BUILTIN_MODELS = ("tiny", "small", "tiny-dsa", "tiny-glm5", "small-dsa")
 ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                  "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 SPECIALS = {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"}
@@ -66,7 +67,8 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         # DSA: the indexer's dims; transformers' dense/MoE pattern written out as its save_pretrained does
         # (it derives the same from first_k_dense_replace, ignoring moe_layer_freq); GLM-5's per-layer
         # indexer pattern as a list ("full" everywhere when the preset has none).
-        d.update(index_topk=cfg.index_topk, index_head_dim=cfg.index_head_dim, index_n_heads=cfg.index_n_heads,
+        d.update(index_topk=cfg.index_topk, index_head_dim=cfg.index_head_dim,
+                 index_n_heads=cfg.index_n_heads,
                  mlp_layer_types=["sparse" if cfg.is_moe_layer(i) else "dense"
                                   for i in range(cfg.num_hidden_layers)])
         if cfg.model_type == "glm_moe_dsa":
