@@ -5,6 +5,13 @@ K_read/beta_KV), and t = t0 + t_proj + t_att + delta + max(0, R - eta*t_att). Th
 and R come from the ownership model for the *live* batch (unbalanced contexts and owners welcome),
 so the same function prices TP, DP, CP and DOP; theta holds only rates, latencies and budgets.
 The illustrative law of Eq 11/12 lives in `splash/core/law.py`.
+
+Sparse attention (DSA, SPEC §9): a query's main attention reads at most `index_topk` keys whatever the
+context, while each indexer layer scores every visible key (H_I * d_I MACs and d_I values per key) and
+runs its own projections on the rows (replicated in every layout: rows are placed as the KV is, all of
+them in TP and CP, each owner's under DP and DOP). The indexer is a second roofline inside t_att. GLM-5's
+shared layers reuse the previous indexer's selection: sparse main attention, no indexer. Layers of one
+kind cost alike, so a step is the sum over the kinds (`layer_kinds`) of count x one layer's cost.
 """
 
 from __future__ import annotations
@@ -189,7 +196,8 @@ class Batch:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Eq 10 for one layout on one batch: the step time and its stages (per layer, busiest rank)."""
+    """Eq 10 for one layout on one batch: the step time and its stages (per layer, busiest rank; the
+    mean over the layers where their kinds differ, so `layers * per_layer` is the attention's time)."""
 
     layout: Layout
     total: float
@@ -199,6 +207,7 @@ class StepCost:
     delta: float
     exposed_comm: float
     layers: int
+    t_index: float = 0.0  # the DSA indexer's part of t_att (its scoring roofline)
 
     @property
     def per_layer(self) -> float:
@@ -206,7 +215,7 @@ class StepCost:
 
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout.label, "step_s": self.total, "t_proj_s": self.t_proj,
-                "t_att_s": self.t_att, "comm_s": self.comm, "delta_s": self.delta,
+                "t_att_s": self.t_att, "t_index_s": self.t_index, "comm_s": self.comm, "delta_s": self.delta,
                 "exposed_comm_s": self.exposed_comm}
 
 
@@ -224,71 +233,154 @@ def _att_flops_per_key_head(sizes: AttentionSizes) -> float:
     return 2.0 * (c.latent_dim + c.kv_lora_rank)
 
 
+def _index_flops_per_key(sizes: AttentionSizes) -> float:
+    """The indexer's score of one (row, key): H_I heads of d_I MACs (2 FLOPs per MAC)."""
+    c = sizes.cfg
+    return 2.0 * c.index_n_heads * c.index_head_dim
+
+
+def _index_proj_flops_per_row(sizes: AttentionSizes) -> float:
+    """The indexer's projections per row: wq_b (q_lora -> H_I*d_I), wk (d -> d_I), weights_proj (d -> H_I)."""
+    c = sizes.cfg
+    q_in = c.q_lora_rank or c.hidden_size
+    hi, di = c.index_n_heads, c.index_head_dim
+    return 2.0 * (q_in * hi * di + c.hidden_size * (di + hi))
+
+
+def layer_kinds(sizes: AttentionSizes) -> tuple[tuple[int, bool], ...]:
+    """(layers, runs an indexer) per kind of attention layer that costs alike: a dense model's L layers;
+    a DSA model's indexer layers and, in GLM-5, its shared layers (sparse attention, no indexer)."""
+    c = sizes.cfg
+    if not c.is_sparse:
+        return ((sizes.layers, False),)
+    full = len(c.indexer_layers)
+    return tuple((n, ix) for n, ix in ((full, True), (sizes.layers - full, False)) if n)
+
+
+def attended_keys(contexts: np.ndarray, rows: np.ndarray, topk: int | None) -> np.ndarray:
+    """Mean keys one of a request's rows attends: its last q of s positions see s-q+1 .. s keys
+    causally, each capped at `topk` (DSA's selection; None: dense, the mean is s - (q-1)/2)."""
+    s, q = np.asarray(contexts, dtype=float), np.asarray(rows, dtype=float)
+    dense = np.maximum(s - (q - 1) / 2, 0)
+    if topk is None:
+        return dense
+    first = s - q + 1  # keys the first row sees
+    under = np.clip(topk - first + 1, 0, q)  # rows that see at most topk keys
+    total = under * first + under * (under - 1) / 2 + (q - under) * topk
+    return np.divide(total, q, out=np.zeros_like(total), where=q > 0)
+
+
 @dataclass(frozen=True)
 class LayerLoads:
     """Per-rank loads of one MLA layer of `layout` on a batch (Eq 10's F, W, K_read, R), no rates."""
 
-    f_proj: np.ndarray  # FLOPs of the projections per rank
+    f_proj: np.ndarray  # FLOPs of the projections per rank (the indexer's included)
     w_read: np.ndarray  # projection weight bytes read per rank (0 on a rank without rows)
-    f_att: np.ndarray  # attention FLOPs per rank
+    f_att: np.ndarray  # main attention FLOPs per rank
     kv_read: np.ndarray  # latent KV bytes read per rank
     slices: np.ndarray  # requests with rows this step that each rank attends
     comm_bytes: float  # R in bytes one rank receives (busiest rank)
     collectives: float  # collectives per layer (0 on one rank)
+    f_index: np.ndarray | None = None  # the DSA indexer's scoring FLOPs per rank (None: no indexer)
+    index_read: np.ndarray | None = None  # indexer key bytes it reads per rank
+
+
+def _spread(layout: Layout, o: np.ndarray, per_req: np.ndarray, share: np.ndarray | None,
+            T: int) -> np.ndarray:
+    """A per-request quantity summed on the ranks that hold the request's KV: its owner, each rank by
+    its position share (CP), or every rank whole (TP)."""
+    if layout.ownership is Ownership.OWNER:
+        return np.bincount(o, weights=per_req, minlength=T)
+    if layout.ownership is Ownership.POSITION:
+        return share @ per_req
+    return np.full(T, per_req.sum())
 
 
 def layer_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: int, act_bytes: float,
-                collectives: float, page_size: int | None = None) -> LayerLoads:
-    """The rate-free quantities of Eq 10, from the ownership model of the live batch."""
-    T, H = ranks, sizes.heads
+                collectives: float, page_size: int | None = None, indexer: bool | None = None) -> LayerLoads:
+    """The rate-free quantities of Eq 10, from the ownership model of the live batch.
+
+    `indexer`: whether this layer runs a DSA indexer (None: whether the model has one; see
+    `layer_kinds`). A DSA model's main attention is sparse in every layer."""
+    T, H, c = ranks, sizes.heads, sizes.cfg
     q, o = batch.rows.astype(float), batch.owners
     s = np.where(q > 0, batch.contexts, 0).astype(float)  # requests without rows read no KV this step
     active = (q > 0).astype(float)
     heads = H / T if layout.sharded else H  # projection heads per rank
     att_heads = H / T if layout is Layout.TP else H  # DOP's owner attends its rows over all heads
-    keys = np.maximum(s - (q - 1) / 2, 0)  # mean keys a causal row sees (last q of s positions)
+    keys = attended_keys(s, q, c.index_topk)  # mean keys a causal row attends (at most top-k in DSA)
+    read = s if c.index_topk is None else np.minimum(s, q * c.index_topk)  # latent keys read per request
+    share = None
+    if layout.ownership is Ownership.POSITION:
+        share = position_tokens_matrix(s.astype(np.int64), T, page_size) / np.maximum(s, 1)[None, :]
     if layout.ownership is Ownership.OWNER:
         rows_r = np.bincount(o, weights=q, minlength=T)
-        work_r = np.bincount(o, weights=q * keys, minlength=T)  # sum q_i * keys_i per owner
-        read_r = np.bincount(o, weights=s, minlength=T)
         slices_r = np.bincount(o, weights=active, minlength=T)
-    elif layout.ownership is Ownership.POSITION:
-        share = position_tokens_matrix(s.astype(np.int64), T, page_size) / np.maximum(s, 1)[None, :]
-        rows_r = np.full(T, q.sum())
-        work_r = share @ (q * keys)
-        read_r = share @ s
-        slices_r = np.full(T, active.sum())  # every rank visits every slice (its keys may be few)
     else:
         rows_r = np.full(T, q.sum())
-        work_r = np.full(T, (q * keys).sum())
-        read_r = np.full(T, s.sum())
-        slices_r = np.full(T, active.sum())
+        slices_r = np.full(T, active.sum())  # CP: every rank visits every slice (its keys may be few)
     w_rank = sizes.w_layer / T if layout.sharded else sizes.w_layer
+    f_proj = rows_r * heads * _proj_flops_per_row_head(sizes)
+    w_read = np.where(rows_r > 0, w_rank, 0.0)
+    f_index = index_read = None
+    if c.is_sparse if indexer is None else indexer:
+        # Replicated projections on the rows this rank's KV serves (all in TP/CP, its own in DP/DOP);
+        # scoring every visible key it holds.
+        idx_rows = np.bincount(o, weights=q, minlength=T) if layout.owned else np.full(T, q.sum())
+        f_proj = f_proj + idx_rows * _index_proj_flops_per_row(sizes)
+        w_read = w_read + np.where(idx_rows > 0, sizes.indexer_layer_bytes, 0.0)
+        scored = q * attended_keys(s, q, None)
+        f_index = _spread(layout, o, scored, share, T) * _index_flops_per_key(sizes)
+        index_read = _spread(layout, o, s, share, T) * sizes.store_bytes("index_k")
     return LayerLoads(
-        f_proj=rows_r * heads * _proj_flops_per_row_head(sizes),
-        w_read=np.where(rows_r > 0, w_rank, 0.0),
-        f_att=work_r * att_heads * _att_flops_per_key_head(sizes),
-        kv_read=read_r * sizes.kv_token_layer,
+        f_proj=f_proj,
+        w_read=w_read,
+        f_att=_spread(layout, o, q * keys, share, T) * att_heads * _att_flops_per_key_head(sizes),
+        kv_read=_spread(layout, o, read, share, T) * sizes.store_bytes("latent"),
         slices=slices_r,
         comm_bytes=_comm_bytes(layout, sizes, batch, T, act_bytes, rows_r),
         collectives=float(collectives) if T > 1 else 0.0,
+        f_index=f_index,
+        index_read=index_read,
     )
+
+
+def _rank_times(ld: LayerLoads, theta: Theta) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank, one layer: (t_proj, t_att, the indexer's part of t_att), each stage its roofline."""
+    t_proj = np.maximum(ld.f_proj / theta.flops_proj, ld.w_read / theta.bw_weights)
+    t_index = np.zeros_like(t_proj)
+    if ld.f_index is not None and ld.index_read is not None:
+        t_index = np.maximum(ld.f_index / theta.flops_att, ld.index_read / theta.bw_kv)
+    t_main = np.maximum(ld.f_att / theta.flops_att, ld.kv_read / theta.bw_kv)
+    return t_proj, t_main + t_index + theta.t_seq * ld.slices, t_index
+
+
+def _kinds_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
+                 page_size: int | None) -> tuple[list[tuple[int, LayerLoads]], int]:
+    """Each kind of layer's loads with its count, and the busiest rank over the whole model."""
+    T = theta.ranks
+    coll = theta.collectives_of(layout)
+    kinds = [(n, layer_loads(layout, sizes, batch, T, theta.act_bytes, coll, page_size, ix))
+             for n, ix in layer_kinds(sizes)]
+    per_rank = sum(n * (tp + ta) for n, ld in kinds for tp, ta, _ in [_rank_times(ld, theta)])
+    return kinds, int(np.argmax(per_rank)) if T else 0
 
 
 def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
               page_size: int | None = None) -> StepCost:
     """Eq 10 summed over the model's MLA layers for `batch` in `layout` on theta.ranks ranks."""
-    T, L = theta.ranks, sizes.layers
-    ld = layer_loads(layout, sizes, batch, T, theta.act_bytes, theta.collectives_of(layout), page_size)
-    t_proj_r = np.maximum(ld.f_proj / theta.flops_proj, ld.w_read / theta.bw_weights)
-    t_att_r = np.maximum(ld.f_att / theta.flops_att, ld.kv_read / theta.bw_kv) + theta.t_seq * ld.slices
-    busiest = int(np.argmax(t_proj_r + t_att_r)) if T else 0
-    t_proj, t_att = float(t_proj_r[busiest]), float(t_att_r[busiest])
-    comm = ld.comm_bytes / theta.link_bw_of(layout)
-    delta = theta.latency * ld.collectives
-    exposed = max(0.0, comm - theta.eta_of(layout) * t_att)
-    total = outside_attention(theta, batch) + L * (t_proj + t_att + delta + exposed)
-    return StepCost(layout, total, t_proj, t_att, comm, delta, exposed, L)
+    L = sizes.layers
+    kinds, b = _kinds_loads(layout, sizes, batch, theta, page_size)
+    comm = kinds[0][1].comm_bytes / theta.link_bw_of(layout)
+    delta = theta.latency * kinds[0][1].collectives
+    eta = theta.eta_of(layout)
+    t_proj = t_att = t_index = exposed = 0.0
+    for n, ld in kinds:
+        tp, ta, ti = (float(v[b]) for v in _rank_times(ld, theta))
+        t_proj, t_att, t_index = t_proj + n * tp, t_att + n * ta, t_index + n * ti
+        exposed += n * max(0.0, comm - eta * ta)
+    total = outside_attention(theta, batch) + t_proj + t_att + L * delta + exposed
+    return StepCost(layout, total, t_proj / L, t_att / L, comm, delta, exposed / L, L, t_index / L)
 
 
 # ---- Eq 10 as a linear function of theta, for calibration --------------------------------------------
@@ -322,37 +414,48 @@ def with_params(theta: Theta, params: np.ndarray, max_rate: float = 1e30) -> The
     return Theta.from_dict({k: (float(v) if isinstance(v, np.floating) else v) for k, v in d.items()})
 
 
+def _roofline(att: np.ndarray, flops: float, nbytes: float, theta: Theta) -> None:
+    """Add one roofline's active branch to a feature row (FLOPs at 1/Phi_att, or bytes at 1/beta_KV)."""
+    if flops / theta.flops_att >= nbytes / theta.bw_kv:
+        att[5] += flops
+    else:
+        att[6] += nbytes
+
+
+def _layer_features(layout: Layout, ld: LayerLoads, theta: Theta, b: int) -> np.ndarray:
+    """One layer's part of `step_features` on busiest rank `b`."""
+    x = np.zeros(len(FIT_PARAMS))
+    if ld.f_proj[b] / theta.flops_proj >= ld.w_read[b] / theta.bw_weights:
+        x[3] += ld.f_proj[b]
+    else:
+        x[4] += ld.w_read[b]
+    att = np.zeros(len(FIT_PARAMS))  # t_att of the busiest rank
+    _roofline(att, ld.f_att[b], ld.kv_read[b], theta)
+    if ld.f_index is not None and ld.index_read is not None:
+        _roofline(att, ld.f_index[b], ld.index_read[b], theta)
+    att[9] = ld.slices[b]
+    x += att
+    x[8] += ld.collectives
+    eta = theta.eta_of(layout)
+    t_att = float(_rank_times(ld, theta)[1][b])
+    if ld.comm_bytes / theta.link_bw_of(layout) - eta * t_att > 0:
+        x[7] += ld.comm_bytes * theta.link_bw / theta.link_bw_of(layout)  # in units of 1 / link_bw
+        x -= eta * att
+    return x
+
+
 def step_features(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
                   page_size: int | None = None) -> np.ndarray:
     """x with step_cost(layout, ...).total == x @ theta_params(theta), branches chosen by `theta`."""
-    T, L = theta.ranks, sizes.layers
-    ld = layer_loads(layout, sizes, batch, T, theta.act_bytes, theta.collectives_of(layout), page_size)
-    t_proj_r = np.maximum(ld.f_proj / theta.flops_proj, ld.w_read / theta.bw_weights)
-    t_att_r = np.maximum(ld.f_att / theta.flops_att, ld.kv_read / theta.bw_kv) + theta.t_seq * ld.slices
-    b = int(np.argmax(t_proj_r + t_att_r)) if T else 0
+    kinds, b = _kinds_loads(layout, sizes, batch, theta, page_size)
     x = np.zeros(len(FIT_PARAMS))
     rows = batch.n_rows
     x[0] = 1.0
     x[1] = rows
     x[2] = 1.0 - (1.0 - theta.expert_frac) ** rows if rows > 0 else 0.0
     x[10] = _active(batch)
-    att = np.zeros(len(FIT_PARAMS))  # t_att of the busiest rank, per layer
-    if ld.f_proj[b] / theta.flops_proj >= ld.w_read[b] / theta.bw_weights:
-        x[3] += L * ld.f_proj[b]
-    else:
-        x[4] += L * ld.w_read[b]
-    if ld.f_att[b] / theta.flops_att >= ld.kv_read[b] / theta.bw_kv:
-        att[5] = ld.f_att[b]
-    else:
-        att[6] = ld.kv_read[b]
-    att[9] = ld.slices[b]
-    x += L * att
-    x[8] += L * ld.collectives
-    eta = theta.eta_of(layout)
-    t_att = float(t_att_r[b])
-    if ld.comm_bytes / theta.link_bw_of(layout) - eta * t_att > 0:
-        x[7] += L * ld.comm_bytes * theta.link_bw / theta.link_bw_of(layout)  # in units of 1 / link_bw
-        x -= L * eta * att
+    for n, ld in kinds:
+        x += n * _layer_features(layout, ld, theta, b)
     return x
 
 
@@ -413,17 +516,23 @@ def exposed_switch_time(xfer: Sequence[float], comp: Sequence[float]) -> float:
 
 def layer_transfer_times(weight_bytes: np.ndarray, kv_bytes: np.ndarray, layers: int,
                          theta: Theta) -> list[float]:
-    """Per-layer transfer time of a switch: busiest rank's bytes / link + one latency per collective."""
-    w, kv = float(np.max(weight_bytes, initial=0)), float(np.max(kv_bytes, initial=0))
-    if w == 0 and kv == 0:
-        return [0.0] * layers
-    n_coll = (w > 0) + (kv > 0)
-    return [(w + kv) / theta.link_bw + n_coll * theta.latency] * layers
+    """Per-layer transfer time of a switch: busiest rank's bytes / link + one latency per collective.
+
+    `kv_bytes` is one layer's per-rank KV ([T], every layer alike) or each layer's ([layers, T]: a DSA
+    model's indexer layers carry their indexer keys, GLM-5's shared layers none)."""
+    w = float(np.max(weight_bytes, initial=0))
+    kv_b = np.asarray(kv_bytes, dtype=float)
+    per_layer = kv_b.max(axis=-1, initial=0) if kv_b.ndim == 2 else np.full(layers, kv_b.max(initial=0))
+    if len(per_layer) != layers:
+        raise ConfigError(f"need KV bytes for {layers} layers, got {len(per_layer)}")
+    n_coll = float(w > 0) + (per_layer > 0)  # nothing to move, nothing to pay
+    return ((w + per_layer) / theta.link_bw + n_coll * theta.latency).tolist()
 
 
 def switch_time(weight_bytes: np.ndarray, kv_bytes: np.ndarray, dst_cost: StepCost,
                 theta: Theta) -> tuple[float, float]:
-    """(exposed, blocking) seconds of a switch whose destination step costs `dst_cost`."""
+    """(exposed, blocking) seconds of a switch whose destination step costs `dst_cost` (`kv_bytes`: see
+    `layer_transfer_times`)."""
     xfer = layer_transfer_times(weight_bytes, kv_bytes, dst_cost.layers, theta)
     comp = [dst_cost.per_layer] * dst_cost.layers
     return exposed_switch_time(xfer, comp), float(sum(xfer))

@@ -8,9 +8,12 @@ state follows from those sets: nothing received -> discard (keep, free the rest)
 that every destination rank holds -> all-gather; otherwise -> all-to-all. No direction table is
 written down anywhere: the 12-direction pattern of the paper falls out of the ownership model.
 
-Every MLA layer has the same shapes, so one per-layer plan serves all layers; `Manifest.layers`
-lists them for callers that walk layer by layer (the switch executor, Eq 7). Concrete moves
-(which heads / pages go from which rank to which) are produced on demand.
+Every MLA layer has the same projection shapes and the same pages (every per-token store of
+`splash.core.stores` shares the latent's page ids), so one per-layer plan of blocks serves all layers;
+only a page's bytes differ by layer (`AttentionSizes.kv_token_bytes`: a DSA indexer layer adds its
+indexer keys, a GLM-5 shared layer has none). `Manifest.layers` lists each layer's manifest for callers
+that walk layer by layer (the switch executor, Eq 7); `Manifest.kv` is the largest layer's. Concrete
+moves (which heads / pages go from which rank to which) are produced on demand.
 
 (Past ~450 lines on purpose: the set differences, their byte totals and the concrete moves are one
 derivation from the holdings; split, each half would restate the other's ownership cases.)
@@ -370,44 +373,67 @@ class Manifest:
         """`kv_moves()` and `kv_frees()` as flat arrays (one row per page)."""
         return self._kv_arrays[0]
 
-    def kv_moves(self) -> list[PageMove]:
-        """Per layer: pages each rank receives, grouped by (request, source, receiver)."""
+    def _per_token(self, layer: int | None) -> float:
+        """KV bytes per token of `layer` (None: the largest layer, `kv_token_layer`)."""
+        return self.sizes.kv_token_layer if layer is None else self.sizes.kv_token_bytes(layer)
+
+    def kv_moves(self, layer: int | None = None) -> list[PageMove]:
+        """Pages each rank receives, grouped by (request, source, receiver); bytes of `layer` (None: the
+        largest layer's; the pages are the same in every layer)."""
         pages, tok, _, _ = self._kv_arrays
         rows = pages.moves
         heads = rows[pages.move_starts].tolist()
-        return [PageMove(i, tuple(p), s, r, t, t * self.sizes.kv_token_layer)
+        per_tok = self._per_token(layer)
+        return [PageMove(i, tuple(p), s, r, t, t * per_tok)
                 for (i, _, s, r), p, t in zip(heads, *_runs(rows[:, 1], tok, pages.move_starts))]
 
-    def kv_frees(self) -> list[PageFree]:
+    def kv_frees(self, layer: int | None = None) -> list[PageFree]:
         pages, _, tok, _ = self._kv_arrays
         rows = pages.frees
         heads = rows[pages.free_starts].tolist()
-        return [PageFree(r, i, tuple(p), t, t * self.sizes.kv_token_layer)
+        per_tok = self._per_token(layer)
+        return [PageFree(r, i, tuple(p), t, t * per_tok)
                 for (i, _, r), p, t in zip(heads, *_runs(rows[:, 1], tok, pages.free_starts))]
 
     @cached_property
-    def kv(self) -> StateManifest:
-        T, per_tok = self.ranks, self.sizes.kv_token_layer
+    def _kv_tokens(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+        """Tokens each rank receives, sends and frees per layer, and the KV primitive."""
+        T = self.ranks
         pages, move_tok, free_tok, gathered = self._kv_arrays
-        recv = _per_rank(pages.moves[:, 3], move_tok, T) * per_tok
-        send = _per_rank(pages.moves[:, 2], move_tok, T) * per_tok
-        freed = _per_rank(pages.frees[:, 2], free_tok, T) * per_tok
-        prim = _classify(recv.sum(), freed.sum(), self.src is self.dst, gathered)
-        return StateManifest("kv", prim, tuple(recv), tuple(send), tuple(freed))
+        recv = _per_rank(pages.moves[:, 3], move_tok, T)
+        send = _per_rank(pages.moves[:, 2], move_tok, T)
+        freed = _per_rank(pages.frees[:, 2], free_tok, T)
+        return recv, send, freed, _classify(recv.sum(), freed.sum(), self.src is self.dst, gathered)
+
+    def _kv_state(self, per_tok: float) -> StateManifest:
+        recv, send, freed, prim = self._kv_tokens
+        return StateManifest("kv", prim, tuple(recv * per_tok), tuple(send * per_tok), tuple(freed * per_tok))
+
+    @cached_property
+    def kv(self) -> StateManifest:
+        """The largest layer's KV (every layer's, but for GLM-5's shared layers: no indexer keys)."""
+        return self._kv_state(self.sizes.kv_token_layer)
+
+    def kv_layer(self, layer: int) -> StateManifest:
+        """Layer `layer`'s KV: its latent pages plus, in a DSA indexer layer, the same pages' indexer keys."""
+        per_tok = self.sizes.kv_token_bytes(layer)
+        return self.kv if per_tok == self.sizes.kv_token_layer else self._kv_state(per_tok)
 
     # -- whole switch ------------------------------------------------------------------------------
     @property
     def layers(self) -> tuple[LayerManifest, ...]:
-        w, kv = self.weights, self.kv
-        return tuple(LayerManifest(i, w, kv) for i in self.layer_ids)
+        w = self.weights
+        return tuple(LayerManifest(i, w, self.kv_layer(i)) for i in self.layer_ids)
 
     def recv_bytes_per_rank(self) -> np.ndarray:
         """Bytes each rank receives over the whole switch (all layers, weights + KV)."""
-        per_layer = np.asarray(self.weights.recv_bytes) + np.asarray(self.kv.recv_bytes)
-        return per_layer * len(self.layer_ids)
+        per_tok = sum(self.sizes.kv_token_bytes(i) for i in self.layer_ids)
+        return (np.asarray(self.weights.recv_bytes) * len(self.layer_ids)
+                + np.asarray(self._kv_tokens[0]) * per_tok)
 
     def in_transit_bytes(self) -> np.ndarray:
-        """Delta_layer_r of Eq 5: one layer's incoming state per rank (at most one layer in flight)."""
+        """Delta_layer_r of Eq 5: one layer's incoming state per rank (at most one layer in flight: the
+        largest)."""
         return np.asarray(self.weights.recv_bytes) + np.asarray(self.kv.recv_bytes)
 
     def to_dict(self) -> dict[str, Any]:

@@ -174,11 +174,10 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
         else:
             w = weight_transfer_bytes(sizes, current, lay, T)
             kv_tok, _ = kv_transfer_tokens(current, lay, batch.contexts, batch.owners, None, T, P)
-            kv = kv_tok * sizes.kv_token_layer
             now = resident_bytes(lay, sizes, batch, T, P, False)
-            peak_r = np.maximum(now_cur, now) + w + kv + R
+            peak_r = np.maximum(now_cur, now) + w + kv_tok * sizes.kv_token_layer + R  # the largest layer
             peak, sw_fits = float(peak_r.max(initial=0)), bool((peak_r <= H).all())
-            exposed, _ = switch_time(w, kv, cost, theta)
+            exposed, _ = switch_time(w, np.outer(sizes.kv_layer_bytes, kv_tok), cost, theta)
         fixed = sizes.fixed_bytes_per_rank(T) + sizes.attention_weight_bytes(lay.sharded, T) + R
         pool = max(0, int((H - fixed) // sizes.k))
         f, u = (corrections or {}).get(lay, (1.0, 0.0))

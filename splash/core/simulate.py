@@ -219,7 +219,7 @@ def rollout(sizes: AttentionSizes, theta: Theta, wl: Workload, mode: Layout | st
                     w = weight_transfer_bytes(sizes, before, d.layout, T)
                     kv_tok, _ = kv_transfer_tokens(before, d.layout, start, run.owner[idx], None, T,
                                                    cfg.page_size)
-                    exposed, _ = switch_time(w, kv_tok * sizes.kv_token_layer, cost_b, theta)
+                    exposed, _ = switch_time(w, np.outer(sizes.kv_layer_bytes, kv_tok), cost_b, theta)
                     t += exposed
                     res.switch_s += exposed
                     res.switches += 1

@@ -1,8 +1,13 @@
-"""Byte sizes of the state a layout switch can move: head-sliced projections (Eq 9) and latent KV.
+"""Byte sizes of the state a layout switch can move: head-sliced projections (Eq 9) and per-token KV.
 
 Appendix A counts, per MLA layer, the projections that TP/DOP shard by heads (Q-B, KV-B, O); Q-A,
 KV-A, rotary-key rows and norms stay replicated and never move. Byte counts are exact functions of
 a head *set*, so a manifest can price any slice, including FP8 128x128 block scales when asked.
+
+KV bytes per token are written once here (`kv_bytes_per_token_layer`, `kv_bytes_per_token`), over the
+per-token stores of `splash.core.stores` (the latent, and a DSA model's indexer keys in its indexer
+layers): every KV dtype but fp8 takes width x bytes per value; fp8 is the layout the paper counts
+(appendix B.1, DeepSeek-V3.2: `(512 + 4*4 + 64*2 + 128 + 4) * 61 = 48,068` bytes per token).
 Pure Python: no torch.
 """
 
@@ -13,11 +18,44 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splash.core.config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
+from splash.core.stores import Store, token_stores
 
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
 FP8_SCALE_BYTES = 4  # DeepSeek-V3 FP8 checkpoints store one fp32 `weight_scale_inv` per block
+FP8_KV_GROUP = 128  # values per float32 scale of an FP8 KV store (DeepSeek's FP8 MLA and indexer caches)
+ROPE_KV_DTYPE = "bf16"  # an FP8 KV cache keeps the latent's rotary key d_r in BF16
+
+
+def _fp8_values(n: int) -> float:
+    """Bytes of n FP8 values with one float32 scale per FP8_KV_GROUP of them."""
+    return n + -(-n // FP8_KV_GROUP) * FP8_SCALE_BYTES
+
+
+def store_token_bytes(cfg: ModelConfig, store: Store, kv_dtype: str) -> float:
+    """Bytes one token adds to `store` in one of its layers under `kv_dtype`.
+
+    fp8 is the layout the paper counts (appendix B.1), as DeepSeek's FP8 caches store it: the latent's
+    d_c in FP8 with a float32 scale per 128 values and its rotary key d_r in BF16 (positions do not
+    survive FP8), every other store (the indexer key) FP8 with a scale per 128. Any other dtype: width x
+    its bytes per value."""
+    dt = normalize_dtype(kv_dtype)
+    if dt != "fp8":
+        return store.width * dtype_bytes(dt)
+    if store.name == "latent":
+        return _fp8_values(cfg.kv_lora_rank) + cfg.qk_rope_head_dim * dtype_bytes(ROPE_KV_DTYPE)
+    return _fp8_values(store.width)
+
+
+def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int) -> float:
+    """KV bytes one token takes in `layer`: the latent plus, in a DSA indexer layer, its indexer key."""
+    return sum(store_token_bytes(cfg, s, kv_dtype) for s in token_stores(cfg) if layer in s.layers)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> float:
+    """k of Eq 1: KV bytes one context token takes over every layer and per-token store."""
+    return sum(store_token_bytes(cfg, s, kv_dtype) * len(s.layers) for s in token_stores(cfg))
 
 
 def head_runs(heads: Iterable[int]) -> list[tuple[int, int]]:
@@ -134,14 +172,58 @@ class AttentionSizes:
         return self.w_layer * self.layers
 
     @property
+    def kv_layer_bytes(self) -> tuple[float, ...]:
+        """KV bytes of one token in each layer (`kv_bytes_per_token_layer`): a DSA indexer layer adds its
+        indexer key to the latent; GLM-5's shared layers hold the latent only."""
+        return self.memo("kv_layer_bytes", lambda: tuple(
+            kv_bytes_per_token_layer(self.cfg, self.kv_dtype, i) for i in range(self.layers)))
+
+    def kv_token_bytes(self, layer: int) -> float:
+        """KV bytes of one token in `layer`."""
+        return self.kv_layer_bytes[layer]
+
+    def store_bytes(self, name: str) -> float:
+        """Bytes one token adds to per-token store `name` ("latent", "index_k") in a layer that has it
+        (0 where the model has no such store): what each attention stage reads per key."""
+        def compute() -> float:
+            found = [st for st in token_stores(self.cfg) if st.name == name]
+            return store_token_bytes(self.cfg, found[0], self.kv_dtype) if found else 0.0
+        return self.memo(("store", name), compute)
+
+    @property
     def kv_token_layer(self) -> float:
-        """Latent bytes of one token in one layer: (d_c + d_r) * b_kv (absorbed MLA)."""
-        return self.cfg.latent_dim * dtype_bytes(self.kv_dtype)
+        """KV bytes of one token in the largest layer ((d_c + d_r) * b_kv in absorbed MLA, + the indexer
+        key in DSA): what one layer in transit (Eq 5) moves per token at most."""
+        return max(self.kv_layer_bytes, default=0.0)
 
     @property
     def k(self) -> float:
-        """k: KV bytes per context token over all cache-bearing layers, L*(d_c+d_r)*b."""
-        return self.kv_token_layer * self.layers
+        """k: KV bytes per context token over all cache-bearing layers (`kv_bytes_per_token`)."""
+        return self.memo("k", lambda: kv_bytes_per_token(self.cfg, self.kv_dtype))
+
+    def _matrix_bytes(self, rows: int, cols: int) -> float:
+        """A replicated [rows, cols] weight in the weight dtype, with its FP8 block scales if counted."""
+        total = rows * cols * dtype_bytes(self.dtype)
+        if self.fp8_scales and self.dtype == "fp8":
+            b = fp8_block(self.cfg)
+            total += -(-rows // b) * -(-cols // b) * FP8_SCALE_BYTES
+        return total
+
+    @property
+    def indexer_layer_bytes(self) -> float:
+        """One DSA indexer's projections (wq_b: q_lora -> H_I*d_I, wk: d -> d_I, weights_proj: d -> H_I)
+        and its key LayerNorm: replicated on every rank in every layout (no head is sharded, nothing moves
+        in a switch). 0 for a dense model."""
+        c = self.cfg
+        if not c.is_sparse:
+            return 0.0
+        d, hi, di = c.hidden_size, c.index_n_heads, c.index_head_dim
+        return self.memo("indexer_layer", lambda: self._matrix_bytes(hi * di, int(c.q_lora_rank or d))
+                         + self._matrix_bytes(di, d) + self._matrix_bytes(hi, d) + 2 * di * 2)
+
+    def indexer_weight_bytes(self) -> float:
+        """Every indexer layer's projections: the attention weights every rank holds whatever the layout."""
+        return self.indexer_layer_bytes * len(self.cfg.indexer_layers)
 
     def replicated_bytes(self) -> float:
         """M0: weights every rank holds whatever the attention layout (bytes per rank).
@@ -185,9 +267,12 @@ class AttentionSizes:
         return self.memo(("fixed", ranks), lambda: self.replicated_bytes() + self.sharded_bytes() / ranks)
 
     def attention_weight_bytes(self, sharded: bool, ranks: int, rank: int = 0) -> float:
-        """W_r(l): rank `rank`'s head slice of every layer (W_A/T) when sharded, else W_A."""
+        """W_r(l): rank `rank`'s head slice of every layer (W_A/T) when sharded, else W_A; plus a DSA
+        model's indexer projections, replicated in either placement."""
+        extra = self.indexer_weight_bytes()
         if not sharded:
-            return self.w_a
+            return self.w_a + extra
         mine = head_slice(self.heads, rank, ranks)
-        return self.memo(("w_rank", ranks, rank),
-                         lambda: self.layers * sum(self.slice_bytes(p, mine) for p in self.projections))
+        heads = self.memo(("w_rank", ranks, rank),
+                          lambda: self.layers * sum(self.slice_bytes(p, mine) for p in self.projections))
+        return heads + extra

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.ma  # noqa: F401  (np.unique's first call imports it: 10-40 ms, on a switching step's plan)
 
 from splash.attention.registry import row
-from splash.core.config import ModelConfig, dtype_bytes, normalize_dtype
+from splash.core.config import ModelConfig, normalize_dtype
 from splash.core.layouts import Layout
 from splash.core.manifest import KVPages, Manifest, switch_manifest
 from splash.core.sizes import AttentionSizes
@@ -79,8 +79,7 @@ class SwitchPlanner:
 
     @property
     def page_bytes(self) -> float:
-        c = self.cfg
-        return c.num_hidden_layers * self.alloc.page_size * c.latent_dim * dtype_bytes(self.kv_dtype)
+        return self.alloc.page_size * self.sizes.k  # every layer and per-token store (splash.core.sizes)
 
     # ---- the plan -------------------------------------------------------------------------------
     def plan(self, dst: str, live: Sequence[LiveRequest],
