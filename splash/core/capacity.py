@@ -20,7 +20,7 @@ import numpy as np
 
 from splash.core.config import ConfigError
 from splash.core.layouts import LAYOUTS, Layout, Ownership
-from splash.core.sizes import GIB, KIB
+from splash.core.sizes import GIB, KIB, AttentionSizes
 
 PAPER_SEED = 20260922
 PAPER_COHORTS = 200_000
@@ -42,6 +42,25 @@ def pool_tokens(layout: Layout, memory_bytes: float, w_a: float, k: float, ranks
 def pools_from_budget(memory_bytes: float, w_a: float, k: float, ranks: int,
                       reserve_bytes: float = 0.0) -> dict[Layout, int]:
     return {lay: pool_tokens(lay, memory_bytes, w_a, k, ranks, reserve_bytes) for lay in LAYOUTS}
+
+
+def model_pool_tokens(layout: Layout, sizes: AttentionSizes, memory_bytes: float, ranks: int,
+                      reserve_bytes: float = 0.0, fixed: bool = True) -> int:
+    """Per-rank KV pool of a model in tokens: (budget - M0 (when `fixed`) - W_r(l) - reserve) / k, floored.
+
+    W_r(l) and k are the model's (`AttentionSizes`): rank 0's head slice or every head, a DSA model's
+    indexer projections whole in either, and its indexer keys and the KV dtype's layout in k. The one
+    pool rule the policy, the simulator and `splash plan capacity --model` ask."""
+    used = sizes.attention_weight_bytes(layout.sharded, ranks) + reserve_bytes
+    if fixed:
+        used += sizes.fixed_bytes_per_rank(ranks)
+    return max(0, math.floor((memory_bytes - used) / sizes.k))
+
+
+def model_pools(sizes: AttentionSizes, memory_bytes: float, ranks: int, reserve_bytes: float = 0.0,
+                fixed: bool = True) -> dict[Layout, int]:
+    """`model_pool_tokens` of every layout."""
+    return {lay: model_pool_tokens(lay, sizes, memory_bytes, ranks, reserve_bytes, fixed) for lay in LAYOUTS}
 
 
 def distinct_tokens(layout: Layout, pool: int, ranks: int) -> int:

@@ -168,16 +168,18 @@ def kv_pages_per_rank(layout: Layout, contexts: Sequence[int], owners: Sequence[
 
 def footprint(layout: Layout, sizes: AttentionSizes, contexts: Sequence[int],
               owners: Sequence[int] | None, ranks: int, page_size: int | None = None) -> np.ndarray:
-    """Eq 1 for any batch: per-rank bytes of attention weights + latent KV ([T] float array)."""
+    """Eq 1 for any batch: per-rank bytes of attention weights + KV ([T] float array); a DSA model's
+    indexer projections count whole on every rank, its indexer keys in k."""
     kv = kv_tokens_per_rank(layout, contexts, owners, ranks, page_size) * sizes.k
     w = np.array([sizes.attention_weight_bytes(layout.sharded, ranks, r) for r in range(ranks)])
     return w + kv
 
 
 def balanced_footprint(layout: Layout, w_a: float, k: float, batch: int, context: float,
-                       ranks: int) -> float:
-    """Eq 1 as printed (T divides B): the per-rank bytes of B requests of context s."""
-    w = w_a / ranks if layout.sharded else w_a
+                       ranks: int, replicated: float = 0.0) -> float:
+    """Eq 1 as printed (T divides B): the per-rank bytes of B requests of context s; `replicated`:
+    attention weights every layout replicates (a DSA model's indexer projections)."""
+    w = (w_a / ranks if layout.sharded else w_a) + replicated
     kv = batch * k * context
     return w + (kv if layout.ownership is Ownership.REPLICATED else kv / ranks)
 
@@ -204,15 +206,16 @@ def kv_histories_busiest(layout: Layout, batch: int, ranks: int) -> float:
 
 
 def longest_balanced_context(layout: Layout, mem_avail: float, w_a: float, k: float, batch: int,
-                             ranks: int) -> float:
+                             ranks: int, replicated: float = 0.0) -> float:
     """Longest context s of B equal requests whose busiest rank fits `mem_avail` bytes (>= 0).
 
     With T | B this is Eq 1 solved for s: DOP (T*M - W_A)/(B*k), DP/CP T*(M - W_A)/(B*k),
-    TP (M - W_A/T)/(B*k); otherwise the owner layouts use ceil(B/T) histories.
+    TP (M - W_A/T)/(B*k); otherwise the owner layouts use ceil(B/T) histories. `replicated`: attention
+    weights every layout holds whole (a DSA model's indexer projections), taken from M first.
     """
     if batch < 1:
         raise ConfigError(f"batch must be >= 1, got {batch}")
-    w = w_a / ranks if layout.sharded else w_a
+    w = (w_a / ranks if layout.sharded else w_a) + replicated
     free = mem_avail - w
     if free <= 0:
         return 0.0

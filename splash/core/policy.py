@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from splash.core.capacity import model_pool_tokens
 from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, StepCost, Theta, step_cost, switch_time
 from splash.core.layouts import LAYOUTS, Layout, kv_pages_per_rank, kv_tokens_per_rank
@@ -178,8 +179,7 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
             peak_r = np.maximum(now_cur, now) + w + kv_tok * sizes.kv_token_layer + R  # the largest layer
             peak, sw_fits = float(peak_r.max(initial=0)), bool((peak_r <= H).all())
             exposed, _ = switch_time(w, np.outer(sizes.kv_layer_bytes, kv_tok), cost, theta)
-        fixed = sizes.fixed_bytes_per_rank(T) + sizes.attention_weight_bytes(lay.sharded, T) + R
-        pool = max(0, int((H - fixed) // sizes.k))
+        pool = model_pool_tokens(lay, sizes, H, T, R)
         f, u = (corrections or {}).get(lay, (1.0, 0.0))
         out[lay] = LayoutEval(lay, cost, float(steady.max(initial=0)), fits, peak, sw_fits, exposed, pool,
                               float(f), float(u))

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from splash.core.capacity import model_pool_tokens
 from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, Theta, step_cost, switch_time
 from splash.core.layouts import LAYOUTS, Layout, kv_pages_per_rank
@@ -111,9 +112,7 @@ def kv_pool_tokens(layout: Layout, sizes: AttentionSizes, theta: Theta, rows: in
     """Per-rank KV tokens a layout can admit: budget - M0 - W(l) - reserve - activations of `rows`."""
     T = theta.ranks
     act = activation_bytes(layout, sizes, Batch.make([rows], [rows], [0], T), T, theta.act_bytes).max()
-    weights = sizes.fixed_bytes_per_rank(T) + sizes.attention_weight_bytes(layout.sharded, T)
-    free = theta.memory_bytes - weights - theta.reserve_bytes - act
-    return max(0, int(free // sizes.k))
+    return model_pool_tokens(layout, sizes, theta.memory_bytes, T, theta.reserve_bytes + act)
 
 
 class _Run:
