@@ -24,6 +24,7 @@ import numpy as np
 from splash.core.capacity import model_pool_tokens
 from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, StepCost, Theta, step_cost, switch_time
+from splash.core.law import Crossover
 from splash.core.layouts import LAYOUTS, Layout, kv_pages_per_rank, kv_tokens_per_rank
 from splash.core.manifest import kv_transfer_tokens, weight_transfer_bytes
 from splash.core.sizes import AttentionSizes
@@ -261,3 +262,59 @@ class Policy:
         else:
             self.steps_since_switch += steps
         return d
+
+
+# ---- where the fastest layout changes with context (`splash plan crossovers --model`) -----------------
+def fastest_layout(sizes: AttentionSizes, theta: Theta, batch: Batch, layouts: tuple[Layout, ...] = LAYOUTS,
+                   page_size: int | None = 64, check_memory: bool = True) -> Layout | None:
+    """The fastest layout of Eq 10 for `batch` among those that fit (Eq 6; all when not `check_memory`),
+    None when none fits: the argmin of Eq 8 for a fresh start."""
+    cfg = PolicyConfig(0.0, 0, layouts, page_size, check_memory)
+    evals = evaluate(sizes, theta, batch, None, cfg)
+    fit = [lay for lay in layouts if evals[lay].fits]
+    return min(fit, key=lambda lay: evals[lay].time) if fit else None
+
+
+def crossovers(sizes: AttentionSizes, theta: Theta, batch: int, rows: int = 1, lo: int = 1024,
+               hi: int = 512 * 1024, points: int = 192, page_size: int | None = 64,
+               check_memory: bool = True) -> tuple[list[Crossover], int | None]:
+    """Every change of the fastest (fitting) layout of Eq 10 as the context s of `batch` equal requests
+    grows over [lo, hi] tokens (`rows` query rows each), to the token; and the first s at which no layout
+    fits (None: all of the range fits one). A geometric grid finds the changes, bisection places them.
+    "capacity": the faster layout stopped fitting there; "speed": the curves crossed."""
+    if not 1 <= lo < hi:
+        raise ConfigError(f"scan range must satisfy 1 <= lo < hi, got [{lo}, {hi}]")
+    if batch < 1 or not 1 <= rows <= lo:
+        raise ConfigError(f"need batch >= 1 and 1 <= query rows <= the shortest context, got {batch}, {rows}")
+    T = theta.ranks
+
+    def best(s: int) -> Layout | None:
+        b = Batch.balanced(batch, s, rows, T)
+        return fastest_layout(sizes, theta, b, LAYOUTS, page_size, check_memory)
+
+    def fits(lay: Layout, s: int) -> bool:
+        b = Batch.balanced(batch, s, rows, T)
+        ev = evaluate(sizes, theta, b, None, PolicyConfig(0.0, 0, (lay,), page_size, check_memory))
+        return ev[lay].fits
+
+    grid = sorted({int(round(v)) for v in np.geomspace(lo, hi, points)})
+    out: list[Crossover] = []
+    a, at = best(grid[0]), grid[0]
+    if a is None:
+        return out, grid[0]
+    for g in grid[1:]:
+        while best(g) is not a:
+            x0, x1 = at, g  # best(x0) is a, best(x1) is not: bisect to the first token that changes
+            while x1 - x0 > 1:
+                mid = (x0 + x1) // 2
+                if best(mid) is a:
+                    x0 = mid
+                else:
+                    x1 = mid
+            b = best(x1)
+            if b is None:
+                return out, x1
+            out.append(Crossover(float(x1), a, b, "speed" if fits(a, x1) else "capacity"))
+            a, at = b, x1
+        at = g
+    return out, None
