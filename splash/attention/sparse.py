@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from splash.attention import paged
 from splash.attention.kernel import acc_dtype
 
 if TYPE_CHECKING:
@@ -137,6 +138,17 @@ def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor,
     latent `flat` [slots, D], slots [n, k] (-1: none) -> (out [n, h, d_c], lse [n, h] or None). A row
     with no key here gets out 0 and lse -inf (CP merges it away)."""
     n, h, d_c = q_lat.shape
+    kernel = paged.kernel_for(q_lat) if n and slots.shape[1] else "torch"
+    if kernel != "torch":
+        # The paged kernel (C on CPU, Triton on CUDA) over a table of single-token pages: row r's table
+        # is its selected slots (-1 skipped), every entry visible, so it reads exactly the selected keys
+        # straight from the pool, with no gather and no mask.
+        k, dev = slots.shape[1], q_lat.device
+        got = paged.attention(kernel, q_lat, q_pe, flat.view(-1, 1, flat.shape[1]), slots,
+                              torch.arange(n, device=dev), torch.full((n,), k - 1, dtype=torch.long, device=dev),
+                              scale, lse)
+        if got is not None:
+            return got
     acc = acc_dtype(q_lat.dtype)
     out = q_lat.new_zeros(n, h, d_c)
     total = torch.full((n, h), float("-inf"), dtype=acc, device=q_lat.device) if lse else None
