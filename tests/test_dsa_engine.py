@@ -133,7 +133,8 @@ def test_abort_preemption_and_indexer_weight_update_under_switches(group, ckpt, 
                     done[int(o.request_id)] = o.outputs[0]
             errors += [f"step {eng.steps}: {e}" for e in accounting_errors(eng)]
         st = eng.stats()
-        assert eng.scheduler.num_preemptions > 0 and st["num_switches"] >= 1, st  # (the tight pool refuses some)
+        # (the tight pool refuses some of the switches: at least one must happen)
+        assert eng.scheduler.num_preemptions > 0 and st["num_switches"] >= 1, st
         assert done[1].finish_reason == "abort"
         assert all(done[i].token_ids == ref[i] for i in (0, 2, 3, 4))
         assert not errors, errors[:5]

@@ -34,7 +34,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module", params=["v32", "glm"])
 def pair(request, tmp_path_factory):
     # index_head_dim 48 > d_rope 32: the indexer's heads have a rotated and an unrotated part
-    path = build_dsa_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5, index_head_dim=48)
+    path = build_dsa_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5,
+                                index_head_dim=48)
     return path, hf_dsa_reference(path), load_model(path, "float64")
 
 

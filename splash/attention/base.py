@@ -108,9 +108,10 @@ class AttentionLayout(ABC):
         assert sp.rows is not None
         seqs = ctx.seqs if idx is None else [ctx.seqs[k] for k in idx]
         dev = ctx.positions.device
-        parts = [sparse.local_candidates(layer_idx, s, sp.rows, torch.arange(s.row_start, s.row_start + s.num_new,
-                                                                             device=dev), ctx, sp.k)[2]
-                 for s in seqs]
+        parts = []
+        for s in seqs:
+            rows = torch.arange(s.row_start, s.row_start + s.num_new, device=dev)
+            parts.append(sparse.local_candidates(layer_idx, s, sp.rows, rows, ctx, sp.k)[2])
         return torch.cat(parts) if parts else torch.zeros(0, sp.k, dtype=torch.long, device=dev)
 
     def forms(self, ctx: ForwardContext, key: str, idx: list[int] | None, mla: MLA, key_share: int = 1

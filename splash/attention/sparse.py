@@ -145,8 +145,8 @@ def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor,
         # straight from the pool, with no gather and no mask.
         k, dev = slots.shape[1], q_lat.device
         got = paged.attention(kernel, q_lat, q_pe, flat.view(-1, 1, flat.shape[1]), slots,
-                              torch.arange(n, device=dev), torch.full((n,), k - 1, dtype=torch.long, device=dev),
-                              scale, lse)
+                              torch.arange(n, device=dev),
+                              torch.full((n,), k - 1, dtype=torch.long, device=dev), scale, lse)
         if got is not None:
             return got
     acc = acc_dtype(q_lat.dtype)

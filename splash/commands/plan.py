@@ -11,11 +11,15 @@ import json
 import time
 from typing import Any
 
-from splash.core.config import ConfigError, ModelConfig, normalize_dtype, resolve_model_config
+from splash.core.config import PRESETS, ConfigError, ModelConfig, normalize_dtype, resolve_model_config
 from splash.core.layouts import DIRECTIONS, LAYOUTS, Layout, longest_balanced_context
 from splash.core.sizes import GIB, MIB, AttentionSizes
 
-FP8_NATIVE = ("deepseek-v3", "kimi-k2")  # presets whose published checkpoints are FP8
+# Presets whose published checkpoints are FP8 (GLM-5: zai-org/GLM-5-FP8, the precision the paper serves
+# GLM-5 in; its BF16 weights alone overflow an H200 at T = 8).
+FP8_NATIVE = ("deepseek-v3", "deepseek-v3.2", "kimi-k2", "glm-5")
+KV_DTYPE_HELP = ("KV dtype: bf16 (2 bytes a value, default), fp8 (the paper's layout: FP8 latent and "
+                 "indexer key with a float32 scale per 128 values, BF16 rotary key), fp16, fp32, fp64")
 
 
 # ---- shared helpers (also used by `splash simulate`) ----------------------------------------------
@@ -34,7 +38,7 @@ def need(value: float | int, name: str, minimum: float = 1) -> None:
 
 
 def weight_dtype(cfg: ModelConfig, dtype: str | None) -> str:
-    """`auto`: FP8 where the published checkpoint is FP8 (DeepSeek-V3, Kimi-K2), else bf16."""
+    """`auto`: FP8 where the published checkpoint is FP8 (`FP8_NATIVE`, or its config says so), else bf16."""
     if dtype in (None, "auto"):
         q = cfg.quantization_config or {}
         fp8 = cfg.name in FP8_NATIVE or (isinstance(q, dict) and q.get("quant_method") == "fp8")
@@ -42,23 +46,42 @@ def weight_dtype(cfg: ModelConfig, dtype: str | None) -> str:
     return normalize_dtype(dtype)
 
 
-def add_model_args(p: argparse.ArgumentParser, dtype_default: str = "bf16") -> None:
-    p.add_argument("--model", default="deepseek-v3",
-                   help="preset (deepseek-v3, deepseek-v2-lite, kimi-k2, tiny, small), checkpoint dir, "
-                        "config.json")
-    p.add_argument("--ranks", "-T", type=int, default=8, help="ranks T in the attention group (default 8)")
+def add_model_args(p: argparse.ArgumentParser, dtype_default: str = "bf16",
+                   model_default: str | None = "deepseek-v3", ranks_default: int | None = 8) -> None:
+    p.add_argument("--model", default=model_default,
+                   help=f"preset ({', '.join(PRESETS)}), checkpoint dir, config.json"
+                        + (f" (default {model_default})" if model_default else ""))
+    p.add_argument("--ranks", "-T", type=int, default=ranks_default,
+                   help="ranks T in the attention group"
+                        + (f" (default {ranks_default})" if ranks_default else ""))
     p.add_argument("--dtype", default=dtype_default,
                    help=f"weight dtype bf16|fp16|fp8|fp32|auto (default {dtype_default})")
-    p.add_argument("--kv-dtype", default="bf16", help="latent KV dtype (default bf16)")
+    p.add_argument("--kv-dtype", default="bf16", help=KV_DTYPE_HELP)
     p.add_argument("--fp8-scales", action="store_true", help="count FP8 128x128 block scales (fp32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def sizes_from(args: argparse.Namespace) -> AttentionSizes:
+def sizes_from(args: argparse.Namespace, ranks: int | None = None) -> AttentionSizes:
     cfg = resolve_model_config(args.model)
-    need(args.ranks, "--ranks")
-    cfg.check_ranks(args.ranks)
+    T = args.ranks if ranks is None else ranks
+    need(T, "--ranks")
+    cfg.check_ranks(T)
     return AttentionSizes(cfg, weight_dtype(cfg, args.dtype), args.kv_dtype, args.fp8_scales)
+
+
+def kv_summary(sizes: AttentionSizes) -> dict[str, Any]:
+    """KV bytes per token of a model (the core's one rule, `splash.core.sizes`), for JSON output."""
+    per_layer = sizes.kv_layer_bytes
+    kinds = sorted(set(per_layer), reverse=True)
+    return {"kv_dtype": sizes.kv_dtype, "kv_bytes_per_token": sizes.k,
+            "kv_bytes_per_token_layer": {f"{b:g}": per_layer.count(b) for b in kinds}}
+
+
+def kv_line(sizes: AttentionSizes) -> str:
+    """'KV fp8: 48,068 bytes per token (788 per layer x 61 layers)': what one context token costs."""
+    per_layer = sizes.kv_layer_bytes
+    parts = [f"{b:,g} per layer x {per_layer.count(b)} layers" for b in sorted(set(per_layer), reverse=True)]
+    return f"KV {sizes.kv_dtype}: {sizes.k:,.0f} bytes per token ({' + '.join(parts)})"
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:
@@ -135,10 +158,11 @@ def run_switches(args: argparse.Namespace) -> int:
                      f"{kv.bytes_per_rank / MIB:,.2f}", f"{total / GIB:,.2f}"])
     obj = {"model": sizes.cfg.name, "ranks": args.ranks, "batch": args.batch, "context": args.context,
            "dtype": sizes.dtype, "kv_dtype": sizes.kv_dtype, "page_size": args.page_size,
-           "layers": sizes.layers, "note": "per layer: bytes_per_rank busiest rank, bytes_group all ranks",
+           "layers": sizes.layers, **kv_summary(sizes),
+           "note": "per layer (the largest layer's KV): bytes_per_rank busiest rank, bytes_group all ranks",
            "switches": out}
-    text = (f"{sizes.cfg.name}: T={args.ranks}, B={args.batch}, s={args.context}, weights {sizes.dtype}, "
-            f"KV {sizes.kv_dtype}; per layer, busiest rank\n"
+    text = (f"{sizes.cfg.name}: T={args.ranks}, B={args.batch}, s={args.context}, weights {sizes.dtype}; "
+            f"{kv_line(sizes)}; per layer, busiest rank\n"
             + table(rows, ["switch", "weights", "MiB", "KV", "MiB", "GiB all layers"]))
     return emit(args, obj, text)
 
@@ -164,12 +188,14 @@ def _law_limits(args: argparse.Namespace) -> dict[Layout, float] | None:
 def run_crossovers(args: argparse.Namespace) -> int:
     from splash.core.law import alpha, crossovers, plot_law
 
-    a = alpha(args.scenario)
     need(args.lo_k, "--lo-k", 1e-6)
     if args.hi_k <= args.lo_k:
         raise ConfigError(f"--hi-k ({args.hi_k}) must exceed --lo-k ({args.lo_k})")
     if not args.hi_k <= MAX_SCAN_K:  # (also NaN, inf) the scan steps by 8 tokens
         raise ConfigError(f"--hi-k must be at most {MAX_SCAN_K:g} (16M tokens), got {args.hi_k:g}")
+    if args.model is not None:
+        return _model_crossovers(args)
+    a = alpha(args.scenario)
     limits = _law_limits(args)
     cs = crossovers(args.scenario, args.lo_k * 1024, args.hi_k * 1024, limits=limits)
     obj: dict[str, Any] = {"scenario": args.scenario.lower(), "alpha": a,
@@ -185,11 +211,52 @@ def run_crossovers(args: argparse.Namespace) -> int:
     return emit(args, obj, text)
 
 
+def _model_crossovers(args: argparse.Namespace) -> int:
+    """`plan crossovers --model M`: the cost model's (Eq 10) crossovers for that model on a GPU profile."""
+    from splash.core.policy import crossovers
+
+    if args.limits != "none" or args.plot:
+        raise ConfigError("--limits and --plot belong to the illustrative law; with --model the cost model "
+                          "checks each layout's memory itself (--ignore-memory to leave it out)")
+    sizes = sizes_from(args)
+    need(args.batch, "--batch")
+    need(args.query_rows, "--query-rows")
+    need(args.page_size, "--page-size")
+    lo, hi = max(1, round(args.lo_k * 1024)), round(args.hi_k * 1024)
+    if args.query_rows > lo:
+        raise ConfigError(f"--query-rows ({args.query_rows}) cannot exceed the shortest context ({lo})")
+    th = theta_from(args, sizes)
+    cs, end = crossovers(sizes, th, args.batch, args.query_rows, lo, hi, page_size=args.page_size,
+                         check_memory=not args.ignore_memory)
+    obj: dict[str, Any] = {"model": sizes.cfg.name, "gpu": th.name, "theta_source": th.source,
+                           "ranks": args.ranks, "batch": args.batch, "query_rows": args.query_rows,
+                           "dtype": sizes.dtype, **kv_summary(sizes), "sparse": sizes.cfg.is_sparse,
+                           "index_topk": sizes.cfg.index_topk, "memory_checked": not args.ignore_memory,
+                           "range_k": [args.lo_k, args.hi_k], "crossovers": [c.to_dict() for c in cs],
+                           "nothing_fits_from_tokens": end}
+    rows = [[f"{c.at_k:.1f}k", c.src.label, c.dst.label, c.cause] for c in cs]
+    dsa = f", DSA top-{sizes.cfg.index_topk}" if sizes.cfg.is_sparse else ""
+    tail = ""
+    if end == lo:
+        weights = min(sizes.fixed_bytes_per_rank(args.ranks) + sizes.attention_weight_bytes(sh, args.ranks)
+                      for sh in (True, False))
+        tail = (f"\nno layout fits B={args.batch} even at s={lo:,}: the weights alone take "
+                f"{weights / GIB:,.1f} GiB per rank of {th.memory_bytes / GIB:,.1f}; try --dtype fp8, more "
+                "--ranks or a larger --gpu")
+    elif end is not None:
+        tail = f"\nno layout fits B={args.batch} from s={end:,} ({end / 1024:.1f}k)"
+    text = (f"fastest {'fitting ' if not args.ignore_memory else ''}layout of the cost model (Eq 10): "
+            f"{sizes.cfg.name}{dsa} ({sizes.dtype} weights) on {th.name}, B={args.batch}, "
+            f"q={args.query_rows}; {kv_line(sizes)}\n" + table(rows, ["at", "from", "to", "cause"]) + tail)
+    return emit(args, obj, text)
+
+
 # ---- capacity -------------------------------------------------------------------------------------
 def run_capacity(args: argparse.Namespace) -> int:
     from splash.core.capacity import (
         CapacityScenario,
         distinct_tokens,
+        model_pools,
         pools_from_budget,
         residency_limits,
         scenario,
@@ -199,25 +266,43 @@ def run_capacity(args: argparse.Namespace) -> int:
         if value is not None:
             need(value, flag)
     given = [x for x in (args.scenario, args.pool_tokens, args.memory_gib) if x is not None]
-    if len(given) != 1:
-        raise ConfigError("give exactly one of --scenario, --pool-tokens, or --memory-gib (with "
-                          "--weights-gib and --kv-bytes-per-token)")
+    if len(given) != 1 and not (args.model and not given):
+        raise ConfigError("give exactly one of --scenario, --pool-tokens, or --memory-gib (with --model, or "
+                          "--weights-gib and --kv-bytes-per-token), or --model alone (pools from --gpu)")
+    sizes = None
+    if args.model:  # the model's W_A and bytes per token (the core's rule), reported with every source
+        if args.weights_gib is not None or args.kv_bytes_per_token is not None:
+            raise ConfigError("--model gives the weights and KV bytes per token; leave out --weights-gib "
+                              "and --kv-bytes-per-token")
+        base_ranks = scenario(args.scenario).ranks if args.scenario else 8
+        sizes = sizes_from(args, base_ranks if args.ranks is None else args.ranks)
+    ranks = 8 if args.ranks is None else args.ranks
+    source = "scenario" if args.scenario else "pool-tokens" if args.pool_tokens else "memory"
     if args.scenario:
         base = scenario(args.scenario)
     else:
         if args.pool_tokens:
             pools = {k: int(v) for k, v in parse_layout_map(args.pool_tokens, "--pool-tokens").items()}
-        else:
-            if args.weights_gib is None or args.kv_bytes_per_token is None:
-                raise ConfigError("--memory-gib needs --weights-gib and --kv-bytes-per-token")
+        elif args.memory_gib is not None:
+            if sizes is None and (args.weights_gib is None or args.kv_bytes_per_token is None):
+                raise ConfigError("--memory-gib needs --weights-gib and --kv-bytes-per-token (or --model)")
             need(args.memory_gib, "--memory-gib", 0)
-            need(args.weights_gib, "--weights-gib", 0)
             need(args.reserve_gib, "--reserve-gib", 0)
-            need(args.kv_bytes_per_token, "--kv-bytes-per-token", 1e-9)
-            pools = pools_from_budget(args.memory_gib * GIB, args.weights_gib * GIB, args.kv_bytes_per_token,
-                                      8 if args.ranks is None else args.ranks, args.reserve_gib * GIB)
-        base = CapacityScenario("custom", 16 if args.batch is None else args.batch,
-                                8 if args.ranks is None else args.ranks, pools)
+            if sizes is not None:  # a budget for attention weights + KV, as the paper's DCU scenario
+                pools = model_pools(sizes, args.memory_gib * GIB, ranks, args.reserve_gib * GIB, fixed=False)
+            else:
+                need(args.weights_gib, "--weights-gib", 0)
+                need(args.kv_bytes_per_token, "--kv-bytes-per-token", 1e-9)
+                pools = pools_from_budget(args.memory_gib * GIB, args.weights_gib * GIB,
+                                          args.kv_bytes_per_token, ranks, args.reserve_gib * GIB)
+        else:  # --model alone: the device's memory less every weight the rank holds and the reserve
+            assert sizes is not None
+            th = profile_theta(args.gpu, ranks, sizes, args.memory_fraction, None)
+            pools = model_pools(sizes, th.memory_bytes, ranks, th.reserve_bytes)
+            source = (f"{th.name}: {th.memory_bytes / GIB:,.1f} GiB per rank, {th.reserve_bytes / GIB:g} GiB "
+                      "reserve")
+        base = CapacityScenario("custom" if sizes is None else sizes.cfg.name,
+                                16 if args.batch is None else args.batch, ranks, pools)
     batch = base.batch if args.batch is None else args.batch  # (0 is an input to refuse, not "unset")
     ranks = base.ranks if args.ranks is None else args.ranks
     sc = CapacityScenario(base.name, batch, ranks, base.pools, args.output_min, args.output_max, base.note,
@@ -235,6 +320,11 @@ def run_capacity(args: argparse.Namespace) -> int:
            "limits_tokens": {k.label: v for k, v in lim.items()},
            "limits_k": {k.label: round(v / 1024, 2) for k, v in lim.items()},
            "paper_limits_k": {k.label: v for k, v in sc.paper_limits_k.items()}, "seconds": round(secs, 2)}
+    model = ""
+    if sizes is not None:
+        obj.update(model=sizes.cfg.name, dtype=sizes.dtype, source=source, **kv_summary(sizes),
+                   pool_gib={k.label: v * sizes.k / GIB for k, v in sc.pools.items()})
+        model = f"\n{sizes.cfg.name} ({sizes.dtype} weights): {kv_line(sizes)}; pools from {source}"
     rows = []
     for lay in LAYOUTS:
         paper = sc.paper_limits_k.get(lay)
@@ -242,26 +332,33 @@ def run_capacity(args: argparse.Namespace) -> int:
         rows.append([lay.label, f"{sc.pools[lay]:,}", f"{distinct_tokens(lay, sc.pools[lay], sc.ranks):,}",
                      f"{lim[lay] / 1024:.2f}k", f"{paper}k" if paper else "-", dev])
     text = (f"capacity '{sc.name}': B={sc.batch}, T={sc.ranks}, {args.cohorts:,} cohorts, seed {args.seed}, "
-            f"{args.residency:.0%} residency ({secs:.1f} s)\n"
+            f"{args.residency:.0%} residency ({secs:.1f} s){model}\n"
             + table(rows, ["layout", "pool tok/rank", "distinct tok/group", "limit", "paper", "diff"]))
     return emit(args, obj, text)
 
 
 # ---- advise ---------------------------------------------------------------------------------------
+def profile_theta(gpu: str, ranks: int, sizes: AttentionSizes, memory_fraction: float | None,
+                  memory_gib: float | None):  # -> Theta
+    """Theta of a hardware profile, --memory-fraction and --memory-gib checked."""
+    from splash.core.hardware import theta_for
+
+    if memory_fraction is not None and not 0 < memory_fraction <= 1:
+        raise ConfigError(f"--memory-fraction must be in (0, 1], got {memory_fraction}")
+    if memory_gib is not None:
+        need(memory_gib, "--memory-gib", 1e-9)
+    return theta_for(gpu, ranks, sizes, memory_fraction, memory_gib)
+
+
 def theta_from(args: argparse.Namespace, sizes: AttentionSizes):  # -> Theta
     from splash.core.costmodel import Theta
-    from splash.core.hardware import theta_for
 
     if getattr(args, "theta", None):
         th = Theta.load(args.theta)
         if th.ranks != args.ranks:
             raise ConfigError(f"theta file is for T={th.ranks} but --ranks is {args.ranks}")
         return th
-    if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
-        raise ConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
-    if args.memory_gib is not None:
-        need(args.memory_gib, "--memory-gib", 1e-9)
-    return theta_for(args.gpu, args.ranks, sizes, args.memory_fraction, args.memory_gib)
+    return profile_theta(args.gpu, args.ranks, sizes, args.memory_fraction, args.memory_gib)
 
 
 def run_advise(args: argparse.Namespace) -> int:
@@ -327,14 +424,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--page-size", type=int, default=64, help="KV page size (CP: page j on rank j %% T)")
     s.set_defaults(func=run_switches)
 
-    c = kinds.add_parser("crossovers", help="where the fastest layout of the illustrative law changes")
+    c = kinds.add_parser("crossovers", help="where the fastest layout changes: the illustrative law, or "
+                         "the cost model of a --model")
     c.add_argument("--scenario", default="b200", help="b200 | h200 | dcu (alpha of Eq 12)")
     c.add_argument("--lo-k", type=float, default=1.0, help="scan from (units of 1024 tokens)")
     c.add_argument("--hi-k", type=float, default=512.0, help="scan to (units of 1024 tokens)")
     c.add_argument("--limits", choices=("none", "paper", "sampled"), default="none",
                    help="mask layouts beyond their KV limit: the paper's, or sampled now (slower)")
     c.add_argument("--plot", metavar="FILE", type=output_file, help="write a PNG like the paper's Figure 1")
-    c.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(c, dtype_default="auto", model_default=None)
+    c.add_argument("--gpu", default="h200", help="with --model: hardware profile h200 | b200 | dcu | cpu")
+    c.add_argument("--theta", metavar="FILE", help="with --model: calibrated theta JSON (overrides --gpu)")
+    c.add_argument("--batch", "-B", type=int, default=32, help="with --model: running requests (default 32)")
+    c.add_argument("--query-rows", "-q", type=int, default=1,
+                   help="with --model: rows per request (1 = decode)")
+    c.add_argument("--memory-fraction", type=float, help="with --model: share of device memory to use")
+    c.add_argument("--memory-gib", type=float, help="with --model: device memory per rank (profile default)")
+    c.add_argument("--page-size", type=int, default=64, help="with --model: KV page size (default 64)")
+    c.add_argument("--ignore-memory", action="store_true",
+                   help="with --model: compare every layout, fitting or not")
     c.set_defaults(func=run_crossovers)
 
     k = kinds.add_parser("capacity", help="cohort-residency KV limits per layout (appendix B.1)")
@@ -343,6 +451,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--memory-gib", type=float, help="per-rank budget for attention weights + KV (GiB)")
     k.add_argument("--weights-gib", type=float, help="full attention weights W_A (GiB)")
     k.add_argument("--kv-bytes-per-token", type=float, help="KV bytes per token over all layers")
+    k.add_argument("--model", help="preset or checkpoint: its W_A and KV bytes per token (alone: pools from "
+                                   "the --gpu profile's memory less the model's weights)")
+    k.add_argument("--dtype", default="auto",
+                   help="with --model: weight dtype bf16|fp8|...|auto (default auto)")
+    k.add_argument("--kv-dtype", default="bf16", help=f"with --model: {KV_DTYPE_HELP}")
+    k.add_argument("--fp8-scales", action="store_true", help="with --model: count FP8 128x128 block scales")
+    k.add_argument("--gpu", default="h200", help="with --model alone: hardware profile (default h200)")
+    k.add_argument("--memory-fraction", type=float, help="with --model alone: share of device memory to use")
     k.add_argument("--reserve-gib", type=float, default=0.0, help="reserve taken from the budget (GiB)")
     k.add_argument("--batch", "-B", type=int, help="requests per cohort (scenario default)")
     k.add_argument("--ranks", "-T", type=int, help="ranks (scenario default)")

@@ -55,7 +55,8 @@ class Indexer(nn.Module):
                             ("k_norm_b", (self.head_dim,))):
             self.register_buffer(name, torch.empty(*shape, dtype=dtype, device=device))
         # kept in float32 for bf16 models, as transformers keeps it (`_keep_in_fp32_modules`)
-        self.register_buffer("weights_proj", torch.empty(self.n_heads, d, dtype=score_dtype(dtype), device=device))
+        self.register_buffer("weights_proj",
+                             torch.empty(self.n_heads, d, dtype=score_dtype(dtype), device=device))
 
     def load(self, reader: CheckpointReader, prefix: str, dev: torch.device) -> None:
         dt = self.wk.dtype
