@@ -403,7 +403,7 @@ PRESETS["tiny-glm5"] = dataclasses.replace(
 )
 PRESETS["small-dsa"] = dataclasses.replace(
     PRESETS["small"], name="small-dsa", model_type="deepseek_v32", index_topk=2048, index_head_dim=128,
-    index_n_heads=8,
+    index_n_heads=8, max_position_embeddings=32768,
 )
 
 
