@@ -277,7 +277,8 @@ def run_capacity(args: argparse.Namespace) -> int:
         base_ranks = scenario(args.scenario).ranks if args.scenario else 8
         sizes = sizes_from(args, base_ranks if args.ranks is None else args.ranks)
     ranks = 8 if args.ranks is None else args.ranks
-    source = "scenario" if args.scenario else "pool-tokens" if args.pool_tokens else "memory"
+    source = (f"the {args.scenario} scenario" if args.scenario else "--pool-tokens" if args.pool_tokens
+              else f"--memory-gib {args.memory_gib:g} (attention weights + KV)")
     if args.scenario:
         base = scenario(args.scenario)
     else:
@@ -383,7 +384,8 @@ def run_advise(args: argparse.Namespace) -> int:
     for lay in LAYOUTS:
         e = d.evals[lay]
         group = lay.distinct([e.kv_pool_tokens] * args.ranks)  # TP: one rank's pool; the others: the sum
-        longest = longest_balanced_context(lay, avail, sizes.w_a, sizes.k, args.batch, args.ranks)
+        longest = longest_balanced_context(lay, avail, sizes.w_a, sizes.k, args.batch, args.ranks,
+                                           sizes.indexer_weight_bytes())
         layouts[lay.label] = {**e.to_dict(), "kv_distinct_tokens_group": group,
                               "longest_balanced_context": int(longest), **{"stages": e.cost.to_dict()}}
         rows.append([lay.label + (" *" if lay is d.layout else ""), f"{e.time * 1e3:,.2f}",
@@ -392,13 +394,15 @@ def run_advise(args: argparse.Namespace) -> int:
                      f"{int(longest):,}"])
     obj = {"model": sizes.cfg.name, "gpu": getattr(th, "name", args.gpu), "theta_source": th.source,
            "ranks": args.ranks, "batch": args.batch, "context": args.context, "query_rows": args.query_rows,
-           "dtype": sizes.dtype, "kv_dtype": sizes.kv_dtype, "memory_per_rank_gib": th.memory_bytes / GIB,
+           "dtype": sizes.dtype, **kv_summary(sizes), "memory_per_rank_gib": th.memory_bytes / GIB,
            "current": cur.label if cur else None, "layout": d.layout.label, "switch": d.switch,
            "reason": d.reason, "feasible": [lay.label for lay in LAYOUTS if lay in d.feasible],
            "layouts": layouts}
-    text = (f"{sizes.cfg.name} ({sizes.dtype} weights, {sizes.kv_dtype} KV) on {th.name or args.gpu}, "
+    dsa = (f"; DSA: main attention reads top-{sizes.cfg.index_topk} keys, the indexer scores all "
+           f"{args.context:,}" if sizes.cfg.is_sparse else "")
+    text = (f"{sizes.cfg.name} ({sizes.dtype} weights) on {th.name or args.gpu}, "
             f"T={args.ranks}, B={args.batch}, s={args.context}, q={args.query_rows}, "
-            f"{th.memory_bytes / GIB:.1f} GiB per rank\n"
+            f"{th.memory_bytes / GIB:.1f} GiB per rank\n{kv_line(sizes)}{dsa}\n"
             f"-> run {d.layout.label}: {d.reason}\n"
             + table(rows, ["layout", "step ms", "mem GiB", "fits", "switch fits", "KV tok/rank",
                            "KV distinct/group", "longest s"]))

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from splash.commands.plan import add_model_args, emit, need, sizes_from, table, theta_from
+from splash.commands.plan import (
+    add_model_args,
+    emit,
+    kv_line,
+    kv_summary,
+    need,
+    sizes_from,
+    table,
+    theta_from,
+)
 from splash.core.config import ConfigError
 
 
@@ -30,7 +39,7 @@ def run_rollout(args: argparse.Namespace) -> int:
     best_fixed = min((r.makespan_s for n, r in finite.items() if n != "policy"), default=float("inf"))
     pol = res["policy"]
     obj: dict[str, Any] = {
-        "model": sizes.cfg.name, "gpu": th.name, "ranks": th.ranks, "dtype": sizes.dtype,
+        "model": sizes.cfg.name, "gpu": th.name, "ranks": th.ranks, "dtype": sizes.dtype, **kv_summary(sizes),
         "workload": {"requests": wl.size, "prompt_tokens": int(wl.prompts.sum()),
                      "output_tokens": int(wl.outputs.sum()), "longest_output": int(wl.outputs.max()),
                      "seed": args.seed},
@@ -48,7 +57,7 @@ def run_rollout(args: argparse.Namespace) -> int:
     segs = " -> ".join(f"{s['layout']}@{s['start_s']:.0f}s" for s in pol.segments())
     text = (f"drain rollout: {sizes.cfg.name} ({sizes.dtype}) on {th.name}, {wl.size} requests, "
             f"prompts {int(wl.prompts.sum()):,} tok, outputs {int(wl.outputs.sum()):,} tok "
-            f"(longest {int(wl.outputs.max()):,})\n"
+            f"(longest {int(wl.outputs.max()):,}); {kv_line(sizes)}\n"
             + table(rows, ["run", "makespan s", "out tok/s", "mean done s", "switches", "time share"])
             + f"\npolicy timeline: {segs}\npolicy vs best fixed layout: {best_fixed / pol.makespan_s:.3f}x")
     if args.plot:
