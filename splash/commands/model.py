@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         t.add_argument("--force", action="store_true", help="overwrite a checkpoint already in DIR")
         t.set_defaults(func=_init_builtin, builtin=name)
     i = kinds.add_parser("info", help="dimensions, parameters and KV bytes per token of a checkpoint")
-    i.add_argument("model", help="checkpoint directory, 'tiny' or 'small'")
+    i.add_argument("model", help="checkpoint directory, a built-in model (tiny, small, tiny-dsa, ...) or a "
+                                 "preset (deepseek-v3, deepseek-v3.2, glm-5, ...)")
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=_info)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
@@ -50,26 +51,40 @@ def _init_builtin(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from splash.core.config import ModelConfig
+    from splash.core.config import PRESETS, ModelConfig
+    from splash.core.sizes import kv_bytes_per_token
+    from splash.core.stores import values_per_token
     from splash.model import resolve_model_path
-    from splash.model.tiny import weight_shapes
+    from splash.model.tiny import BUILTIN_MODELS, weight_shapes
 
-    path = resolve_model_path(args.model)
-    cfg = ModelConfig.from_hf(path)
+    if args.model in PRESETS and args.model not in BUILTIN_MODELS:  # dimensions only: no checkpoint to read
+        path, cfg = None, PRESETS[args.model]
+    else:
+        path = resolve_model_path(args.model)
+        cfg = ModelConfig.from_hf(path)
     params = sum(_numel(s) for s in weight_shapes(cfg).values())
     info = {"path": path, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank,
             "kv_lora_rank": cfg.kv_lora_rank, "rope_head_dim": cfg.qk_rope_head_dim,
             "experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
             "vocab_size": cfg.vocab_size, "parameters": params,
-            "kv_values_per_token": cfg.num_hidden_layers * cfg.latent_dim,
+            "kv_values_per_token": values_per_token(cfg),
+            "kv_bytes_per_token_bf16": kv_bytes_per_token(cfg, "bf16"),
+            "kv_bytes_per_token_fp8": kv_bytes_per_token(cfg, "fp8"),
             "rope_scaling": (cfg.rope_scaling or {}).get("rope_type"),
             "quantization": (cfg.quantization_config or {}).get("quant_method")}
+    if cfg.is_sparse:  # DSA: the lightning indexer's dims and which layers run one
+        full = cfg.indexer_layers
+        info.update(index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim,
+                    index_topk=cfg.index_topk, indexer_layers=len(full),
+                    shared_layers=cfg.num_hidden_layers - len(full),
+                    index_rope=("interleaved" if cfg.index_rope_interleave else "half-split"))
     if args.json:
         print(json.dumps(info))
     else:
+        width = max(map(len, info))
         for k, v in info.items():
-            print(f"{k:>22}: {v}")
+            print(f"{k:>{width}}: {'(a preset: dimensions only)' if k == 'path' and v is None else v}")
     return 0
 
 
