@@ -278,7 +278,8 @@ def run_capacity(args: argparse.Namespace) -> int:
         sizes = sizes_from(args, base_ranks if args.ranks is None else args.ranks)
     ranks = 8 if args.ranks is None else args.ranks
     source = (f"the {args.scenario} scenario" if args.scenario else "--pool-tokens" if args.pool_tokens
-              else f"--memory-gib {args.memory_gib:g} (attention weights + KV)")
+              else f"--memory-gib {args.memory_gib:g} (attention weights + KV)" if args.memory_gib is not None
+              else "")
     if args.scenario:
         base = scenario(args.scenario)
     else:
