@@ -144,6 +144,7 @@ def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor,
         # is its selected slots (-1 skipped), every entry visible, so it reads exactly the selected keys
         # straight from the pool, with no gather and no mask.
         k, dev = slots.shape[1], q_lat.device
+        slots = torch.sort(slots, dim=-1).values  # in pool order: pages are read front to back
         got = paged.attention(kernel, q_lat, q_pe, flat.view(-1, 1, flat.shape[1]), slots,
                               torch.arange(n, device=dev),
                               torch.full((n,), k - 1, dtype=torch.long, device=dev), scale, lse)
