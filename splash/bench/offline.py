@@ -35,6 +35,11 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-hf", action="store_true",
                    help="also time transformers' generate on the same checkpoint and batch")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--sparse-vs-dense", action="store_true",
+                   help="DSA models: decode tok/s at each of --contexts against the same model with "
+                        "index_topk >= the context (dense); use --batch 1 and a small --output-len")
+    p.add_argument("--contexts", default="1024,4096,16384", metavar="N,N",
+                   help="prompt lengths for --sparse-vs-dense (default 1024,4096,16384)")
     from splash.bench.offline_peer import add_peer_args
 
     add_peer_args(p)
@@ -121,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.peer:
         return offline_peer.run(args)
+    if args.sparse_vs_dense:
+        from splash.bench import sparse
+
+        return sparse.run(args)
     try:
         offline_peer.check_args(args)
         res, prompts, tokens, eng = run_splash(args)

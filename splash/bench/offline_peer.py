@@ -52,7 +52,8 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-timeout", type=positive_int, default=3600,
                    help="with --peer: seconds the peer's run may take (a first start compiles ~100 s)")
     p.add_argument("--plot", default=None, metavar="FILE", type=output_file,
-                   help="with --peer: write a bar chart of tok/s per shape (PNG)")
+                   help="with --peer: write a bar chart of tok/s per shape (PNG); with --sparse-vs-dense: "
+                        "tok/s by context")
 
 
 def check_args(args: argparse.Namespace) -> None:
