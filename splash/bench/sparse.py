@@ -87,7 +87,7 @@ def decode_rate(path: str, args: argparse.Namespace, context: int) -> dict[str, 
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from splash.core.config import ModelConfig, SPARSE_MODEL_TYPES
+    from splash.core.config import SPARSE_MODEL_TYPES, ModelConfig
     from splash.model import resolve_model_path
 
     path = resolve_model_path(args.model)
@@ -116,7 +116,8 @@ def table(doc: dict[str, Any]) -> str:
     lines = [f"sparse vs dense decode: {doc['model']} (top-k {doc['index_topk']}, indexer "
              f"{doc['index_heads']}x{doc['index_head_dim']}), batch {doc['batch']}, {doc['decode_tokens']} "
              f"decode steps, {doc['dtype']}, {doc['threads']} threads, CPU {doc['isa']}",
-             f"{'context':>8}{'sparse tok/s':>14}{'dense tok/s':>13}{'sparse/dense':>14}{'prefill s (sp/de)':>20}"]
+             f"{'context':>8}{'sparse tok/s':>14}{'dense tok/s':>13}{'sparse/dense':>14}"
+             f"{'prefill s (sp/de)':>20}"]
     for r in doc["rows"]:
         s, d = r["sparse"], r["dense"]
         lines.append(f"{r['context']:>8}{s['decode_tokens_per_s']:>14.2f}{d['decode_tokens_per_s']:>13.2f}"
@@ -133,7 +134,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
     xs = [r["context"] for r in doc["rows"]]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(xs, [r["sparse"]["decode_tokens_per_s"] for r in doc["rows"]], "o-", label="sparse (DSA)")
-    ax.plot(xs, [r["dense"]["decode_tokens_per_s"] for r in doc["rows"]], "s--", label="dense (top-k >= context)")
+    ax.plot(xs, [r["dense"]["decode_tokens_per_s"] for r in doc["rows"]], "s--",
+            label="dense (top-k >= context)")
     ax.axvline(doc["index_topk"], color="grey", lw=0.8, ls=":")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
