@@ -253,7 +253,7 @@ def layer_kinds(sizes: AttentionSizes) -> tuple[tuple[int, bool], ...]:
     c = sizes.cfg
     if not c.is_sparse:
         return ((sizes.layers, False),)
-    full = len(c.indexer_layers)
+    full = sizes.memo("indexer_layers", lambda: len(c.indexer_layers))
     return tuple((n, ix) for n, ix in ((full, True), (sizes.layers - full, False)) if n)
 
 
@@ -355,14 +355,19 @@ def _rank_times(ld: LayerLoads, theta: Theta) -> tuple[np.ndarray, np.ndarray, n
     return t_proj, t_main + t_index + theta.t_seq * ld.slices, t_index
 
 
+_Kind = tuple[int, LayerLoads, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
 def _kinds_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
-                 page_size: int | None) -> tuple[list[tuple[int, LayerLoads]], int]:
-    """Each kind of layer's loads with its count, and the busiest rank over the whole model."""
+                 page_size: int | None) -> tuple[list[_Kind], int]:
+    """Each kind of layer's count, loads and per-rank times, and the busiest rank over the whole model."""
     T = theta.ranks
     coll = theta.collectives_of(layout)
-    kinds = [(n, layer_loads(layout, sizes, batch, T, theta.act_bytes, coll, page_size, ix))
-             for n, ix in layer_kinds(sizes)]
-    per_rank = sum(n * (tp + ta) for n, ld in kinds for tp, ta, _ in [_rank_times(ld, theta)])
+    kinds = []
+    for n, ix in layer_kinds(sizes):
+        ld = layer_loads(layout, sizes, batch, T, theta.act_bytes, coll, page_size, ix)
+        kinds.append((n, ld, _rank_times(ld, theta)))
+    per_rank = sum(n * (t[0] + t[1]) for n, _, t in kinds)
     return kinds, int(np.argmax(per_rank)) if T else 0
 
 
@@ -375,8 +380,8 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
     delta = theta.latency * kinds[0][1].collectives
     eta = theta.eta_of(layout)
     t_proj = t_att = t_index = exposed = 0.0
-    for n, ld in kinds:
-        tp, ta, ti = (float(v[b]) for v in _rank_times(ld, theta))
+    for n, _, times in kinds:
+        tp, ta, ti = (float(v[b]) for v in times)
         t_proj, t_att, t_index = t_proj + n * tp, t_att + n * ta, t_index + n * ti
         exposed += n * max(0.0, comm - eta * ta)
     total = outside_attention(theta, batch) + t_proj + t_att + L * delta + exposed
@@ -422,8 +427,8 @@ def _roofline(att: np.ndarray, flops: float, nbytes: float, theta: Theta) -> Non
         att[6] += nbytes
 
 
-def _layer_features(layout: Layout, ld: LayerLoads, theta: Theta, b: int) -> np.ndarray:
-    """One layer's part of `step_features` on busiest rank `b`."""
+def _layer_features(layout: Layout, ld: LayerLoads, theta: Theta, b: int, t_att: float) -> np.ndarray:
+    """One layer's part of `step_features` on busiest rank `b` (whose t_att is `t_att`)."""
     x = np.zeros(len(FIT_PARAMS))
     if ld.f_proj[b] / theta.flops_proj >= ld.w_read[b] / theta.bw_weights:
         x[3] += ld.f_proj[b]
@@ -437,7 +442,6 @@ def _layer_features(layout: Layout, ld: LayerLoads, theta: Theta, b: int) -> np.
     x += att
     x[8] += ld.collectives
     eta = theta.eta_of(layout)
-    t_att = float(_rank_times(ld, theta)[1][b])
     if ld.comm_bytes / theta.link_bw_of(layout) - eta * t_att > 0:
         x[7] += ld.comm_bytes * theta.link_bw / theta.link_bw_of(layout)  # in units of 1 / link_bw
         x -= eta * att
@@ -454,8 +458,8 @@ def step_features(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Th
     x[1] = rows
     x[2] = 1.0 - (1.0 - theta.expert_frac) ** rows if rows > 0 else 0.0
     x[10] = _active(batch)
-    for n, ld in kinds:
-        x += n * _layer_features(layout, ld, theta, b)
+    for n, ld, times in kinds:
+        x += n * _layer_features(layout, ld, theta, b, float(times[1][b]))
     return x
 
 
