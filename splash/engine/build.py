@@ -135,7 +135,12 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
         eos.add(tok_eos)
     name = model_name(model)
     dt = str(net.dtype).removeprefix("torch.")
+    from splash.core.stores import token_stores
+
+    elem = net.embed.element_size()
     info = {"model": name, "dtype": dt, "device": str(runner.device), "kv_dtype": dt,
+            # every per-token store a page holds (the latent; a DSA model's indexer keys), bytes per token
+            "kv_bytes_per_token": {s.name: s.values_per_token * elem for s in token_stores(cfg)},
             "nnodes": launch.nnodes, "weight_bytes_per_rank": [f["weight_bytes"] for f in facts],
             "kv_reserve_bytes": facts[0]["reserve_bytes"]}
     engine = LLMEngine(runner, alloc, sched, tokenizer=tok, eos_token_ids=sorted(eos),

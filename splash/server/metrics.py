@@ -83,6 +83,9 @@ class ServerMetrics:
         self.distinct = Gauge("splash:kv_distinct_tokens",
                               "Distinct KV tokens the group can hold under the current layout.", lbl,
                               registry=r).labels(m)
+        self._store_bytes = Gauge("splash:kv_bytes_per_token",
+                                  "KV bytes one token takes over all layers, per store (latent; the DSA "
+                                  "indexer's keys).", lbl + ["store"], registry=r)
 
         self._engine = _EngineCounters(model_name)
         r.register(self._engine)
@@ -120,6 +123,10 @@ class ServerMetrics:
         if isinstance(per_rank, (list, tuple)):
             for rank, tokens in enumerate(per_rank):
                 self._pool.labels(lab, str(rank)).set(float(tokens))
+        stores = _first(stats, "kv_bytes_per_token")
+        if isinstance(stores, dict):
+            for store, b in stores.items():
+                self._store_bytes.labels(lab, str(store)).set(float(b))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
