@@ -7,7 +7,9 @@
    injected on the compute stream after every step and on the side stream before every layer's
    transfer, so a missing stream edge shows up as wrong logits. Compared with the unswitched T=1 run
    on the same device.
-DEV=cpu runs parts 1 and 3 on CPU (plumbing check only). CASES=small runs 2 switch cases.
+4. DSA (DeepSeek-V3.2 and GLM-5 shapes, top-k below the prompts): the float64 engine on CUDA (the sparse
+   path through Triton over single-token page tables) against the CPU engine: tokens equal, logits.
+DEV=cpu runs parts 1, 3 and 4 on CPU (plumbing check only). CASES=small runs 2 switch cases.
 """
 from __future__ import annotations
 
@@ -202,6 +204,26 @@ def part3(path) -> None:
     log(f"PART3 {len(cases) - bad}/{len(cases)} switch cases ok")
 
 
+def part4() -> None:
+    from helpers_dsa import build_dsa_checkpoint
+    from test_dsa_engine import ENGINE, PROMPTS
+    from test_engine_switch import run
+
+    from splash.engine.build import build_engine
+
+    for kind in ("v32", "glm"):
+        path = build_dsa_checkpoint(tempfile.mkdtemp() + f"/{kind}", kind, seed=3, index_head_dim=48)
+        cpu = build_engine(model=path, num_kv_pages=64, **ENGINE)
+        cpu_toks, cpu_logits, _ = run(cpu, PROMPTS)
+        cpu.shutdown()
+        eng = build_engine(model=path, num_kv_pages=64, **dict(ENGINE, device=DEV))
+        toks, logits, errors = run(eng, PROMPTS)
+        eng.shutdown()
+        err = max((logits[k].cpu() - cpu_logits[k]).abs().max().item() for k in cpu_logits)
+        log(f"PART4 DSA {kind} T=1 {DEV} float64: tokens == CPU engine: {toks == cpu_toks}; "
+            f"max |logit - CPU| = {err:.2e}; accounting errors {errors[:2]}")
+
+
 if __name__ == "__main__":
     from helpers_ckpt import build_checkpoint
 
@@ -209,8 +231,10 @@ if __name__ == "__main__":
     if DEV == "cuda":
         log(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))
     path = build_checkpoint(tempfile.mkdtemp() + "/v3", "v3", seed=5)
-    parts = os.environ.get("PARTS", "12,3")
+    parts = os.environ.get("PARTS", "12,3,4")
     if "1" in parts:
         part1_2(path)
     if "3" in parts:
         part3(path)
+    if "4" in parts:
+        part4()

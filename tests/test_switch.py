@@ -213,14 +213,15 @@ def _rank_cases(grid, path: str, cases: list[tuple]) -> dict:
     model = DeepseekForCausalLM.from_pretrained(path, DT, grid.rank, grid.world, attn_sharded=False)
     blocks = full_blocks(model)
     cfg = model.cfg
-    pool = KVPool(cfg.num_hidden_layers, NUM_PAGES, P, cfg.latent_dim, DT)
+    pool = KVPool.for_model(cfg, NUM_PAGES, P, DT)
     g = torch.Generator().manual_seed(100 + grid.rank)
-    junk = torch.randn(pool.data.shape, generator=g, dtype=DT) * 50
+    junk = [torch.randn(t.shape, generator=g, dtype=DT) * 50 for t in pool.tensors()]
     out = {}
     for case in cases:
         src, dst, mode, scen, pages = case
         set_layout_heads(model, blocks, src, grid.rank, grid.world)
-        pool.data.copy_(junk)  # stale junk everywhere: a wrong page read shows up in the logits
+        for t, j in zip(pool.tensors(), junk):  # stale junk in every store: a wrong page read shows
+            t.copy_(j)
         out[case] = drive(model, pool, grid.comm, grid.switch, grid.rank, grid.world, src, src, scen,
                           dst, mode, pages)
     return out
@@ -236,24 +237,56 @@ def ckpt(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(ckpt) -> dict[str, dict]:
+    return _reference(ckpt)
+
+
+@pytest.fixture(scope="module")
+def dsa_ckpt(tmp_path_factory) -> str:
+    """GLM-5's shape: layers 0 and 2 with an indexer, layer 1 sharing its top-k (no index keys there);
+    top-k 4, well below the schedule's contexts."""
+    from helpers_dsa import build_dsa_checkpoint
+
+    return build_dsa_checkpoint(tmp_path_factory.mktemp("switch-dsa") / "glm", "glm", seed=5, index_topk=4,
+                                index_head_dim=48)
+
+
+@pytest.fixture(scope="module")
+def dsa_reference(dsa_ckpt) -> dict[str, dict]:
+    return _reference(dsa_ckpt)
+
+
+def _reference(ckpt: str) -> dict[str, dict]:
     """The unswitched single-rank run of each scenario (local layout), and transformers' greedy tokens."""
-    from helpers_ckpt import hf_greedy, hf_reference
+    from helpers_ckpt import hf_reference
 
     from splash.model.deepseek import DeepseekForCausalLM
 
     model = DeepseekForCausalLM.from_pretrained(ckpt, DT, 0, 1)
     hf = hf_reference(ckpt)
     refs = {}
-    for scen in ("mixed", "few"):
-        cfg = model.cfg
-        pool = KVPool(cfg.num_hidden_layers, NUM_PAGES, P, cfg.latent_dim, DT)
-        comm = LocalCommunicator()
-        refs[scen] = drive(model, pool, comm, comm, 0, 1, "tp", "local", scen)
-        reqs, _ = scenario(scen, 1)
-        for q in reqs:
-            gen = refs[scen]["tokens"][q.rid]
-            assert gen == hf_greedy(hf, q.ids, len(gen)), f"{scen}: request {q.rid} differs from transformers"
+    # One thread, as every rank runs here: the router's float32 GEMM rounds differently with two threads
+    # (~1e-7 in the routing weights), which is not what these tests are about.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for scen in ("mixed", "few"):
+            refs[scen] = _reference_run(model, hf, scen)
+    finally:
+        torch.set_num_threads(threads)
     return refs
+
+
+def _reference_run(model, hf, scen: str) -> dict:
+    from helpers_ckpt import hf_greedy
+
+    pool = KVPool.for_model(model.cfg, NUM_PAGES, P, DT)
+    comm = LocalCommunicator()
+    ref = drive(model, pool, comm, comm, 0, 1, "tp", "local", scen)
+    reqs, _ = scenario(scen, 1)
+    for q in reqs:
+        gen = ref["tokens"][q.rid]
+        assert gen == hf_greedy(hf, q.ids, len(gen)), f"{scen}: request {q.rid} differs from transformers"
+    return ref
 
 
 # ---- checks ------------------------------------------------------------------------------------------
@@ -281,7 +314,9 @@ def check_case(case: tuple, per_rank: list[dict], ref: dict, world: int, cfg: Mo
                 w = meas.get(("all_gather", f"switch.w.{i}"), 0)
                 kv = meas.get(("all_to_all", f"switch.kv.{i}"), 0)
                 assert w == lay.weight_send_bytes[r] == man.weights.send_bytes[r], f"{name}: r{r} layer {i} W"
-                assert kv == lay.kv_send_bytes[r] == man.kv.send_bytes[r], f"{name}: rank {r} layer {i} KV"
+                # each layer's own KV: the latent, and the indexer's keys where the layer has an indexer
+                want = man.kv_layer(i).send_bytes[r]
+                assert kv == lay.kv_send_bytes[r] == want, f"{name}: r{r} layer {i} KV"
             assert set(meas) <= {(op, f"switch.{kind}.{i}") for op, kind in (("all_gather", "w"),
                                  ("all_to_all", "kv")) for i in range(cfg.num_hidden_layers)}, \
                 f"{name}: unexpected switch traffic"
@@ -348,6 +383,24 @@ def test_directions_on_four_ranks(ckpt, reference) -> None:
     cases = [(a, b, m, "mixed", NUM_PAGES) for a, b in dirs for m in ("overlapped", "blocking")]
     cases += [(a, b, "overlapped", "few", NUM_PAGES) for a, b in [("tp", "dop"), ("cp", "dp")]]
     run_world(4, ckpt, reference, cases)
+
+
+@pytest.mark.slow
+def test_dsa_directions_move_the_indexer_keys(dsa_ckpt, dsa_reference) -> None:
+    """A DSA model (GLM-5's shape: a shared layer without index keys): every KV primitive and both modes
+    at T = 2 and the weight all-gather/slice at T = 4; the executor sends each layer's latent and indexer
+    keys together, exactly the manifest's bytes of that layer (the shared layer's smaller)."""
+    from splash.core.sizes import AttentionSizes
+
+    sizes = AttentionSizes(ModelConfig.from_hf(dsa_ckpt), "fp64", "fp64")
+    assert sizes.kv_token_bytes(0) > sizes.kv_token_bytes(1)  # the shared layer holds no indexer keys
+    dirs = [("tp", "cp"), ("cp", "tp"), ("dp", "dop"), ("dop", "tp"), ("cp", "dop"), ("dp", "cp")]
+    cases = [(a, b, m, "mixed", NUM_PAGES) for a, b in dirs for m in ("overlapped", "blocking")]
+    cases += [("dop", ("cp", "tp", "dp"), "overlapped", "mixed", NUM_PAGES),
+              ("tp", "dop", "overlapped", "few", NUM_PAGES)]
+    run_world(2, dsa_ckpt, dsa_reference, cases)
+    run_world(4, dsa_ckpt, dsa_reference, [("tp", "dp", "overlapped", "mixed", NUM_PAGES),
+                                           ("cp", "dop", "blocking", "mixed", NUM_PAGES)])
 
 
 # ---- the planner alone (rank 0's bookkeeping; no ranks) -----------------------------------------------

@@ -50,8 +50,11 @@ def capture_sizes() -> tuple[int, ...]:
 
 
 def for_runner(runner: Any) -> DecodeGraphs | None:
-    """The runner's decode graphs, or None where they do not apply (CPU, T > 1, turned off)."""
+    """The runner's decode graphs, or None where they do not apply (CPU, T > 1, turned off, a DSA model:
+    its selected-key count follows the step's longest context, a shape a captured graph cannot take)."""
     if runner.device.type != "cuda" or runner.world != 1 or runner.pool is None or not enabled():
+        return None
+    if getattr(runner.model.cfg, "is_sparse", False):
         return None
     return DecodeGraphs(runner.model, runner.pool, runner.layout)
 

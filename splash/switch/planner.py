@@ -160,10 +160,14 @@ class SwitchPlanner:
                 self.alloc.ranks[r].free(allocated[r])
             raise
         H = self.cfg.num_attention_heads
-        w, kv = man.weights, man.kv
-        per_layer = [[float(x) for x in v] for v in (w.send_bytes, kv.send_bytes, w.recv_bytes,
-                                                    kv.recv_bytes)]  # every layer moves the same bytes
-        layers = [LayerSwitch(lm.layer, w.primitive, kv.primitive, *(list(v) for v in per_layer))
+        w = man.weights
+
+        def floats(v: Sequence[float]) -> list[float]:
+            return [float(x) for x in v]
+
+        # each layer's own KV bytes: a GLM-5 "shared" layer carries no indexer keys
+        layers = [LayerSwitch(lm.layer, w.primitive, lm.kv.primitive, floats(w.send_bytes),
+                              floats(lm.kv.send_bytes), floats(w.recv_bytes), floats(lm.kv.recv_bytes))
                   for lm in man.layers]
         plan = SwitchPlan(
             plan_id=next(_ids), src=src, dst=dst, world=T, page_size=P, num_layers=L, num_heads=H, mode=mode,
