@@ -16,8 +16,9 @@ Per layer: weights move by one all-gather of every rank's head blocks (q_b, w_uk
 replicated layout, or are sliced locally into a sharded one; KV moves by one variable all-to-all
 carrying only the valid tokens of each moved page, every per-token store of the layer side by side
 (the latent and, in a DSA model, the indexer's keys: `KVPool.read_rows`); an all-gather into TP is
-the all-to-all in which each holder sends to every non-holder. So the bytes counted per (op, "switch.w.i" / "switch.kv.i")
-equal the manifest's. On CUDA the transfers are issued from a side stream.
+the all-to-all in which each holder sends to every non-holder. So the bytes counted per (op,
+"switch.w.i" / "switch.kv.i") equal the manifest's, layer by layer. On CUDA the transfers are issued
+from a side stream.
 """
 
 from __future__ import annotations
