@@ -1,4 +1,5 @@
-"""`splash model init-tiny|init-small DIR [--seed N]` and `splash model info MODEL`."""
+"""`splash model init-tiny|init-small|init-tiny-dsa|init-tiny-glm5|init-small-dsa DIR [--seed N]` and
+`splash model info MODEL`."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ from splash.core.config import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("model", help="model checkpoints: write a built-in model (tiny, small), describe one")
+    p = sub.add_parser("model", help="model checkpoints: write a built-in model (tiny, small, tiny-dsa, "
+                                     "tiny-glm5, small-dsa), describe one")
     kinds = p.add_subparsers(dest="model_cmd", metavar="ACTION")
     helps = {"tiny": "write the built-in tiny DeepSeek-V3-architecture checkpoint (tests, demos)",
              "small": "write the built-in benchmark checkpoint: DeepSeek-V3's real MLA dims (latent 512 + "
-                      "rope 64), hidden 512, 4 layers, 8 experts"}
+                      "rope 64), hidden 512, 4 layers, 8 experts",
+             "tiny-dsa": "write tiny with DeepSeek-V3.2's sparse attention (an indexer per layer, top-k 16)",
+             "tiny-glm5": "write tiny in GLM-5's shape (DSA; every other layer shares the previous top-k)",
+             "small-dsa": "write small with DSA (8 x 128 indexer, top-k 2048): sparse-vs-dense benchmarks"}
     for name, text in helps.items():
         t = kinds.add_parser(f"init-{name}", help=text)
         t.add_argument("dir", help="output directory (created; must not already hold a checkpoint)")
