@@ -53,15 +53,23 @@ class CPLayout(AttentionLayout):
             pos.append(ps)
             seg.append(torch.full((s.num_new,), j, dtype=torch.long, device=dev))
         sc, ps = torch.cat(scores), torch.cat(pos)
-        n, world = sc.shape[0], ctx.world
-        all_sc = ctx.comm.all_gather(sc.contiguous(), tag=layer_idx).permute(1, 0, 2).reshape(n, world * k)
-        all_ps = ctx.comm.all_gather(ps.contiguous(), tag=layer_idx).permute(1, 0, 2).reshape(n, world * k)
-        by_pos = torch.sort(all_ps, dim=-1, stable=True).indices  # ties in score then go to the earlier key
-        all_sc, all_ps = all_sc.gather(1, by_pos), all_ps.gather(1, by_pos)
-        best, col = sparse.top_keys(all_sc, k)
-        gpos = all_ps.gather(1, col).masked_fill(torch.isinf(best), -1)
+        gpos = merge_candidates(ctx.comm.all_gather(sc.contiguous(), tag=layer_idx),
+                                ctx.comm.all_gather(ps.contiguous(), tag=layer_idx), k)
         held = ctx.page_table[torch.cat(seg)[:, None], (gpos // P).clamp(min=0)]  # this rank's page, or -1
         return torch.where((gpos >= 0) & (held >= 0), held * P + gpos % P, -1)
+
+
+def merge_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """Every rank's top-k candidates, scores / positions [T, n, k] (-inf / -1 padded), merged into the
+    global top-k positions [n, k] (-1 padded) by (score descending, position ascending): the rule a
+    single rank applies to all the keys, so the result is the single-rank selection."""
+    world, n, _ = scores.shape
+    sc = scores.permute(1, 0, 2).reshape(n, world * k)
+    ps = positions.permute(1, 0, 2).reshape(n, world * k)
+    by_pos = torch.sort(ps, dim=-1, stable=True).indices  # ties in score then go to the earlier key
+    sc, ps = sc.gather(1, by_pos), ps.gather(1, by_pos)
+    best, col = sparse.top_keys(sc, k)
+    return ps.gather(1, col).masked_fill(torch.isinf(best), -1)
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
