@@ -145,3 +145,31 @@ def test_abort_preemption_and_indexer_weight_update_under_switches(group, ckpt, 
         assert sum(eng.stats()["kv_pages_used_per_rank"]) == 0
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_switch_schedules(group, ckpt, seed):
+    """Seeded random schedules: a switch at a random step (mid chunked prefill or in decode) to a random
+    other layout, several in a row; tokens and logits unchanged."""
+    import random
+
+    path, ref, ref_logits = ckpt
+    rng = random.Random(seed * 10 + group.world)
+    layouts, cur, steps = ["tp", "dp", "cp", "dop"], rng.choice(["tp", "dp", "cp", "dop"]), []
+    start = cur
+    for step in sorted(rng.sample(range(1, 14), 6)):
+        cur = rng.choice([x for x in layouts if x != cur])
+        steps.append(f"{step}:{cur}")
+    eng = build_engine(model=path, layout=start, rank_group=group, num_kv_pages=96,
+                       switch_schedule=",".join(steps), switch_mode=rng.choice(["overlapped", "blocking"]),
+                       **ENGINE)
+    try:
+        toks, logits, errors = run(eng, PROMPTS)
+        st = eng.stats()
+    finally:
+        eng.shutdown()
+    name = f"T={group.world} {start} then {','.join(steps)}"
+    assert not errors, f"{name}: {errors[:5]}"
+    assert toks == ref, f"{name}: tokens differ"
+    close(logits, ref_logits, name)
+    assert st["num_switches"] >= 4 and st["switch_refusals"] == 0, (name, st["num_switches"])

@@ -59,18 +59,6 @@ class CPLayout(AttentionLayout):
         return torch.where((gpos >= 0) & (held >= 0), held * P + gpos % P, -1)
 
 
-def merge_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
-    """Every rank's top-k candidates, scores / positions [T, n, k] (-inf / -1 padded), merged into the
-    global top-k positions [n, k] (-1 padded) by (score descending, position ascending): the rule a
-    single rank applies to all the keys, so the result is the single-rank selection."""
-    world, n, _ = scores.shape
-    sc = scores.permute(1, 0, 2).reshape(n, world * k)
-    ps = positions.permute(1, 0, 2).reshape(n, world * k)
-    by_pos = torch.sort(ps, dim=-1, stable=True).indices  # ties in score then go to the earlier key
-    sc, ps = sc.gather(1, by_pos), ps.gather(1, by_pos)
-    best, col = sparse.top_keys(sc, k)
-    return ps.gather(1, col).masked_fill(torch.isinf(best), -1)
-
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
         check_heads(mla, ctx, self)
@@ -101,3 +89,16 @@ def merge_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int) -> t
         mine = merge(list(parts_o), list(parts_l))  # [N, h, d_c]: my head slice, merged exactly
         full = comm.all_gather(mine, tag=layer_idx)  # [world, N, h, d_c]
         return finish(full.transpose(0, 1).reshape(n, heads, d_c))
+
+
+def merge_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """Every rank's top-k candidates, scores / positions [T, n, k] (-inf / -1 padded), merged into the
+    global top-k positions [n, k] (-1 padded) by (score descending, position ascending): the rule a
+    single rank applies to all the keys, so the result is the single-rank selection."""
+    world, n, _ = scores.shape
+    sc = scores.permute(1, 0, 2).reshape(n, world * k)
+    ps = positions.permute(1, 0, 2).reshape(n, world * k)
+    by_pos = torch.sort(ps, dim=-1, stable=True).indices  # ties in score then go to the earlier key
+    sc, ps = sc.gather(1, by_pos), ps.gather(1, by_pos)
+    best, col = sparse.top_keys(sc, k)
+    return ps.gather(1, col).masked_fill(torch.isinf(best), -1)
