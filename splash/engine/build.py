@@ -42,7 +42,8 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                  expert_parallel: str = "auto", switch_schedule: Any = None,
                  switch_mode: str = "overlapped", theta: str | None = None, switch_margin: float = 0.05,
                  min_dwell_steps: int = 8, long_prefill_token_threshold: int = 0,
-                 attention_form: str | None = None, serving: bool = False) -> Any:
+                 attention_form: str | None = None, serving: bool = False,
+                 enable_prefix_caching: bool = False) -> Any:
     """Load `model` ('tiny' or a checkpoint directory) on T ranks and build the LLMEngine (rank 0).
 
     T = 1 runs in this process. T > 1 starts the rank group (rank 0 here, this node's other ranks as
@@ -54,7 +55,9 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     `switch_mode` "overlapped" | "blocking"; `theta` a calibrated theta JSON for "auto".
     `long_prefill_token_threshold` caps one prompt's chunk per step (0: only the step budget does);
     `attention_form` "auto" | "absorbed" | "mha" (splash/attention/mha.py; auto picks per chunk; None:
-    SPLASH_ATTN_FORM, else auto).
+    SPLASH_ATTN_FORM, else auto). `enable_prefix_caching`: share full prompt pages by content
+    (splash/kv/prefix.py); off by default until a live switch moves shared pages (it refuses to switch
+    while a page is shared).
     """
     if layout is not None and layout not in (*LAYOUTS, "auto"):
         raise ConfigError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
@@ -128,6 +131,8 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
         group.owner = runner
     net = runner.model if world == 1 else runner.local.model
     alloc = KVAllocator([f["pages"] for f in facts], page_size, world=world, layout=layout)
+    if enable_prefix_caching:
+        alloc.enable_prefix_cache()
     tok = _load_tokenizer(path)
     eos = set(cfg.eos_token_ids)
     tok_eos = getattr(tok, "eos_token_id", None)

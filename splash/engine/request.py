@@ -53,6 +53,11 @@ class Sequence:
     num_preemptions: int = 0
     prompt_high: int = 0  # prompt tokens computed at least once (for the prompt-token counter)
     routing: list[tuple[int, Any]] | None = None  # (start position, expert ids [n, layers, k]) chunks
+    # prefix cache (splash/kv/prefix.py): chain keys of its full pages so far, the block (or None: a
+    # private page) behind each of its first pages, and the prompt tokens its last admission reused
+    block_keys: list[bytes] = field(default_factory=list)
+    cached_blocks: list[Any] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     def keep_routing(self, start: int, ids: Any) -> None:
         """Routed experts of positions start.. (a recompute after preemption replaces later ones)."""

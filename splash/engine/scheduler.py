@@ -26,6 +26,12 @@ from dataclasses import dataclass
 from splash.engine.plan import SeqSlice, StepPlan
 from splash.engine.request import SeqStatus, Sequence
 from splash.kv.allocator import KVAllocator, balanced_owners, pages_for
+from splash.kv.prefix import Block, PrefixCache
+
+# A request goes to the rank holding its longest cached prefix (DP/DOP) unless that rank's projected
+# pages would exceed the least-loaded rank's by more than this many times the request's own projected
+# pages: a GRPO group of up to 16 samples stays on one owner, and new groups still go where it is light.
+PREFIX_BALANCE = 16
 
 
 @dataclass
@@ -138,6 +144,7 @@ class Scheduler:
         if seq.pages:
             self.dropped.append(seq.seq_id)
         self.alloc.release(seq.pages)
+        seq.cached_blocks = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.uncharge(seq)
@@ -183,6 +190,63 @@ class Scheduler:
         lacks = [self.alloc.demand(empty, seq.num_tokens, r)[r] for r in range(self.alloc.world)]
         owners, stuck, _ = balanced_owners([0], [lacks], self.alloc.num_free, [seq.seq_id], self.projected)
         return None if stuck is not None else owners[0]
+
+    def _cached(self, seq: Sequence, cache: PrefixCache) -> tuple[int, list[Block]] | None:
+        """Owner and cached prefix blocks for `seq` (prefix cache on); None while it must wait: no rank
+        can hold it, or its next prefix page is being computed by another request (share that prefill).
+        DP/DOP: the owner holding the longest prefix, unless that unbalances the owners beyond
+        PREFIX_BALANCE (then the one owner rule, and what that owner has cached)."""
+        P, alloc = self.alloc.page_size, self.alloc
+        n = PrefixCache.reusable_pages(seq.num_tokens, P)
+        keys = seq.block_keys
+        if len(keys) < n:
+            prev = keys[-1] if keys else b""
+            keys += cache.keys(seq.token_slice(0, n * P), n, len(keys), prev)
+        keys = keys[:n]
+        if not alloc.layout_row.owned:
+            blocks, wait = cache.match(keys)
+            table = self._table_of(blocks)
+            return None if wait or not alloc.can_grow(table, seq.num_tokens, 0) else (0, blocks)
+        best: tuple[int, list[Block], bool] | None = None
+        for r in range(alloc.world):
+            blocks, wait = cache.match(keys, lambda b, r=r: b.column[r] >= 0)
+            if best is None or len(blocks) > len(best[1]):
+                best = (r, blocks, wait)
+        assert best is not None
+        r, blocks, wait = best
+        mine = self.projected_pages(seq)
+        if blocks and self.projected[r] - min(self.projected) <= PREFIX_BALANCE * mine \
+                and alloc.can_grow(self._table_of(blocks), seq.num_tokens, r):
+            return None if wait else (r, blocks)
+        owner = self._pick_owner(seq)
+        if owner is None:
+            return None
+        blocks, wait = cache.match(keys, lambda b: b.column[owner] >= 0)
+        if wait:
+            return None
+        return owner, blocks if alloc.can_grow(self._table_of(blocks), seq.num_tokens, owner) else []
+
+    def _offer(self, seq: Sequence) -> None:
+        """Register the pages `seq` now holds whose tokens are all known (not yet computed: not ready)."""
+        P = self.alloc.page_size
+        self._register(seq, min(PrefixCache.reusable_pages(seq.num_tokens, P), len(seq.pages[0])))
+
+    def _table_of(self, blocks: list[Block]) -> list[list[int]]:
+        return [[b.column[r] for b in blocks] for r in range(self.alloc.world)]
+
+    def _register(self, seq: Sequence, upto: int) -> None:
+        """Offer `seq`'s pages [len(seq.cached_blocks), upto) to the prefix cache (their keys known)."""
+        cache = self.alloc.cache
+        assert cache is not None
+        P = self.alloc.page_size
+        keys = seq.block_keys
+        if len(keys) < upto:
+            prev = keys[-1] if keys else b""
+            keys += cache.keys(seq.token_slice(0, upto * P), upto, len(keys), prev)
+        while len(seq.cached_blocks) < upto:
+            j = len(seq.cached_blocks)
+            b = cache.register(keys[j], j, [row[j] for row in seq.pages])
+            seq.cached_blocks.append(b)  # None: another block had the key, the page stays private
 
     def _victim(self, seq: Sequence, tokens: int, taken: set[int]) -> Sequence | None:
         """Whom to preempt so `seq` can grow: the most recently admitted sequence not scheduled yet this
@@ -232,6 +296,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             self.alloc.grow(seq.pages, seq.num_computed + k, seq.owner)
+            if self.alloc.cache is not None:
+                self._offer(seq)
             picked.append((seq, k))
             taken.add(seq.seq_id)
             budget -= k
@@ -245,15 +311,32 @@ class Scheduler:
                 seq.finish("length")
                 self.finished_by_scheduler.append(seq)
                 continue
-            owner = self._pick_owner(seq)
+            cache = self.alloc.cache
+            blocks: list[Block] = []
+            if cache is None:
+                owner = self._pick_owner(seq)
+            else:
+                got = self._cached(seq, cache)
+                owner, blocks = (None, []) if got is None else got
             if owner is None:
                 break  # no rank can hold it yet: keep it (and everyone behind it) queued
             self.waiting.popleft()
+            if cache is not None:
+                cache.take(blocks)
+                cache.queries += seq.num_tokens
+                cache.hits += len(blocks) * self.alloc.page_size
+                for r in range(self.alloc.world):
+                    seq.pages.append([b.column[r] for b in blocks])
+                seq.cached_blocks = list(blocks)
+                seq.num_computed = len(blocks) * self.alloc.page_size
+                seq.num_cached_tokens = seq.num_computed
             k = self.cfg.chunk(seq.num_tokens - seq.num_computed, budget)
             seq.owner = owner
             self.charge(seq)
             seq.status = SeqStatus.RUNNING
             self.alloc.grow(seq.pages, seq.num_computed + k, owner)
+            if cache is not None:  # the prompt pages it is about to compute, as blocks not yet ready
+                self._offer(seq)
             self.running.append(seq)
             picked.append((seq, k))
             taken.add(seq.seq_id)
@@ -276,7 +359,15 @@ class Scheduler:
         return ScheduledStep(plan=plan, seqs=[s for s, _ in picked])
 
     def complete(self, step: ScheduledStep) -> None:
-        """The step ran: its rows are now in the KV cache."""
+        """The step ran: its rows are now in the KV cache (and its full prefix pages ready to share)."""
+        cache = self.alloc.cache
         for seq, sl in zip(step.seqs, step.plan.seqs):
             if seq.status is SeqStatus.RUNNING:
                 seq.num_computed = sl.start + sl.num_new
+                if cache is not None:
+                    full = seq.num_computed // self.alloc.page_size
+                    if full > len(seq.cached_blocks):  # generated pages too (a conversation's next turn)
+                        self._register(seq, full)
+                    for b in seq.cached_blocks[:full]:
+                        if b is not None:
+                            b.ready = True

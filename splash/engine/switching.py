@@ -251,7 +251,17 @@ class SwitchController(AutoLayout):
             return
         t0 = time.perf_counter()
         why = self.stranded(dst, live)
-        sw = self._plan(dst, plan, live, mode) if why is None else SwitchRefusal(cur, dst, "request", why)
+        cache = self.alloc.cache
+        if why is None and cache is not None:
+            shared = cache.shared_blocks()
+            if shared:
+                sw: Any = SwitchRefusal(cur, dst, "shared", f"{shared} prefix-cache pages are shared by live "
+                                        "requests, and a switch does not move shared pages yet")
+            else:
+                self.alloc.evict_all()  # unreferenced cached pages are dropped, not moved
+                sw = self._plan(dst, plan, live, mode)
+        else:
+            sw = self._plan(dst, plan, live, mode) if why is None else SwitchRefusal(cur, dst, "request", why)
         plan_s = time.perf_counter() - t0
 
         if isinstance(sw, SwitchRefusal):
@@ -316,6 +326,8 @@ class SwitchController(AutoLayout):
         timing: SwitchTiming | None = getattr(runner, "last_switch", None)
         src = self.alloc.layout
         self.planner.commit(sw, freed=timing.freed if timing is not None else None)
+        if self.alloc.cache is not None:  # every page moved or stayed privately: forget the old index
+            self.alloc.invalidate_cache()
         by_id = {seq.seq_id: seq for seq in self.sched.running}
         for rid, table in sw.tables.items():
             seq = by_id.get(rid)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from splash.attention.registry import LayoutRow, row
+from splash.kv.prefix import PrefixCache
 
 
 class OutOfPages(RuntimeError):
@@ -122,6 +123,14 @@ class KVAllocator:
         self.world = world
         self.layout = layout  # validates the name
         self.ranks = [PageAllocator(n) for n in counts]
+        self.cache: PrefixCache | None = None  # the prefix cache, when on (`enable_prefix_cache`)
+
+    def enable_prefix_cache(self) -> PrefixCache:
+        """Share full prompt pages by content (splash/kv/prefix.py); unreferenced cached pages count as
+        free, and are evicted when the free list runs short."""
+        if self.cache is None:
+            self.cache = PrefixCache(self.page_size, self.world)
+        return self.cache
 
     @property
     def layout(self) -> str:
@@ -152,9 +161,10 @@ class KVAllocator:
         return need
 
     def can_grow(self, table: list[list[int]], tokens: int, owner: int, reserve: int = 0) -> bool:
-        """Whether every rank has the free pages (beyond `reserve` each) to reach `tokens` positions."""
+        """Whether every rank has the free pages (beyond `reserve` each) to reach `tokens` positions
+        (unreferenced cached pages count: they are evicted for it)."""
         need = self.demand(table, tokens, owner)
-        return all(n == 0 or n + reserve <= a.num_free for n, a in zip(need, self.ranks))
+        return all(n == 0 or n + reserve <= f for n, f in zip(need, self.num_free))
 
     def max_request_tokens(self, owner: int | None = None) -> int:
         """Largest context one request could ever hold if it had the pool to itself (`request_capacity`
@@ -167,11 +177,36 @@ class KVAllocator:
 
     @property
     def num_free(self) -> list[int]:
-        return [a.num_free for a in self.ranks]
+        """Pages per rank a request could take now: the free list, plus unreferenced cached pages."""
+        if self.cache is None:
+            return [a.num_free for a in self.ranks]
+        return [a.num_free + e for a, e in zip(self.ranks, self.cache.evictable())]
 
     @property
     def num_used(self) -> list[int]:
-        return [a.num_used for a in self.ranks]
+        """Pages per rank held by live tables (cached pages nobody holds count as free)."""
+        return [a.num_pages - f for a, f in zip(self.ranks, self.num_free)]
+
+    def take(self, r: int, n: int) -> list[int]:
+        """n local pages of rank r, evicting unreferenced cached pages when the free list is short."""
+        a = self.ranks[r]
+        if n > a.num_free and self.cache is not None:
+            got = self.cache.evict([n - a.num_free if q == r else 0 for q in range(self.world)])
+            for q, pages in enumerate(got):
+                self.ranks[q].free(pages)
+        return a.alloc(n)
+
+    def evict_all(self) -> None:
+        """Free every unreferenced cached page (`/flush_cache`, a switch's start)."""
+        if self.cache is not None:
+            for r, pages in enumerate(self.cache.flush()):
+                self.ranks[r].free(pages)
+
+    def invalidate_cache(self) -> None:
+        """Forget the cache (a weight update): nothing cached is matched again."""
+        if self.cache is not None:
+            for r, pages in enumerate(self.cache.invalidate()):
+                self.ranks[r].free(pages)
 
     @property
     def num_total(self) -> list[int]:
@@ -188,10 +223,18 @@ class KVAllocator:
         for j in range(have, pages_for(tokens, self.page_size)):
             holders = self._row.page_ranks(j, owner, self.world)
             for r in range(self.world):
-                table[r].append(self.ranks[r].alloc(1)[0] if r in holders else -1)
+                table[r].append(self.take(r, 1)[0] if r in holders else -1)
 
     def release(self, table: list[list[int]]) -> None:
-        """Return every page of `table` to its rank and empty the table."""
+        """Return every page of `table` to its rank (a cached block's: one reference fewer) and empty
+        the table."""
+        cache = self.cache
+        if cache is not None and table and table[0]:
+            keep = [cache.release_column([row[j] for row in table]) for j in range(len(table[0]))]
+            for r, pages in enumerate(table):
+                self.ranks[r].free([p for p, k in zip(pages, keep) if not k])
+                pages.clear()
+            return
         for r, pages in enumerate(table):
             self.ranks[r].free(pages)
             pages.clear()

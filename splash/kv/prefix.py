@@ -1,0 +1,190 @@
+"""The prefix cache: full KV pages matched by content, shared by reference count, evicted LRU.
+
+Rank 0 only (it owns the allocators; ranks only ever see page ids in their tables, shared or not).
+A *block* is one full page of a request's KV at global page index j (positions [j*P, (j+1)*P)): its
+column of local page ids (one per rank, -1 where the layout does not place it: every rank in TP, the
+owner in DP/DOP, rank j % T in CP), the number of live tables that hold it, and whether its KV is
+computed yet. Blocks are found by a hash chain, key_j = H(key_{j-1}, tokens of page j), so a key names
+a whole prefix (vLLM's automatic prefix caching); a hash chain rather than a radix tree because full
+pages are the unit everything else counts (allocator, manifests, switches) and a chain lookup is one
+dict probe per page.
+
+Rules (the one place they are written):
+- only full pages are shared, and a request reuses at most its first (tokens - 1) // P pages: its last
+  token is always computed (for its logits), in a page of its own, so a shared page is never written;
+- a block is usable once ready (its prefill step completed); a request whose next page is a block
+  still being computed waits for it instead of computing it again (the n samples of a prompt share one
+  prefill);
+- a block holds its pages while any table does; at zero it stays cached and evictable (LRU, deepest
+  page first), and `free` / `grow` of the allocator take evictable pages when the free list runs short;
+- a block not ready when its last holder leaves is dropped (its KV was never completed);
+- `invalidate` (a weight update) forgets every block: held pages become their holders' private pages,
+  evictable ones are freed, so a stale page is never matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Block:
+    key: bytes
+    index: int  # global page index in every table that holds it
+    column: tuple[int, ...]  # local page per rank, -1 where not placed
+    refs: int = 0
+    ready: bool = False
+
+
+class PrefixCache:
+    """Blocks of one engine, keyed by hash chain; the allocator asks it to free and evict pages."""
+
+    def __init__(self, page_size: int, world: int) -> None:
+        self.page_size, self.world = page_size, world
+        self.blocks: dict[bytes, Block] = {}
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # refs == 0, oldest first
+        self._page: list[dict[int, bytes]] = [{} for _ in range(world)]  # rank -> local page -> key
+        self._evictable = [0] * world  # pages per rank held by blocks in the LRU
+        self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.hits = 0  # of those, tokens found (vLLM's prefix_cache_hits)
+
+    # ---- keys -------------------------------------------------------------------------------------
+    def keys(self, tokens: Sequence[int], pages: int, start: int = 0, prev: bytes = b"") -> list[bytes]:
+        """Chain keys of pages start .. pages-1 of `tokens` (prev: the key of page start-1)."""
+        P, out = self.page_size, []
+        arr = np.asarray(tokens[start * P:pages * P], dtype=np.int64)
+        for j in range(pages - start):
+            prev = hashlib.blake2b(prev + arr[j * P:(j + 1) * P].tobytes(), digest_size=16).digest()
+            out.append(prev)
+        return out
+
+    @staticmethod
+    def reusable_pages(tokens: int, page_size: int) -> int:
+        """Pages a request of `tokens` tokens may take from the cache: its last token stays its own."""
+        return max(0, tokens - 1) // page_size
+
+    # ---- lookup -----------------------------------------------------------------------------------
+    def match(self, keys: Sequence[bytes], holds: object = None) -> tuple[list[Block], bool]:
+        """The longest run of ready blocks from page 0 (`holds(block) -> bool` filters by placement:
+        DP/DOP blocks must be on the chosen owner), and whether the next page is a block still being
+        computed (the caller then waits rather than compute it again)."""
+        got: list[Block] = []
+        for k in keys:
+            b = self.blocks.get(k)
+            if b is None or (holds is not None and not holds(b)):  # type: ignore[operator]
+                return got, False
+            if not b.ready:
+                return got, True
+            got.append(b)
+        return got, False
+
+    def owner_of(self, block: Block) -> int | None:
+        """The one rank holding `block` when a single rank does (DP/DOP owner, CP position), else None."""
+        held = [r for r, p in enumerate(block.column) if p >= 0]
+        return held[0] if len(held) == 1 else None
+
+    # ---- references -------------------------------------------------------------------------------
+    def take(self, blocks: Sequence[Block]) -> None:
+        """A table starts with these blocks' columns."""
+        for b in blocks:
+            if b.refs == 0:
+                self._unlist(b)
+            b.refs += 1
+
+    def register(self, key: bytes, index: int, column: Sequence[int]) -> Block | None:
+        """A table's page `index` (column `column`) will hold the prefix `key`: a block held by that
+        table, not ready. None if another block already has the key (the table's page stays private)
+        or a page of the column already belongs to a block."""
+        if key in self.blocks or any(p >= 0 and p in self._page[r] for r, p in enumerate(column)):
+            return None
+        b = Block(key, index, tuple(int(p) for p in column), refs=1)
+        self.blocks[key] = b
+        for r, p in enumerate(b.column):
+            if p >= 0:
+                self._page[r][p] = key
+        return b
+
+    def block_of(self, rank: int, page: int) -> Block | None:
+        key = self._page[rank].get(page)
+        return None if key is None else self.blocks[key]
+
+    def release_column(self, column: Sequence[int]) -> bool:
+        """A table lets go of a column; True if a block held it (its pages are then not the table's to
+        free), False if the column's pages are private."""
+        for r, p in enumerate(column):
+            if p >= 0:
+                b = self.block_of(r, p)
+                if b is None:
+                    return False
+                b.refs -= 1
+                if b.refs == 0:
+                    if b.ready:
+                        self._lru[b.key] = None
+                        for q, x in enumerate(b.column):
+                            self._evictable[q] += x >= 0
+                    else:
+                        self._forget(b)
+                        return False  # never completed: the pages go back with the table's others
+                return True
+        return True
+
+    # ---- eviction ---------------------------------------------------------------------------------
+    def evictable(self) -> list[int]:
+        """Pages per rank that unreferenced blocks hold (free for the taking)."""
+        return list(self._evictable)
+
+    def _unlist(self, b: Block) -> None:
+        if self._lru.pop(b.key, 0) is None:
+            for r, p in enumerate(b.column):
+                self._evictable[r] -= p >= 0
+
+    def evict(self, need: Sequence[int]) -> list[list[int]]:
+        """Evict LRU blocks until each rank r got `need[r]` pages (or nothing evictable is left there);
+        returns the freed local pages per rank (the caller puts them on the free lists)."""
+        freed: list[list[int]] = [[] for _ in range(self.world)]
+        want = list(need)
+        for k in list(self._lru):
+            if all(w <= 0 for w in want):
+                break
+            b = self.blocks[k]
+            if not any(want[r] > 0 and p >= 0 for r, p in enumerate(b.column)):
+                continue
+            self._forget(b)
+            for r, p in enumerate(b.column):
+                if p >= 0:
+                    freed[r].append(p)
+                    want[r] -= 1
+        return freed
+
+    def flush(self) -> list[list[int]]:
+        """Evict every unreferenced block (`/flush_cache`); the freed pages per rank."""
+        return self.evict([1 << 62] * self.world)
+
+    def invalidate(self) -> list[list[int]]:
+        """Forget every block (weights changed): evictable pages are returned for freeing, held ones
+        become their holders' private pages."""
+        freed = self.flush()
+        for b in list(self.blocks.values()):
+            self._forget(b)
+        return freed
+
+    def _forget(self, b: Block) -> None:
+        self.blocks.pop(b.key, None)
+        self._unlist(b)
+        for r, p in enumerate(b.column):
+            if p >= 0 and self._page[r].get(p) == b.key:
+                del self._page[r][p]
+
+    # ---- introspection ------------------------------------------------------------------------------
+    def shared_blocks(self) -> int:
+        """Blocks held by two or more live tables."""
+        return sum(b.refs >= 2 for b in self.blocks.values())
+
+    def stats(self) -> dict[str, object]:
+        return {"prefix_cache_blocks": len(self.blocks), "prefix_cache_evictable_blocks": len(self._lru),
+                "prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits}
