@@ -11,7 +11,7 @@ from splash.dist.launch import WorkerError
 from splash.engine import wire
 from splash.engine.group import GroupFailed
 from splash.engine.plan import StepPlan
-from splash.engine.runner import ModelRunner
+from splash.engine.runner import ModelRunner, decoded
 
 
 class GroupRunner:
@@ -50,7 +50,7 @@ class GroupRunner:
     def _step(self, plan: StepPlan) -> torch.Tensor:
         msg = self.encoder.encode(plan)
         self.group.send(msg)
-        return self.local.execute(wire.decode(msg))
+        return self.local.execute(decoded(plan, msg))
 
     def decode_plan_bytes_p50(self) -> int | None:
         """Median bytes of the step message over forward steps with no prefill rows."""

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from splash.engine import prompt_logprobs
 from splash.engine.detokenizer import IncrementalDetokenizer
 from splash.engine.outputs import RequestOutput
 from splash.engine.plan import StepPlan
@@ -150,6 +151,7 @@ class LLMEngine(RLControl):
             raise ValueError(f"the prompt has {len(ids)} tokens but the whole KV pool holds {cap}; it can "
                              f"never run. Shorten the prompt or give more memory per rank.")
         req = Request(request_id=request_id, prompt_token_ids=ids, params=params, prompt=prompt)
+        prompt_logprobs.start(req)  # (when asked: checks the start, makes room)
         for i in range(params.n):
             seq = Seq(group=req, index=i)
             if params.seed is not None:
@@ -159,6 +161,8 @@ class LLMEngine(RLControl):
                                                    params.skip_special_tokens)
             if params.logprobs is not None:
                 seq.logprobs = []
+            if params.return_top_p_token_ids:
+                seq.top_p_ids = []
             req.seqs.append(seq)
         self.requests[request_id] = req
         for seq in req.seqs:
@@ -205,12 +209,17 @@ class LLMEngine(RLControl):
         if self.switcher is not None:
             self.switcher.before_execute(st)
         routing = self._arm_routing(st.seqs)
+        prompt_rows = prompt_logprobs.rows_of(st.seqs, st.plan.seqs)  # None unless a request asked
+        if prompt_rows is not None:
+            st.plan.row_logprobs = prompt_rows[0]
         try:
             logits = self.runner.execute(st.plan)
         except BaseException:
             if self.switcher is not None:
                 self.switcher.abort_pending()
             raise
+        if prompt_rows is not None:
+            prompt_logprobs.keep(*prompt_rows)
         if self.switcher is not None:
             self.switcher.after_execute(st)
         if routing is not None:
@@ -231,6 +240,8 @@ class LLMEngine(RLControl):
             sampled = self.sampler(logits, rows)
             now = time.time()
             for seq, s in zip(to_sample, sampled):
+                if seq.top_p_ids is not None and s.top_p_ids is not None:
+                    seq.top_p_ids.append(s.top_p_ids)
                 self._append(seq, s.token_id, s.logprobs, now)
                 changed[seq.group.request_id] = seq.group
                 if seq.status.done:

@@ -21,6 +21,8 @@ class CompletionOutput:
     # expert ids each MoE layer chose for the token at each position fed to the model (prompt and
     # generated tokens; the last generated token is never fed), ids sorted per position.
     routed_experts: Any = None
+    # With SamplingParams.return_top_p_token_ids: per generated token, the ids it was drawn from
+    top_p_token_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -42,3 +44,6 @@ class RequestOutput:
     finished: bool = False
     prompt: str | None = None
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: per prompt position {token: logprob}, None at position 0 (and
+    # before prompt_logprobs_start), as vLLM's
+    prompt_logprobs: list[dict[int, float] | None] | None = None

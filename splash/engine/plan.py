@@ -44,6 +44,18 @@ class SeqSlice:
 
 
 @dataclass
+class RowLogprobs:
+    """Rows of a step whose next-token logprobs rank 0 computes (prompt logprobs): for row `rows[i]`, the
+    logprob of `targets[i]` and the `top` best (token, logprob); the runner fills `result` with
+    (target logprobs [n], top values [n, top], top ids [n, top]) without keeping the rows' logits."""
+
+    rows: list[int]
+    targets: list[int]
+    top: int = 0
+    result: Any = None
+
+
+@dataclass
 class StepPlan:
     """Everything a rank needs to run one forward step; rows are the slices' new tokens in order."""
 
@@ -60,6 +72,9 @@ class StepPlan:
     # Ranks: the table updates the step's message carried (a wire.TableDelta; the slices' `pages` are
     # then empty and the rank's own RankTables hold the tables).
     delta: Any = None
+    # Rank 0 only, never sent: rows beyond the sampled ones whose next-token logprobs rank 0 wants
+    # (prompt logprobs); None in every step where no request asked, which then costs nothing.
+    row_logprobs: RowLogprobs | None = None
 
     @property
     def num_rows(self) -> int:

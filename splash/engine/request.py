@@ -53,6 +53,7 @@ class Sequence:
     num_preemptions: int = 0
     prompt_high: int = 0  # prompt tokens computed at least once (for the prompt-token counter)
     routing: list[tuple[int, Any]] | None = None  # (start position, expert ids [n, layers, k]) chunks
+    top_p_ids: list[list[int]] | None = None  # per generated token, the kept set it was drawn from
     # prefix cache (splash/kv/prefix.py): chain keys of its full pages so far, the block (or None: a
     # private page) behind each of its first pages, and the prompt tokens its last admission reused
     block_keys: list[bytes] = field(default_factory=list)
@@ -117,6 +118,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             routed_experts=self.routed_experts() if self.status.done and self.routing else None,
+            top_p_token_ids=list(self.top_p_ids) if self.top_p_ids is not None else None,
         )
 
 
@@ -131,6 +133,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: per prompt position {token: logprob} (None where not computed: position
+    # 0, before the start); the next position a prefill row may fill (splash/engine/prompt_logprobs.py)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_lp_next: int = 0
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -148,4 +154,5 @@ class Request:
             finished=self.finished,
             prompt=self.prompt,
             metrics=RequestMetrics(**vars(self.metrics)) if self.metrics else None,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )

@@ -15,11 +15,20 @@ import numpy as np
 import torch
 
 from splash.engine import wire
-from splash.engine.plan import STEP_KINDS, StepPlan
+from splash.engine.plan import STEP_KINDS, RowLogprobs, StepPlan
 from splash.engine.tables import RankTables
 from splash.switch.step import run_switch_step
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "decoded"]
+
+ROW_CHUNK = 256  # prompt-logprob rows whose logits exist at once (bounds [rows, V] on long prompts)
+
+
+def decoded(plan: StepPlan, msg: Any) -> StepPlan:
+    """The step message as every rank decodes it, with what only rank 0 needs kept (row_logprobs)."""
+    out = wire.decode(msg)
+    out.row_logprobs = plan.row_logprobs
+    return out
 
 
 class ModelRunner:
@@ -89,8 +98,10 @@ class ModelRunner:
         """Logits [n_sample, V] for the plan's sample rows (rank 0's view). A plan as the scheduler made
         it goes through the step message first, as on T ranks (so T = 1 runs the same path)."""
         if plan.delta is None and plan.kind in STEP_KINDS:
-            plan = wire.decode(self.encoder.encode(plan))
+            plan = decoded(plan, self.encoder.encode(plan))
         hidden = self.forward(plan)
+        if plan.row_logprobs is not None:
+            plan.row_logprobs.result = self.row_logprobs(hidden, plan.row_logprobs)
         rows = plan.sample_rows()
         if not rows:
             return hidden.new_empty(0, self.model.cfg.vocab_size)
@@ -98,6 +109,28 @@ class ModelRunner:
 
         idx = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         return self.model.compute_logits(hidden.index_select(0, idx))
+
+    def row_logprobs(self, hidden: torch.Tensor, req: RowLogprobs) -> tuple[torch.Tensor, ...]:
+        """Next-token logprobs of `req.rows` (prompt logprobs): the targets' and the top ones, computed
+        ROW_CHUNK rows at a time so a long prompt never holds [rows, V] logits at once. Raw logits
+        (before any temperature), in the model's dtype (float32 for half types), as the sampler's."""
+        from splash.model.context import to_device
+
+        rows = to_device(torch.tensor(req.rows, dtype=torch.long), self.device)
+        targets = to_device(torch.tensor(req.targets, dtype=torch.long), self.device)
+        got, top_v, top_i = [], [], []
+        for a in range(0, len(req.rows), ROW_CHUNK):
+            logits = self.model.compute_logits(hidden.index_select(0, rows[a:a + ROW_CHUNK]))
+            if logits.dtype in (torch.bfloat16, torch.float16):
+                logits = logits.float()
+            lp = torch.log_softmax(logits, dim=-1)
+            got.append(lp.gather(1, targets[a:a + ROW_CHUNK, None]).squeeze(1))
+            if req.top:
+                v, i = lp.topk(min(req.top, lp.shape[-1]), dim=-1)
+                top_v.append(v)
+                top_i.append(i)
+        cat = (lambda xs: torch.cat(xs).cpu()) if got else (lambda xs: torch.empty(0))
+        return cat(got), cat(top_v) if top_v else None, cat(top_i) if top_i else None
 
     @property
     def encoder(self) -> wire.PlanEncoder:

@@ -28,6 +28,9 @@ class SampleRow:
 class Sampled:
     token_id: int
     logprobs: dict[int, float] | None = None  # chosen token + top-k, when the request asked
+    # return_top_p_token_ids: the tokens the draw was made from (top-k/top-p kept set, most likely
+    # first; greedy: the token itself), which an RL trainer replays as the same truncation
+    top_p_ids: list[int] | None = None
 
 
 def _blocked_ids(row: SampleRow, eos_ids: Sequence[int]) -> list[int]:
@@ -71,6 +74,7 @@ class Sampler:
 
         tokens = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # row -> (filtered, order, choice)
         if rand:
             idx = torch.tensor(rand, device=logits.device)
             temp = torch.tensor([rows[i].params.temperature for i in rand], dtype=logits.dtype,
@@ -89,12 +93,21 @@ class Sampler:
                     noise[j].exponential_(generator=rows[i].generator)
             choice = (probs / noise).argmax(dim=-1, keepdim=True)
             tokens[idx] = order.gather(1, choice).squeeze(1)
+            for j, i in enumerate(rand):
+                if rows[i].params.return_top_p_token_ids:
+                    kept[i] = (filtered[j], order[j], int(choice[j]))
 
         token_list = tokens.tolist()
         out = [Sampled(token_id=t) for t in token_list]
+        for i, r in enumerate(rows):
+            if r.params.return_top_p_token_ids:
+                f = kept.get(i)
+                out[i].top_p_ids = ([token_list[i]] if f is None else
+                                    f[1][torch.isfinite(f[0])].tolist())
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if want:
-            lp = torch.log_softmax(raw.index_select(0, torch.tensor(want, device=raw.device)), dim=-1)
+            lp = torch.stack([_logprob_row(raw[i], logits[i], r.params, kept.get(i))
+                              for i in want for r in (rows[i],)])
             kmax = max(rows[i].params.logprobs or 0 for i in want)
             top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
             for j, i in enumerate(want):
@@ -106,3 +119,18 @@ class Sampler:
                         d.setdefault(tok, v)
                 out[i].logprobs = d
         return out
+
+
+def _logprob_row(raw: torch.Tensor, masked: torch.Tensor, p: SamplingParams,
+                 kept: tuple[torch.Tensor, torch.Tensor, int] | None) -> torch.Tensor:
+    """The distribution a request's logprobs are of, over the vocabulary. Raw logits by default (vLLM's
+    default); `logprob_temperature` (SGLang's /generate): the distribution drawn from before top-k/top-p,
+    i.e. after min_tokens masking and temperature; `return_top_p_token_ids` too: that distribution
+    renormalised over the kept set, as an RL trainer replaying the truncation computes it."""
+    if not p.logprob_temperature:
+        return torch.log_softmax(raw, dim=-1)
+    if kept is not None:
+        filtered, order, _ = kept
+        out = torch.full_like(masked, float("-inf"))
+        return out.scatter_(0, order, torch.log_softmax(filtered, dim=-1))
+    return torch.log_softmax(masked / p.temperature if not p.greedy else masked, dim=-1)

@@ -21,6 +21,17 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (0 = only the chosen)
     skip_special_tokens: bool = True
     return_routed_experts: bool = False  # MoE expert ids per token and layer (RL routing replay)
+    # Logprobs of each prompt token given the ones before it (vLLM's `prompt_logprobs`: the number of top
+    # logprobs per position, 0 = only the prompt token's), from position `prompt_logprobs_start` on
+    # (SGLang's `logprob_start_len`); position 0 has none. Costs nothing for requests that do not ask.
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
+    # Logprobs of the distribution drawn from (temperature and min_tokens applied: SGLang's /generate)
+    # instead of the raw logits (vLLM's default).
+    logprob_temperature: bool = False
+    # The kept set (top-k/top-p) of each draw, and logprobs renormalised over it (slime's top-p replay,
+    # SGLang's custom_params.return_top_p_token_ids); needs a filter unless greedy.
+    return_top_p_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,9 +69,19 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and (not integer(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        for name in ("ignore_eos", "skip_special_tokens", "return_routed_experts"):
+        if self.prompt_logprobs is not None and (not integer(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        if not integer(self.prompt_logprobs_start) or self.prompt_logprobs_start < 0:
+            raise ValueError(f"prompt_logprobs_start must be an integer >= 0, got "
+                             f"{self.prompt_logprobs_start!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "return_routed_experts", "logprob_temperature",
+                     "return_top_p_token_ids"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.return_top_p_token_ids and not self.greedy and self.top_p == 1 and self.top_k <= 0:
+            raise ValueError("return_top_p_token_ids needs top_p < 1 or top_k > 0 (or greedy): without a "
+                             "filter every token of the vocabulary is kept")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

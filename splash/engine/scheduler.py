@@ -313,7 +313,7 @@ class Scheduler:
                 continue
             cache = self.alloc.cache
             blocks: list[Block] = []
-            if cache is None:
+            if cache is None or seq.params.prompt_logprobs is not None:  # (its prompt rows are needed)
                 owner = self._pick_owner(seq)
             else:
                 got = self._cached(seq, cache)
