@@ -35,6 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length (default: model's)")
     add_mixing_args(p)
+    add_cache_args(p)
     p.add_argument("--memory-per-rank", default=None,
                    help="memory budget per rank for weights + KV cache, e.g. 2GiB "
                         "(default: from the machine)")
@@ -46,6 +47,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collective-timeout", type=positive_float, default=None, metavar="S",
                    help="seconds before a collective waiting on a dead or hung rank fails the engine "
                         "(default 300)")
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """The prefix cache (splash/kv/prefix.py): vLLM's flags, and SGLang's --disable-radix-cache."""
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="share full prompt pages between requests by content (default off for now: a live "
+                        "switch is refused while pages are shared)")
+    p.add_argument("--disable-radix-cache", dest="enable_prefix_caching", action="store_false",
+                   help="SGLang's name for --no-enable-prefix-caching")
 
 
 def add_mixing_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +80,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "enforce_eager": getattr(args, "enforce_eager", False),
             "long_prefill_token_threshold": args.long_prefill_token_threshold,
             "attention_form": args.attention_form,
+            "enable_prefix_caching": getattr(args, "enable_prefix_caching", False),
             **switch_kwargs(args)}
 
 

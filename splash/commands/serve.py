@@ -20,7 +20,8 @@ from splash.dist.launch import add_launch_args
 
 ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "memory_per_rank",
                   "num_kv_pages", "tp", "layout", "device", "nnodes", "node_rank", "dist_init_addr",
-                  "collective_timeout_s", "long_prefill_token_threshold", "attention_form")
+                  "collective_timeout_s", "long_prefill_token_threshold", "attention_form",
+                  "enable_prefix_caching")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,9 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default 2048 x ranks, vLLM's CPU server default)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
-    from splash.commands.generate import add_mixing_args
+    from splash.commands.generate import add_cache_args, add_mixing_args
 
     add_mixing_args(p)  # --long-prefill-token-threshold, --attention-form
+    add_cache_args(p)  # --enable-prefix-caching / --no-enable-prefix-caching / --disable-radix-cache
     p.add_argument("--memory-per-rank", default=None, help="memory budget per rank, e.g. 2GiB")
     p.add_argument("--num-kv-pages", type=int, default=None,
                    help="KV pool size in pages, overriding --memory-per-rank (tests, demos)")

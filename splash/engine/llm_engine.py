@@ -359,5 +359,7 @@ class LLMEngine(RLControl):
             "steps": self.steps,
             "decode_plan_bytes_p50": self._plan_bytes_p50(),
             **(self.switcher.stats() if self.switcher is not None else {}),
+            **(a.cache.stats() if a.cache is not None else {}),
+            "prefix_caching": a.cache is not None,
             **self.rl_stats(),
         }

@@ -47,3 +47,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt position {token: logprob}, None at position 0 (and
     # before prompt_logprobs_start), as vLLM's
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache (vLLM's name)

@@ -154,5 +154,6 @@ class Request:
             finished=self.finished,
             prompt=self.prompt,
             metrics=RequestMetrics(**vars(self.metrics)) if self.metrics else None,
+            num_cached_tokens=max((s.num_cached_tokens for s in self.seqs), default=0),
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )

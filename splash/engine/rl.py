@@ -85,11 +85,12 @@ class RLControl:
         return len(running)
 
     def flush_cache(self) -> None:
-        """splash caches no prefix: with no live request there is nothing to flush; with live ones
-        their KV is in use, and flushing is refused (as SGLang does)."""
+        """Empty the prefix cache (every cached page freed); with live requests their KV is in use, and
+        flushing is refused (as SGLang does)."""
         live = len(self.requests)
         if live:
             raise ValueError(f"cache not flushed: {live} requests are live; wait for them or abort them")
+        self.allocator.invalidate_cache()
 
     # ---- weights --------------------------------------------------------------------------------
     def _check_weights_live(self) -> None:
@@ -99,7 +100,9 @@ class RLControl:
     def _after_update(self, version: str | None) -> None:
         self.num_weight_updates += 1
         self.weight_version = str(version) if version is not None else str(self.num_weight_updates)
-        # No prefix cache to flush; KV of live requests is theirs (see the module docstring).
+        # Cached prefixes hold the old weights' KV: never match them again (SGLang flushes too); KV of
+        # live requests is theirs (see the module docstring).
+        self.allocator.invalidate_cache()
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         """Load every weight from a checkpoint directory into the live layout on every rank (all or
@@ -165,6 +168,7 @@ class RLControl:
         tags = self._tags(tags)
         if "kv_cache" in tags:
             self.retract_running()
+            self.allocator.invalidate_cache()  # the pool's memory goes: nothing cached survives
         self._held.add("released")
         self._released |= set(tags)
         self._run(WeightOp("release", {"tags": tags, "backup": backup}))

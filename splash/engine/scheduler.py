@@ -205,8 +205,7 @@ class Scheduler:
         keys = keys[:n]
         if not alloc.layout_row.owned:
             blocks, wait = cache.match(keys)
-            table = self._table_of(blocks)
-            return None if wait or not alloc.can_grow(table, seq.num_tokens, 0) else (0, blocks)
+            return None if wait or not self._fits(cache, blocks, seq, 0) else (0, blocks)
         best: tuple[int, list[Block], bool] | None = None
         for r in range(alloc.world):
             blocks, wait = cache.match(keys, lambda b, r=r: b.column[r] >= 0)
@@ -216,7 +215,7 @@ class Scheduler:
         r, blocks, wait = best
         mine = self.projected_pages(seq)
         if blocks and self.projected[r] - min(self.projected) <= PREFIX_BALANCE * mine \
-                and alloc.can_grow(self._table_of(blocks), seq.num_tokens, r):
+                and self._fits(cache, blocks, seq, r):
             return None if wait else (r, blocks)
         owner = self._pick_owner(seq)
         if owner is None:
@@ -224,15 +223,21 @@ class Scheduler:
         blocks, wait = cache.match(keys, lambda b: b.column[owner] >= 0)
         if wait:
             return None
-        return owner, blocks if alloc.can_grow(self._table_of(blocks), seq.num_tokens, owner) else []
+        return owner, blocks if self._fits(cache, blocks, seq, owner) else []
 
     def _offer(self, seq: Sequence) -> None:
         """Register the pages `seq` now holds whose tokens are all known (not yet computed: not ready)."""
         P = self.alloc.page_size
         self._register(seq, min(PrefixCache.reusable_pages(seq.num_tokens, P), len(seq.pages[0])))
 
-    def _table_of(self, blocks: list[Block]) -> list[list[int]]:
-        return [[b.column[r] for b in blocks] for r in range(self.alloc.world)]
+    def _fits(self, cache: PrefixCache, blocks: list[Block], seq: Sequence, owner: int) -> bool:
+        """Whether `seq` fits on `owner` starting from `blocks`: held, they are no longer evictable."""
+        cache.take(blocks)
+        try:
+            table = [[b.column[r] for b in blocks] for r in range(self.alloc.world)]
+            return self.alloc.can_grow(table, seq.num_tokens, owner)
+        finally:
+            cache.untake(blocks)
 
     def _register(self, seq: Sequence, upto: int) -> None:
         """Offer `seq`'s pages [len(seq.cached_blocks), upto) to the prefix cache (their keys known)."""
@@ -325,8 +330,10 @@ class Scheduler:
                 cache.take(blocks)
                 cache.queries += seq.num_tokens
                 cache.hits += len(blocks) * self.alloc.page_size
+                if not seq.pages:  # (a preempted sequence keeps its emptied rows)
+                    seq.pages.extend([] for _ in range(self.alloc.world))
                 for r in range(self.alloc.world):
-                    seq.pages.append([b.column[r] for b in blocks])
+                    seq.pages[r].extend(b.column[r] for b in blocks)
                 seq.cached_blocks = list(blocks)
                 seq.num_computed = len(blocks) * self.alloc.page_size
                 seq.num_cached_tokens = seq.num_computed

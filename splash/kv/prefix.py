@@ -96,6 +96,15 @@ class PrefixCache:
                 self._unlist(b)
             b.refs += 1
 
+    def untake(self, blocks: Sequence[Block]) -> None:
+        """Undo `take` (a trial: would the request fit with these blocks held?)."""
+        for b in blocks:
+            b.refs -= 1
+            if b.refs == 0:
+                self._lru[b.key] = None
+                for r, p in enumerate(b.column):
+                    self._evictable[r] += p >= 0
+
     def register(self, key: bytes, index: int, column: Sequence[int]) -> Block | None:
         """A table's page `index` (column `column`) will hold the prefix `key`: a block held by that
         table, not ready. None if another block already has the key (the table's page stays private)

@@ -142,6 +142,9 @@ class _EngineCounters(Collector):
     SERIES = (("splash:engine_generated_tokens", "generation_tokens_total",
                "Tokens sampled by the engine (delivered or not)."),
               ("splash:engine_steps", "steps", "Engine steps run."),
+              ("splash:prefix_cache_queries", "prefix_cache_queries",
+               "Prompt tokens looked up in the prefix cache (vLLM's name)."),
+              ("splash:prefix_cache_hits", "prefix_cache_hits", "Of those, tokens found cached."),
               ("splash:num_preemptions", "num_preemptions", "Sequences preempted (KV dropped, recomputed)."))
 
     def __init__(self, model_name: str) -> None:

@@ -120,7 +120,8 @@ class _Batch:
             text += o.stop_reason
         meta: dict[str, Any] = {
             "id": self.ids[i], "finish_reason": _finish(o), "prompt_tokens": len(ro.prompt_token_ids),
-            "completion_tokens": len(o.token_ids), "cached_tokens": 0, "weight_version": weight_version,
+            "completion_tokens": len(o.token_ids), "cached_tokens": ro.num_cached_tokens,
+            "weight_version": weight_version,
             "e2e_latency": time.time() - self.t0}
         if self.want_lp[i]:
             words = self.req.return_text_in_logprobs

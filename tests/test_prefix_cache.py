@@ -1,0 +1,265 @@
+"""The prefix cache (splash/kv/prefix.py): shared full pages give the same answer as no cache.
+
+Float64 tiny checkpoints (a DeepSeek-V3 and a DSA one, whose indexer keys are shared with the latent),
+prompts sharing prefixes (a GRPO-shaped group sent as n samples and as separate requests, a conversation
+whose turns resend the history), chunked prefill of 8 rows. Checked: tokens equal transformers' and
+logits equal the uncached single-rank engine's (1e-9) at T = 1, in every layout at T = 2 (and T = 4 for
+one), through eviction pressure, preemption and abort; the cache is really hit; every page is either in a
+live table or cached, never leaked, and the pool is empty once idle and flushed; a weight update
+invalidates the cache (no stale page is read); a live switch drops unreferenced cached pages and is
+refused, with the reason, while a page is shared.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
+from helpers_dsa import build_dsa_checkpoint, hf_dsa_reference
+
+from splash.engine.build import build_engine
+from splash.engine.group import RankGroup
+from splash.engine.sampling import SamplingParams
+from splash.kv.allocator import KVAllocator
+from splash.kv.prefix import PrefixCache
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
+
+NEW = 5
+P = 4
+BASE = list(range(10, 40))  # a 30-token shared prefix: 7 full pages
+PROMPTS = [BASE + [5, 6], BASE + [7, 8, 9], list(range(3, 12)), BASE, BASE + [5, 6]]
+ENGINE = dict(dtype="float64", page_size=P, max_num_seqs=8, max_num_batched_tokens=8, device="cpu")
+
+
+def greedy(n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, n=n)
+
+
+def cache_errors(eng) -> list[str]:
+    """Every used page is in a live table or a cached block; a page in several tables is a block held
+    by exactly that many; blocks' pages are used."""
+    alloc = eng.allocator
+    cache = alloc.cache
+    errs = []
+    seqs = [s for s in eng.scheduler.running if s.pages]
+    for r, a in enumerate(alloc.ranks):
+        held: dict[int, int] = {}
+        for s in seqs:
+            for p in s.pages[r]:
+                if p >= 0:
+                    held[p] = held.get(p, 0) + 1
+        cached = {} if cache is None else {p: cache.block_of(r, p) for p in range(a.num_pages)
+                                           if cache.block_of(r, p) is not None}
+        used = {p for p, u in enumerate(a._used) if u}
+        if used != set(held) | set(cached):
+            errs.append(f"rank {r}: leaked {sorted(used - set(held) - set(cached))}, "
+                        f"unallocated {sorted((set(held) | set(cached)) - used)}")
+        for p, n in held.items():
+            b = cached.get(p)
+            if n > 1 and (b is None or b.refs != n):
+                errs.append(f"rank {r} page {p}: in {n} tables, block refs {None if b is None else b.refs}")
+    return errs
+
+
+def run(eng, prompts, n: int = 1, rounds: int = 1, abort: str | None = None):
+    """Greedy tokens per (round, prompt) (each sample's when n > 1), logits per sampled row, errors."""
+    logits: dict = {}
+    errors: list[str] = []
+
+    def hook(plan, seqs, rows):
+        for seq, row in zip([s for s, sl in zip(seqs, plan.seqs) if sl.sample], rows):
+            logits[(seq.group.request_id, seq.index, len(seq.output_token_ids))] = row.clone()
+
+    eng.logits_hook = hook
+    done = {}
+    for rnd in range(rounds):
+        for i, p in enumerate(prompts):
+            eng.add_request(f"{rnd}-{i}", prompt_token_ids=p, params=greedy(n))
+        while eng.has_unfinished():
+            if abort is not None and eng.steps == 3 and abort in eng.requests:
+                done[abort] = eng.abort(abort)
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+            errors += [f"step {eng.steps}: {e}" for e in cache_errors(eng)]
+    eng.logits_hook = None
+    return done, logits, errors
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    path = build_checkpoint(tmp_path_factory.mktemp("pc") / "v3", "v3", seed=3)
+    hf = hf_reference(path)
+    ref = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    eng = build_engine(model=path, num_kv_pages=64, **ENGINE)
+    try:
+        _, logits, _ = run(eng, PROMPTS)
+    finally:
+        eng.shutdown()
+    return path, ref, logits
+
+
+def close(logits, ref_logits, name: str) -> None:
+    """Every sampled row of the cached run equals the uncached single-rank run's (round 0 and later
+    rounds: keyed by prompt index and position)."""
+    want = {(k[0].split("-")[1], k[2]): v for k, v in ref_logits.items()}
+    for k, v in logits.items():
+        ref = want[(k[0].split("-")[1], k[2])]
+        err = (v - ref).abs().max().item()
+        assert err < 1e-9, f"{name}: {k} differs by {err:.2e}"
+
+
+def test_prefix_cache_unit():
+    """Blocks by content, references, LRU eviction of unreferenced pages (counted free), invalidation."""
+    alloc = KVAllocator(8, P, world=1)
+    cache = alloc.enable_prefix_cache()
+    toks = list(range(13))
+    keys = cache.keys(toks, PrefixCache.reusable_pages(len(toks), P))
+    assert len(keys) == 3 and keys == cache.keys(toks + [99], 3)  # a chain: the same prefix, same keys
+    assert cache.keys([99] + toks[1:], 3)[0] != keys[0]
+    table = alloc.empty_table()
+    alloc.grow(table, 13, 0)
+    blocks = [cache.register(k, j, [table[0][j]]) for j, k in enumerate(keys)]
+    assert cache.match(keys) == ([], True)  # registered, not computed yet: wait for it
+    for b in blocks:
+        b.ready = True
+    got, wait = cache.match(keys)
+    assert got == blocks and not wait
+    cache.take(got[:2])  # a second table shares two pages
+    other = [[b.column[0] for b in got[:2]]]
+    alloc.grow(other, 9, 0)
+    assert alloc.num_used == [5] and cache.shared_blocks() == 2
+    alloc.release(table)  # the first table goes: its private page is freed, blocks stay referenced
+    assert alloc.num_used == [3] and [b.refs for b in blocks] == [1, 1, 0]
+    alloc.release(other)
+    assert alloc.num_used == [0] and cache.evictable() == [3] and alloc.num_free == [8]
+    big = alloc.empty_table()
+    alloc.grow(big, 8 * P, 0)  # the whole pool: every cached page is evicted for it
+    assert cache.blocks == {} and alloc.num_used == [8]
+    alloc.release(big)
+    assert alloc.ranks[0].num_free == 8
+
+
+def test_one_rank_matches_and_hits(v3):
+    path, ref, ref_logits = v3
+    eng = build_engine(model=path, num_kv_pages=64, enable_prefix_caching=True, **ENGINE)
+    try:
+        done, logits, errors = run(eng, PROMPTS, rounds=2)
+        st = eng.stats()
+        assert st["prefix_cache_hits"] > 0.5 * st["prefix_cache_queries"]
+        assert done["1-0"].num_cached_tokens == 28 and done["0-4"].num_cached_tokens == 28
+        eng.flush_cache()
+        assert eng.allocator.ranks[0].num_free == eng.allocator.ranks[0].num_pages
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert [done[f"{r}-{i}"].outputs[0].token_ids for r in range(2) for i in range(5)] == ref * 2
+    close(logits, ref_logits, "T=1")
+
+
+def test_n_samples_share_one_prefill_and_pressure(v3):
+    """n = 4 samples of each prompt: one prefill of the shared pages (the others wait, then hit); a pool
+    too small for the batch preempts and evicts; an abort mid-run; nothing leaks."""
+    path, ref, _ = v3
+    eng = build_engine(model=path, num_kv_pages=64, enable_prefix_caching=True, **ENGINE)
+    try:
+        done, _, errors = run(eng, PROMPTS[:2], n=4)
+        hits = eng.stats()["prefix_cache_hits"]
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert all(c.token_ids == ref[i] for i in range(2) for c in done[f"0-{i}"].outputs)
+    assert hits >= 7 * 28  # 3 siblings of each + the second prompt's 7 pages hit
+    eng = build_engine(model=path, num_kv_pages=12, enable_prefix_caching=True, **ENGINE)
+    try:
+        done, _, errors = run(eng, PROMPTS, n=2, rounds=2, abort="0-2")
+        assert eng.scheduler.num_preemptions > 0
+        eng.flush_cache()
+        assert eng.allocator.ranks[0].num_free == 12
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert done["0-2"].outputs[0].finish_reason == "abort"
+    for key, o in done.items():
+        if key != "0-2":
+            assert all(c.token_ids == ref[int(key.split("-")[1])] for c in o.outputs), key
+
+
+def test_weight_update_invalidates(v3, tmp_path):
+    from safetensors.torch import load_file
+
+    path, ref, _ = v3
+    other = build_checkpoint(tmp_path / "b", "v3", seed=9)
+    hf = hf_reference(other)
+    ref_b = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    eng = build_engine(model=path, num_kv_pages=64, enable_prefix_caching=True, **ENGINE)
+    try:
+        run(eng, PROMPTS)
+        assert eng.allocator.cache.blocks
+        eng.update_weights_from_tensors(load_file(f"{other}/model.safetensors"))
+        assert not eng.allocator.cache.blocks
+        done, _, errors = run(eng, PROMPTS)
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert [done[f"0-{i}"].outputs[0].token_ids for i in range(5)] == ref_b
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["T2", "T4"])
+def group(request):
+    g = RankGroup.start(request.param, device="cpu", timeout_s=60.0, threads=1)
+    yield g
+    g.close()
+
+
+def test_every_layout(group, v3):
+    path, ref, ref_logits = v3
+    layouts = ("tp", "dp", "cp", "dop") if group.world == 2 else ("dp", "cp")
+    for layout in layouts:
+        eng = build_engine(model=path, layout=layout, rank_group=group, num_kv_pages=64,
+                           enable_prefix_caching=True, **ENGINE)
+        try:
+            done, logits, errors = run(eng, PROMPTS, rounds=2)
+            hits = eng.stats()["prefix_cache_hits"]
+        finally:
+            eng.shutdown()
+        name = f"T={group.world} {layout}"
+        assert not errors, f"{name}: {errors[:5]}"
+        assert [done[f"{r}-{i}"].outputs[0].token_ids for r in range(2) for i in range(5)] == ref * 2, name
+        close(logits, ref_logits, name)
+        assert hits > 0, name
+
+
+def test_switches_drop_unshared_cache_and_refuse_while_shared(group, v3):
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    path, ref, ref_logits = v3
+    eng = build_engine(model=path, layout="tp", rank_group=group, num_kv_pages=64, enable_prefix_caching=True,
+                       switch_schedule="3:dp,9:cp,15:dop,21:tp,27:cp,33:dp", **ENGINE)
+    try:
+        done, logits, errors = run(eng, PROMPTS, rounds=2)
+        events = list(eng.switcher.events)
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert [done[f"{r}-{i}"].outputs[0].token_ids for r in range(2) for i in range(5)] == ref * 2
+    close(logits, ref_logits, "switches")
+    assert any(e.refused is None for e in events)
+    shared = [e for e in events if e.refused == "shared"]
+    assert shared and "shared by live requests" in shared[0].message
+
+
+def test_dsa_model_shares_indexer_keys(tmp_path):
+    """A DSA model's pages hold the latent and the indexer's keys: a cached prefix serves both."""
+    path = build_dsa_checkpoint(tmp_path / "dsa", "v32", seed=3, index_head_dim=48)
+    hf = hf_dsa_reference(path)
+    ref = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    eng = build_engine(model=path, num_kv_pages=64, enable_prefix_caching=True, **ENGINE)
+    try:
+        done, _, errors = run(eng, PROMPTS, rounds=2)
+        assert eng.stats()["prefix_cache_hits"] > 0
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert [done[f"{r}-{i}"].outputs[0].token_ids for r in range(2) for i in range(5)] == ref * 2
