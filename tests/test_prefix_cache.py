@@ -13,7 +13,6 @@ refused, with the reason, while a page is shared.
 from __future__ import annotations
 
 import pytest
-import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 from helpers_dsa import build_dsa_checkpoint, hf_dsa_reference
 
