@@ -1,12 +1,14 @@
-"""The CPU paged-attention kernel (csrc/mla_paged.c): built once per machine with the system C compiler,
-loaded with ctypes, no torch headers and no build step at install time.
+"""The CPU kernels: paged attention (csrc/mla_paged.c) and the DSA index top-k (csrc/dsa_index.c), each
+built once per machine with the system C compiler, loaded with ctypes, no torch headers and no build step
+at install time.
 
 Why C and not torch ops: attending straight over the paged latent cache visits exactly the keys each
 row sees, where the torch path gathers whole pages, pads groups to their longest context and masks
-(the three cost more than the attention arithmetic on CPU). The library is compiled on first use
-(about a second) into the splash cache folder, keyed by the source, the flags and the CPU, and shared
-by every process; `SPLASH_NATIVE=0` (or `--enforce-eager`) keeps the torch path. A machine without a C
-compiler gets the torch path too, with one warning. CUDA never uses this file.
+(the three cost more than the attention arithmetic on CPU); likewise the index top-k scores the keys
+where they lie and selects in O(keys) instead of gathering them and sorting every score. Each library is
+compiled on first use (about a second) into the splash cache folder, keyed by its source, the flags and
+the CPU, and shared by every process; `SPLASH_NATIVE=0` (or `--enforce-eager`) keeps the torch path. A
+machine without a C compiler gets the torch path too, with one warning. CUDA never uses this file.
 """
 
 from __future__ import annotations
@@ -29,13 +31,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("splash.attention")
 
-_SRC = os.path.join(os.path.dirname(__file__), "csrc", "mla_paged.c")
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SRC = os.path.join(_CSRC, "mla_paged.c")
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno"]
 _FUNCS = {torch.float64: "mla_paged_f64", torch.float32: "mla_paged_f32", torch.bfloat16: "mla_paged_bf16"}
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+# the DSA index top-k (csrc/dsa_index.c): (score dtype, index-key pool dtype) -> function
+_DSA_SRC = os.path.join(_CSRC, "dsa_index.c")
+_DSA_FUNCS = {(torch.float64, torch.float64): "dsa_topk_f64", (torch.float32, torch.float32): "dsa_topk_f32",
+              (torch.float32, torch.bfloat16): "dsa_topk_f32_bf16"}
+_vp, _i64 = ctypes.c_void_p, ctypes.c_int64
+_MLA_ARGS = [_vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, _i64, _i64,
+             ctypes.c_double, _vp, _vp, _i64]
+_DSA_ARGS = [_vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _i64, _i64, _vp, _i64,
+             _i64, _i64, _i64, _vp, _vp, _vp, _i64, _i64]
+_DSA_WAVE = 1 << 23  # scores the index kernel holds at once (rows past it are scored in later waves)
 
 
 def enabled() -> bool:
@@ -59,7 +69,7 @@ def _cpu_tag() -> str:
     return platform.machine()
 
 
-def _build(target: str) -> None:
+def _build(target: str, src: str = _SRC) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
@@ -67,7 +77,7 @@ def _build(target: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
     try:
-        res = subprocess.run([cc, *_FLAGS, "-o", tmp, _SRC, "-lm"], capture_output=True, text=True,
+        res = subprocess.run([cc, *_FLAGS, "-o", tmp, src, "-lm"], capture_output=True, text=True,
                              timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:500]}")
@@ -78,37 +88,61 @@ def _build(target: str) -> None:
             os.unlink(tmp)
 
 
+class _Library:
+    """One C source's library: built on first use into the splash cache folder as
+    `<name>-<sha1(source + flags)>-<cpu>.so` (shared by every process), loaded once per process."""
+
+    def __init__(self, src: str, funcs: list[str], argtypes: list, what: str) -> None:
+        self.src, self.funcs, self.argtypes, self.what = src, funcs, argtypes, what
+        self.lib: ctypes.CDLL | None = None
+        self.tried = False
+        self.lock = threading.Lock()
+
+    def get(self) -> ctypes.CDLL | None:
+        if self.tried:
+            return self.lib
+        with self.lock:
+            if self.tried:
+                return self.lib
+            self.tried = True
+            from splash.model.tiny import cache_dir
+
+            with open(self.src, "rb") as f:
+                tag = hashlib.sha1(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+            name = os.path.splitext(os.path.basename(self.src))[0]
+            target = os.path.join(cache_dir(), "kernels", f"{name}-{tag}-{_cpu_tag()}.so")
+            try:
+                if not os.path.isfile(target):
+                    _build(target, self.src)
+                lib = ctypes.CDLL(target)
+                for fname in self.funcs:
+                    fn = getattr(lib, fname)
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = self.argtypes
+                self.lib = lib
+            except Exception as e:  # no compiler, a failed build, a library that will not load
+                log.warning("native CPU %s unavailable (%s); using the torch path", self.what, e)
+                self.lib = None
+        return self.lib
+
+
+_mla = _Library(_SRC, list(_FUNCS.values()), _MLA_ARGS, "attention kernel")
+_dsa = _Library(_DSA_SRC, list(_DSA_FUNCS.values()), _DSA_ARGS, "DSA index kernel")
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on first use; None when disabled or when it cannot be built."""
-    global _lib, _tried
+    """The loaded attention kernel library, built on first use; None when disabled or when it cannot be
+    built."""
     if not enabled():
         return None
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        from splash.model.tiny import cache_dir
+    return _mla.get()
 
-        with open(_SRC, "rb") as f:
-            tag = hashlib.sha1(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:12]
-        target = os.path.join(cache_dir(), "kernels", f"mla_paged-{tag}-{_cpu_tag()}.so")
-        try:
-            if not os.path.isfile(target):
-                _build(target)
-            lib = ctypes.CDLL(target)
-            for name in _FUNCS.values():
-                fn = getattr(lib, name)
-                fn.restype = ctypes.c_int
-                vp, i64 = ctypes.c_void_p, ctypes.c_int64
-                fn.argtypes = [vp, i64, i64, vp, i64, i64, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64,
-                               ctypes.c_double, vp, vp, i64]
-            _lib = lib
-        except Exception as e:  # no compiler, a failed build, a library that will not load
-            log.warning("native CPU attention kernel unavailable (%s); using the torch path", e)
-            _lib = None
-    return _lib
+
+def dsa_library() -> ctypes.CDLL | None:
+    """The loaded DSA index top-k library (csrc/dsa_index.c), as `library()`."""
+    if not enabled():
+        return None
+    return _dsa.get()
 
 
 def supports(q: torch.Tensor) -> bool:
@@ -149,6 +183,63 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
     if err:
         raise MemoryError("paged_attention: out of memory for the kernel's scratch buffers")
     return out, total
+
+
+def dsa_supports(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the DSA index kernel runs these index queries (score dtype) over this index-key pool."""
+    return (q.device.type == "cpu" and keys.device.type == "cpu" and (q.dtype, keys.dtype) in _DSA_FUNCS
+            and dsa_library() is not None)
+
+
+def index_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, page_size: int, tables: torch.Tensor,
+               positions: torch.Tensor, k: int, rows: torch.Tensor | None = None,
+               row_seq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DSA indexer's top-k straight over the paged index-key cache (csrc/dsa_index.c).
+
+    q [N, H, d] and w [N, H] in the score dtype (any row/head strides, last dim dense), positions [N]; keys
+    the layer's index-key store, contiguous [num_pages * P, d] (or [num_pages, P, d]) in the pool dtype.
+    Row r is query `rows[r]` (None: row r of q), over page table `tables[row_seq[r]]` (None: tables[0];
+    `tables` [B, W] or [W], local page ids, -1 = not held here): it scores every held key at a position
+    <= positions[rows[r]], I = sum_h w[h] ReLU(q[h] . key), and keeps the k best by (score descending,
+    position ascending) -> (scores [n, k], positions [n, k], local slots [n, k]), the selected keys in
+    position order, then -inf / -1 / -1 where the row sees fewer than k keys.
+    """
+    lib = _dsa.lib or _dsa.get()  # (loaded already where dsa_supports said yes)
+    assert lib is not None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    N, H, d = q.shape
+    if not keys.is_contiguous() or keys.shape[-1] != d or w.shape != (N, H) or positions.shape != (N,):
+        raise ValueError("index_topk: keys: a contiguous pool of q's head dim; w [N, H]; positions [N]")
+    long = torch.long  # (each called per slice and layer: the checks kept cheap)
+    if tables.dtype != long or tables.stride(-1) != 1:
+        tables = tables.to(long).contiguous()
+    if positions.dtype != long or not positions.is_contiguous():
+        positions = positions.to(long).contiguous()
+    if rows is not None and (rows.dtype != long or not rows.is_contiguous()):
+        rows = rows.to(long).contiguous()
+    if row_seq is not None and (row_seq.dtype != long or not row_seq.is_contiguous()):
+        row_seq = row_seq.to(long).contiguous()
+    n = rows.shape[0] if rows is not None else N
+    if row_seq is not None and row_seq.shape[0] != n:
+        raise ValueError("index_topk: one table row per query row")
+    tstride, nt = (0, 1) if tables.dim() == 1 else (tables.stride(0), tables.shape[0])  # [W]: one table
+    out_sc = torch.empty(n, k, dtype=q.dtype)
+    out_pos = torch.empty(n, k, dtype=torch.long)
+    out_slot = torch.empty(n, k, dtype=torch.long)
+    err = getattr(lib, _DSA_FUNCS[(q.dtype, keys.dtype)])(
+        q.data_ptr(), q.stride(0), q.stride(1), w.data_ptr(), w.stride(0), N,
+        rows.data_ptr() if rows is not None else 0, positions.data_ptr(), keys.data_ptr(),
+        keys.numel() // (page_size * d), page_size, tables.data_ptr(), tstride, tables.shape[-1], nt,
+        row_seq.data_ptr() if row_seq is not None else 0, n, H, d, k, out_sc.data_ptr(),
+        out_pos.data_ptr(), out_slot.data_ptr(), _DSA_WAVE, torch.get_num_threads())
+    if err == 2:
+        raise ValueError("index_topk: a row, table row or page id out of range")
+    if err:
+        raise MemoryError("index_topk: out of memory for the kernel's buffers")
+    return out_sc, out_pos, out_slot
 
 
 class RowCache:

@@ -21,16 +21,19 @@ merged in the same (score desc, position asc) order, which equals the single-ran
 (`CPLayout.select`). Then each rank attends the selected keys it holds (`attend_selected`), with the
 log-sum-exp for CP's exact merge.
 
-Scores are float32 as in the reference (float64 for a float64 model: `indexer.score_dtype`).
+Scores are float32 as in the reference (float64 for a float64 model: `indexer.score_dtype`). On CPU the
+top-k runs in C (`native.index_topk`, csrc/dsa_index.c: scores straight from the paged store, an O(keys)
+selection); the torch path (gather, matmuls, a stable sort) is the reference and what other devices run.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from splash.attention import paged
+from splash.attention import native, paged
 from splash.attention.kernel import acc_dtype
 
 if TYPE_CHECKING:
@@ -115,10 +118,28 @@ def top_keys(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return best, order
 
 
+def index_kernel(q: torch.Tensor, keys: torch.Tensor) -> str:
+    """"native" when the C index top-k (csrc/dsa_index.c) runs queries `q` over the index-key store
+    `keys` (CPU tensors of a dtype pair it was built for, SPLASH_NATIVE on), else "torch"; as
+    `paged.kernel_for`, SPLASH_ATTN_KERNEL=torch pins the torch path (and "triton", which has no index
+    kernel, leaves the index to torch too)."""
+    forced = os.environ.get("SPLASH_ATTN_KERNEL") or ""
+    if forced and forced.strip().lower() != "native":
+        return "torch"
+    return "native" if native.dsa_supports(q, keys) else "torch"
+
+
 def local_candidates(layer: int, s: SliceCtx, rows: IndexRows, q_rows: torch.Tensor, ctx: ForwardContext,
                      k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The best `k` keys of slice `s` among those this rank holds, for its rows `q_rows` ->
-    (scores [n, k] (-inf: none), positions [n, k], local slots [n, k]; -1 where none)."""
+    (scores [n, k] (-inf: none), positions [n, k], local slots [n, k]; -1 where none). Callers take each
+    row's keys as a set: the native kernel lists them in position order, the torch path by score."""
+    kv = ctx.kv
+    if kv is not None:
+        store = kv.store_flat("index_k", layer)
+        if index_kernel(rows.q, store) == "native":  # scores the keys in the pool, O(keys) selection
+            return native.index_topk(rows.q, rows.w, store, kv.page_size, s.pages, ctx.positions, k,
+                                     rows=q_rows)
     slots, pos = s.key_slots()  # held keys, positions ascending
     n = q_rows.shape[0]
     if pos.numel() == 0:
