@@ -1,7 +1,7 @@
 """splash: live switching of MLA attention layouts for LLM serving.
 
-`from splash import LLM, SamplingParams` works, but importing `splash` alone stays light (no torch):
-the names load on first use.
+`from splash import LLM, SamplingParams` (vLLM's shape) and `from splash import Engine` (SGLang's) work,
+but importing `splash` alone stays light (no torch): the names load on first use.
 """
 
 from __future__ import annotations
@@ -9,15 +9,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from splash.engine.outputs import CompletionOutput, RequestOutput
     from splash.engine.sampling import SamplingParams
+    from splash.engine_api import Engine
     from splash.llm import LLM
 
 _LAZY = {
     "LLM": "splash.llm",
+    "Engine": "splash.engine_api",
     "SamplingParams": "splash.engine.sampling",
     "RequestOutput": "splash.engine.outputs",
     "CompletionOutput": "splash.engine.outputs",

@@ -43,7 +43,7 @@ def ckpts(tmp_path_factory):
 def server(ckpts):
     srv = ServeProcess(["--model", ckpts["A"][0], "--dtype", "float64", "--tp", "2", "--layout", "dop",
                         "--num-kv-pages", str(PAGES), "--max-num-seqs", "8", "--device", "cpu",
-                        "--log-level", "info"], api_key=KEY)
+                        "--enable-memory-saver", "--log-level", "info"], api_key=KEY)
     yield srv
     srv.close()
 
@@ -127,7 +127,7 @@ def test_generate_and_updates_match_transformers(server, ckpts):
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"temprature": 0.5}}, "temprature"),
     ("/generate", {"input_ids": [[1, 2], [3]], "rid": "one"}, "rid"),
     ("/generate", {"input_ids": [[1, 2], [3]], "rid": ["a", "a"]}, "unique"),
-    ("/generate", {"input_ids": [1, 2], "logprob_start_len": 0}, "prompt logprobs"),
+    ("/generate", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "start below 2"),
     ("/generate", {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs"),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"n": 0}}, "n"),
     ("/abort_request", {}, "rid"),
@@ -157,12 +157,13 @@ def test_bad_input_is_400_and_names_the_problem(server, path, body, needle):
 def test_every_route_needs_the_key(server):
     for path in ("/generate", "/abort_request", "/pause_generation", "/continue_generation",
                  "/update_weights_from_disk", "/init_weights_update_group",
-                 "/update_weights_from_distributed",
+                 "/update_weights_from_distributed", "/update_weights_from_tensor",
                  "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache"):
         r = post(server, path, {}, key=None)
         assert r.status_code == 401, path
         assert post(server, path, {}, key="wrong").status_code == 401
-    for path in ("/get_server_info", "/get_model_info", "/health_generate", "/get_weight_version"):
+    for path in ("/get_server_info", "/server_info", "/get_model_info", "/model_info", "/health_generate",
+                 "/get_weight_version", "/v1/loads"):
         assert httpx.get(server.url + path, timeout=30).status_code == 401, path
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
 
@@ -296,8 +297,9 @@ def test_stream_routed_experts_and_info(server, ckpts):
     for o, want in zip(objs, current[2]):
         m = o["meta_info"]
         arr = np.frombuffer(base64.b64decode(m["routed_experts"]), dtype=np.int32).reshape(
-            m["routed_experts_shape"])
-        assert arr.shape == tuple(want.shape) and (arr == want.numpy()).all()
+            m["routed_experts_shape"])  # SGLang's layout: every layer (the dense first one all 0) x top-k
+        assert arr.shape == (want.shape[0], 3, want.shape[2]) and (arr[:, 0] == 0).all()
+        assert (arr[:, 1:] == want.numpy()).all()
     # sampled (temperature 1): ignore_eos, or a sample may end after one token
     r = post(server, "/generate", {"input_ids": PROMPTS[0],
                                    "sampling_params": {"n": 3, "max_new_tokens": 2, "ignore_eos": True},

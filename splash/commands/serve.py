@@ -57,6 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="plain torch ops only: no native CPU attention kernel (vLLM's flag; for comparisons)")
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=positive_float, default=None,
                    metavar="S", help="seconds before a dead or hung rank fails the engine (default 300)")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="allow /release_memory_occupation (SGLang's flag; off by default, as in SGLang)")
     p.add_argument("--arrival-gap-ms", type=float, default=3.0, metavar="MS",
                    help="an idle engine woken by a request waits for the rest of its burst (requests less "
                         "than MS apart, up to 10 x MS) before stepping; 0 steps at once (default 3)")
@@ -101,6 +103,9 @@ def build_engine(args: argparse.Namespace) -> Any:
     factory = getattr(AsyncEngine, "from_args", None) or AsyncEngine
     engine = factory(model=args.model, **kw)
     engine.arrival_gap_s = max(0.0, getattr(args, "arrival_gap_ms", 0.0)) / 1e3
+    inner = getattr(engine, "engine", None)  # the LLMEngine: memory release only with the flag, as SGLang
+    if inner is not None:
+        inner.memory_saver = bool(getattr(args, "enable_memory_saver", False))
     return engine
 
 
@@ -144,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     def announce() -> None:
         print(f"splash: serving {name!r} on http://{url_host}:{port}/v1 (Ctrl-C to stop)", flush=True)
 
-    app = create_app(engine, model_name=name, api_key=args.api_key, on_ready=announce)
+    app = create_app(engine, model_name=name, api_key=args.api_key, on_ready=announce,
+                     launch={"host": host, "port": port, "dist_init_addr": args.dist_init_addr})
     # Everything built so far (the model, the tokenizer, the app) lives as long as the server, as
     # vLLM's engine does it: out of the collector's generations.
     freeze_heap()

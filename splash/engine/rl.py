@@ -46,6 +46,9 @@ class RLControl:
         self.weight_version = "default"
         self.checkpoint_path = checkpoint_path
         self.num_weight_updates = 0
+        # Whether memory release is on (SGLang's --enable-memory-saver): `splash serve` and splash.Engine
+        # start with it off as SGLang does, LLM (vLLM's sleep/wake_up) with it on.
+        self.memory_saver = True
 
     # ---- pause ----------------------------------------------------------------------------------
     @property
@@ -87,9 +90,12 @@ class RLControl:
     def flush_cache(self) -> None:
         """Empty the prefix cache (every cached page freed); with live requests their KV is in use, and
         flushing is refused (as SGLang does)."""
-        live = len(self.requests)
+        # Only KV in use blocks a flush: requests queued without pages (new ones waiting out a pause, as
+        # SGLang holds them outside its scheduler) lose nothing, so slime's pause -> flush -> update works.
+        live = len(self.scheduler.running)
         if live:
-            raise ValueError(f"cache not flushed: {live} requests are live; wait for them or abort them")
+            raise ValueError(f"cache not flushed: {live} running requests hold KV; wait for them, abort them "
+                             f"or pause with mode abort or retract")
         self.allocator.invalidate_cache()
 
     # ---- weights --------------------------------------------------------------------------------
@@ -166,6 +172,9 @@ class RLControl:
         Running requests are retracted (they recompute later); nothing steps until all is resumed.
         `backup=False` discards the weights: resume then re-reads the last checkpoint from disk."""
         tags = self._tags(tags)
+        if not self.memory_saver:
+            raise ValueError("memory release is off on this engine: start it with --enable-memory-saver "
+                             "(splash.Engine: enable_memory_saver=True), as SGLang needs")
         if "kv_cache" in tags:
             self.retract_running()
             self.allocator.invalidate_cache()  # the pool's memory goes: nothing cached survives

@@ -50,3 +50,11 @@ class RoutingRecorder:
         if len(rows) != len(self.layers) or not rows:
             return None
         return torch.stack([r.sort(dim=-1).values for r in rows], dim=1).to(torch.int32).cpu()
+
+
+def every_layer(ids: torch.Tensor, moe_layers: list[int], num_layers: int) -> torch.Tensor:
+    """SGLang's layout of routed experts: int32 [positions, num_layers, k], a dense layer's rows all 0 (SGLang
+    captures into a zeroed buffer indexed by layer id, and dense layers never write it)."""
+    out = torch.zeros(ids.shape[0], num_layers, ids.shape[2], dtype=torch.int32)
+    out[:, moe_layers] = ids.to(torch.int32)
+    return out

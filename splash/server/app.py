@@ -116,8 +116,9 @@ async def _maybe_await(x: Any) -> Any:
 
 
 def create_app(engine: Any, model_name: str | None = None, api_key: str | None = None,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """The app for one engine; `on_ready` runs once the engine has started (e.g. to print the URL)."""
+               on_ready: Callable[[], None] | None = None, launch: dict[str, Any] | None = None) -> FastAPI:
+    """The app for one engine; `on_ready` runs once the engine has started (e.g. to print the URL);
+    `launch` (host, port, ...) is how it was started, which the server info reports."""
     name = model_name or str(getattr(engine, "model_name", None) or "splash")
 
     @asynccontextmanager
@@ -169,7 +170,7 @@ def create_app(engine: Any, model_name: str | None = None, api_key: str | None =
 
     from splash.server import native, weights
 
-    native.install(app, serving, engine, name)  # /generate, /abort_request, /pause_generation, ...
+    native.install(app, serving, engine, name, launch)  # /generate, /abort_request, /v1/loads, ...
     weights.install(app, engine)  # /update_weights_from_*, /release_memory_occupation, ...
 
     @app.get("/health")

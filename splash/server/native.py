@@ -50,10 +50,17 @@ class _Batch:
         sps = _listify(req.sampling_params or NativeSamplingParams(), n, "sampling_params")
         self.want_lp = [bool(x) for x in _listify(req.return_logprob, n, "return_logprob")]
         self.top = [int(x) for x in _listify(req.top_logprobs_num, n, "top_logprobs_num")]
-        starts = _listify(req.logprob_start_len, n, "logprob_start_len")
-        if any(s != -1 for s in starts):
-            raise APIError("prompt logprobs are not supported: send logprob_start_len -1 (only the "
-                           "generated tokens' logprobs are returned)", param="logprob_start_len")
+        starts = [int(x) for x in _listify(req.logprob_start_len, n, "logprob_start_len")]
+        if any(x < -1 for x in starts):
+            raise APIError("logprob_start_len must be -1 (no input logprobs) or a prompt position >= 0",
+                           param="logprob_start_len")
+        # input_token_logprobs from that position on, only where logprobs are asked for (as SGLang)
+        self.starts = [x if lp else -1 for x, lp in zip(starts, self.want_lp)]
+        if req.return_routed_experts:
+            short = next((len(p) for p in prompts if req.routed_experts_start_len > len(p)), None)
+            if short is not None:
+                raise APIError(f"routed_experts_start_len ({req.routed_experts_start_len}) exceeds the "
+                               f"prompt ({short} tokens)", param="routed_experts_start_len")
         if req.token_ids_logprob:
             raise APIError("token_ids_logprob is not supported", param="token_ids_logprob")
         for name, neutral in (("return_hidden_states", False), ("lora_path", None), ("image_data", None),
@@ -61,8 +68,8 @@ class _Batch:
             if getattr(req, name) not in (neutral, None):
                 raise APIError(f"{name} is not supported", param=name, code="unsupported_parameter")
         self.sampling = sps
-        self.params = [self._params(p, sp, lp, k)
-                       for p, sp, lp, k in zip(prompts, sps, self.want_lp, self.top)]
+        self.params = [self._params(p, sp, lp, k, st)
+                       for p, sp, lp, k, st in zip(prompts, sps, self.want_lp, self.top, self.starts)]
         self.n = [p.n for p in self.params]
         if req.rid is None:
             self.ids = [uuid.uuid4().hex for _ in prompts]
@@ -76,7 +83,8 @@ class _Batch:
             raise APIError("request ids ('rid') must be unique and non-empty", param="rid")
         self.t0 = time.time()
 
-    def _params(self, prompt: list[int], sp: NativeSamplingParams, want_lp: bool, k: int) -> SamplingParams:
+    def _params(self, prompt: list[int], sp: NativeSamplingParams, want_lp: bool, k: int, start: int
+                ) -> SamplingParams:
         s = self.serving
         for param, reason in sp.unsupported():
             raise APIError(reason, param=f"sampling_params.{param}", code="unsupported_parameter")
@@ -107,7 +115,10 @@ class _Batch:
                 max_tokens=max_tokens, min_tokens=min(sp.min_new_tokens, max_tokens), stop=stop,
                 stop_token_ids=stop_ids, ignore_eos=sp.ignore_eos, logprobs=k if want_lp else None,
                 skip_special_tokens=sp.skip_special_tokens,
-                return_routed_experts=self.req.return_routed_experts)
+                return_routed_experts=self.req.return_routed_experts,
+                # SGLang's logprobs are of the distribution drawn from (temperature applied)
+                logprob_temperature=True, return_top_p_token_ids=sp.return_top_p_token_ids,
+                prompt_logprobs=k if start >= 0 else None, prompt_logprobs_start=max(start, 0))
         except ValueError as e:
             raise APIError(str(e), param="sampling_params", code="invalid_value") from None
 
@@ -124,26 +135,68 @@ class _Batch:
             "weight_version": weight_version,
             "e2e_latency": time.time() - self.t0}
         if self.want_lp[i]:
-            words = self.req.return_text_in_logprobs
+            # one entry per generated token, always a number: the engine keeps a logprob with every token
             lps = o.logprobs or []
-            meta["output_token_logprobs"] = [
-                [finite(lps[j].get(t)) if j < len(lps) else None, t, self._word(t) if words else None]
-                for j, t in enumerate(o.token_ids)]
+            meta["output_token_logprobs"] = [self._entry(d.get(t), t) for d, t in zip(lps, o.token_ids,
+                                                                                     strict=True)]
             if self.top[i]:
-                meta["output_top_logprobs"] = [
-                    [[finite(v), t, self._word(t) if words else None]
-                     for t, v in sorted(d.items(), key=lambda kv: -kv[1])[:self.top[i]]] for d in lps]
+                meta["output_top_logprobs"] = [self._top(d, self.top[i]) for d in lps]
+            if self.starts[i] >= 0:  # the prompt's, from logprob_start_len on; position 0 has none (null)
+                pl, ids = (ro.prompt_logprobs or [])[self.starts[i]:], ro.prompt_token_ids[self.starts[i]:]
+                meta["input_token_logprobs"] = [[None, t, self._text(t)] if d is None else
+                                                self._entry(d.get(t), t) for d, t in zip(pl, ids)]
+                if self.top[i]:
+                    meta["input_top_logprobs"] = [None if d is None else self._top(d, self.top[i])
+                                                  for d in pl]
+        if o.top_p_token_ids is not None and o.finish_reason is not None:
+            ids, offsets = _flatten(o.top_p_token_ids)
+            meta["top_p_token_ids"], meta["top_p_token_offsets"] = _b64(ids), _b64(offsets)
         if self.req.return_routed_experts and o.routed_experts is not None:
-            arr = o.routed_experts.contiguous().numpy()
-            meta["routed_experts"] = base64.b64encode(arr.tobytes()).decode("ascii")
-            meta["routed_experts_shape"] = list(arr.shape)
+            got = self._routed(o.routed_experts, len(ro.prompt_token_ids) + len(o.token_ids) - 1)
+            if got is not None:
+                meta["routed_experts"], meta["routed_experts_shape"] = got
+                meta["routed_experts_start_len"] = self.req.routed_experts_start_len
         out = {"text": text, "output_ids": list(o.token_ids), "meta_info": meta}
         if self.batched or self.n[i] > 1:
             out["index"] = sum(self.n[:i]) + o.index
         return out
 
-    def _word(self, t: int) -> str:
-        return self.serving.token_str(t)
+    def _text(self, t: int) -> str | None:
+        return self.serving.token_str(t) if self.req.return_text_in_logprobs else None
+
+    def _entry(self, lp: float | None, t: int) -> list[Any]:
+        return [finite(lp), t, self._text(t)]
+
+    def _top(self, d: dict[int, float], k: int) -> list[list[Any]]:
+        return [self._entry(v, t) for t, v in sorted(d.items(), key=lambda kv: -kv[1])[:k]]
+
+    def _routed(self, ids: Any, rows: int) -> tuple[str, list[int]] | None:
+        """SGLang's routed experts: every layer x top-k per position in [start, rows), base64 int32; None
+        when the positions recorded do not cover that (aborted before its prefill ended)."""
+        from splash.engine.routing import every_layer
+        from splash.server.server_info import model_facts
+
+        if ids.shape[0] != rows:
+            return None
+        f = model_facts(self.serving.engine)
+        arr = every_layer(ids, f["moe_layers"], f["num_layers"])[self.req.routed_experts_start_len:]
+        arr = arr.contiguous().numpy()
+        return base64.b64encode(arr.tobytes()).decode("ascii"), list(arr.shape)
+
+
+def _flatten(rows: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Per-token id lists -> (all ids, offsets from 0): token i's are ids[offsets[i]:offsets[i + 1]]."""
+    ids, offsets = [], [0]
+    for r in rows:
+        ids += r
+        offsets.append(len(ids))
+    return ids, offsets
+
+
+def _b64(values: list[int]) -> str:
+    import numpy as np
+
+    return base64.b64encode(np.asarray(values, dtype="<i4").tobytes()).decode("ascii")
 
 
 def _finish(o: CompletionOutput) -> dict[str, Any] | None:
@@ -180,26 +233,36 @@ async def _prompts(serving: Serving, req: GenerateRequest) -> tuple[list[list[in
 
 
 async def generate(serving: Serving, req: GenerateRequest, request: Request) -> Response:
-    prompts, batched = await _prompts(serving, req)
-    b = _Batch(serving, req, prompts, batched)
-    eng = serving.engine
+    b = await batch(serving, req)
     if req.stream:
-        return sse_response(_stream(b, eng))
-    return await until_disconnect(request, _full(b, eng))
+        return sse_response(_sse(objects(b)))
+    return await until_disconnect(request, _full(b))
 
 
-async def _full(b: _Batch, eng: Any) -> JSONResponse:
+async def batch(serving: Serving, req: GenerateRequest) -> _Batch:
+    """A /generate body checked and resolved (every bad input raises APIError before anything runs)."""
+    prompts, batched = await _prompts(serving, req)
+    return _Batch(serving, req, prompts, batched)
+
+
+async def result(b: _Batch) -> dict[str, Any] | list[dict[str, Any]]:
+    """The finished response body: one object, or a list for a batch or n > 1 (splash.Engine returns it)."""
     final: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(b.serving.generate(b.prompts, b.params, "", ids=b.ids)) as gen:
         async for i, out in gen:
             if out.finished:
                 final[i] = out
-    version = eng.weight_version
+    version = b.serving.engine.weight_version
     objs = [b.obj(i, final[i], o, version) for i in range(len(b.prompts)) for o in final[i].outputs]
-    return JSONResponse(objs if (b.batched or len(objs) > 1) else objs[0])
+    return objs if (b.batched or len(objs) > 1) else objs[0]
 
 
-async def _stream(b: _Batch, eng: Any) -> AsyncIterator[str]:
+async def _full(b: _Batch) -> JSONResponse:
+    return JSONResponse(await result(b))
+
+
+async def objects(b: _Batch) -> AsyncIterator[dict[str, Any]]:
+    """The streamed objects: cumulative, one whenever a sequence grew or finished."""
     sent: dict[tuple[int, int], tuple[int, bool]] = {}
     async with contextlib.aclosing(b.serving.generate(b.prompts, b.params, "", ids=b.ids)) as gen:
         async for i, out in gen:
@@ -208,17 +271,62 @@ async def _stream(b: _Batch, eng: Any) -> AsyncIterator[str]:
                 if sent.get((i, o.index)) == state:
                     continue
                 sent[(i, o.index)] = state
-                yield sse(b.obj(i, out, o, eng.weight_version))
+                yield b.obj(i, out, o, b.serving.engine.weight_version)
+
+
+async def _sse(objs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async with contextlib.aclosing(objs) as it:
+        async for o in it:
+            yield sse(o)
     yield DONE
 
 
-# ---- the other native routes -------------------------------------------------------------------------
-def _ok(message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"success": True, "message": message, **extra})
+# ---- the other native routes (their bodies, which splash.Engine returns too) ----------------------------
+def _ok(message: str, **extra: Any) -> dict[str, Any]:
+    return {"success": True, "message": message, **extra}
 
 
-def install(app: FastAPI, serving: Serving, engine: Any, model_name: str) -> None:
-    """Add the native routes to `app` (every one needs the API key when the server has one)."""
+async def abort(engine: Any, req: AbortRequest) -> dict[str, Any]:
+    """Abort one request, several, or all: each aborted response ends with its tokens and finish abort."""
+    if req.abort_all:
+        n = await engine.abort_all()
+        return _ok(f"aborted {n} requests", num_aborted=n)
+    rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
+    if not any(rids):
+        raise APIError("give 'rid' (a request id or a list of them) or 'abort_all': true", param="rid")
+    for rid in rids:
+        await engine.abort(rid)
+    return _ok(f"aborted {', '.join(rids)} (ids not running are ignored)")
+
+
+async def pause(engine: Any, mode: str) -> dict[str, Any]:
+    try:
+        n = await engine.pause_generation(mode)
+    except ValueError as e:
+        raise APIError(str(e), param="mode") from None
+    return _ok(f"generation paused ({mode}); {n} requests affected", num_paused_requests=n)
+
+
+async def resume(engine: Any) -> dict[str, Any]:
+    await engine.continue_generation()
+    return _ok("generation continues")
+
+
+async def flush(engine: Any) -> tuple[int, dict[str, Any]]:
+    """(200, body) once flushed; (400, body) while running requests hold KV (clients such as slime retry)."""
+    try:
+        await engine.call(lambda e: e.flush_cache())
+    except ValueError as e:
+        return 400, {"success": False, "message": str(e)}
+    return 200, _ok("Cache flushed.")
+
+
+def install(app: FastAPI, serving: Serving, engine: Any, model_name: str,
+            launch: dict[str, Any] | None = None) -> None:
+    """Add the native routes to `app` (every one needs the API key when the server has one); `launch`:
+    how the server was started (host, port), for the server info."""
+    from splash.server import server_info
+
     r = APIRouter()
 
     @r.post("/generate")
@@ -227,49 +335,34 @@ def install(app: FastAPI, serving: Serving, engine: Any, model_name: str) -> Non
 
     @r.post("/abort_request")
     async def abort_request(req: AbortRequest) -> JSONResponse:
-        if req.abort_all:
-            n = await engine.abort_all()
-            return _ok(f"aborted {n} requests", num_aborted=n)
-        rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
-        if not any(rids):
-            raise APIError("give 'rid' (a request id or a list of them) or 'abort_all': true", param="rid")
-        for rid in rids:
-            await engine.abort(rid)
-        return _ok(f"aborted {', '.join(rids)} (ids not running are ignored)")
+        return JSONResponse(await abort(engine, req))
 
     @r.post("/pause_generation")
     async def pause_generation(req: PauseRequest) -> JSONResponse:
-        try:
-            n = await engine.pause_generation(req.mode)
-        except ValueError as e:
-            raise APIError(str(e), param="mode") from None
-        return _ok(f"generation paused ({req.mode}); {n} requests affected", num_paused_requests=n)
+        return JSONResponse(await pause(engine, req.mode))
 
     @r.post("/continue_generation")
     async def continue_generation() -> JSONResponse:
-        await engine.continue_generation()
-        return _ok("generation continues")
+        return JSONResponse(await resume(engine))
 
     @r.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> JSONResponse:
-        try:
-            await engine.call(lambda e: e.flush_cache())
-        except ValueError as e:
-            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
-        return _ok("Cache flushed.")
+        status, body = await flush(engine)
+        return JSONResponse(body, status_code=status)
 
     @r.get("/get_server_info")
+    @r.get("/server_info")
     async def get_server_info() -> JSONResponse:
-        from splash import __version__
-
         stats = await run_in_threadpool(engine.stats)
-        info = {**stats, "model_path": str(getattr(engine, "model_name", model_name)),
-                "served_model_name": model_name, "tp_size": stats.get("ranks", 1),
-                "weight_version": engine.weight_version, "version": __version__,
-                "internal_states": [stats]}
-        return JSONResponse(info)
+        return JSONResponse(server_info.server_info(engine, stats, model_name, launch))
+
+    @r.get("/v1/loads")
+    async def v1_loads(include: str | None = None) -> JSONResponse:
+        stats = await run_in_threadpool(engine.stats)
+        return JSONResponse(server_info.loads(stats, include))
 
     @r.get("/get_model_info")
+    @r.get("/model_info")
     async def get_model_info() -> JSONResponse:
         return JSONResponse({"model_path": str(getattr(engine, "model_name", model_name)),
                              "tokenizer_path": str(getattr(engine, "model_name", model_name)),

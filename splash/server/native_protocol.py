@@ -3,7 +3,8 @@
 Field names and defaults follow SGLang (`GenerateReqInput`, its `sampling_params`, the update and
 memory requests), so RL clients written for SGLang (slime, verl's HTTP rollout) work unchanged.
 Unknown fields are refused (a typo is a 400 naming it); fields SGLang has but splash does not
-implement are accepted only at their neutral value (`unsupported()`).
+implement are accepted only at their neutral value (`unsupported()`); `custom_params` is a free-form
+dict in SGLang too, so its unknown keys are ignored rather than refused.
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ class NativeSamplingParams(_Native):
     regex: str | None = None
     ebnf: str | None = None
     logit_bias: dict[str, float] | None = None
+    # SGLang hands these to a custom logit processor and otherwise ignores them; splash has none, so only
+    # return_top_p_token_ids (slime's top-p replay) means something, every other key is ignored.
     custom_params: dict[str, Any] | None = None
+
+    @property
+    def return_top_p_token_ids(self) -> bool:
+        return (self.custom_params or {}).get("return_top_p_token_ids", False) is True
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = []
@@ -54,9 +61,13 @@ class NativeSamplingParams(_Native):
                               ("repetition_penalty", 1.0)):
             if getattr(self, name) != neutral:
                 out.append((name, f"{name} is not supported; send {neutral:g} or leave it out"))
-        for name in ("json_schema", "regex", "ebnf", "logit_bias", "custom_params"):
+        for name in ("json_schema", "regex", "ebnf", "logit_bias"):
             if getattr(self, name):
                 out.append((name, f"{name} is not supported"))
+        flag = (self.custom_params or {}).get("return_top_p_token_ids", False)
+        if not isinstance(flag, bool):
+            out.append(("custom_params", f"custom_params.return_top_p_token_ids must be true or false, got "
+                                         f"{flag!r}"))
         if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
             out.append(("sampling_seed", "seed and sampling_seed disagree; send one"))
         return out
@@ -70,12 +81,13 @@ class GenerateRequest(_Native):
     sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
+    logprob_start_len: int | list[int] = -1  # >= 0: input_token_logprobs from that prompt position on
     top_logprobs_num: int | list[int] = 0
     token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(0, ge=0)  # routed experts of positions [start, seqlen - 1)
     # SGLang fields accepted at their neutral value only
     return_hidden_states: bool = False
     lora_path: str | None = None
@@ -100,6 +112,16 @@ class UpdateFromDiskRequest(_Native):
     weight_version: str | None = None
     abort_all_requests: bool = False
     flush_cache: bool = True
+
+
+class UpdateFromTensorRequest(_Native):
+    """SGLang's body: one serialized payload per engine rank (splash/server/tensor_ipc.py)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
 
 
 class InitGroupRequest(_Native):

@@ -81,16 +81,17 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"prompt must be {PROMPT_SHAPES}")
         return v
 
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion, with its logprobs when logprobs is set
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
+        if self.max_tokens == 0 and not self.echo:
+            out.append(("max_tokens", "max_tokens 0 returns nothing without echo: send echo true to score "
+                                      "the prompt, or max_tokens >= 1"))
         if self.suffix:
             out.append(("suffix", "suffix is not supported"))
         if self.best_of is not None and self.best_of != self.n:

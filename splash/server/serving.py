@@ -108,7 +108,8 @@ class Serving:
                 code="kv_pool_exceeded")
         return requested
 
-    def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         top_k = req.top_k if req.top_k is not None else -1
         if self.vocab_size is not None and top_k > self.vocab_size:
             top_k = -1  # every token: the same distribution as "disabled"
@@ -138,6 +139,7 @@ class Serving:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:
             raise APIError(str(e), param=str(e).split(" ", 1)[0], code="invalid_value") from None

@@ -1,4 +1,5 @@
-"""SGLang's weight-update and memory routes: update from disk or a trainer's broadcast, release/resume.
+"""SGLang's weight-update and memory routes: update from disk, from a colocated trainer's tensors
+(shared memory / CUDA IPC) or a trainer's broadcast; release/resume (with --enable-memory-saver).
 
 Each answers `{"success": bool, "message": str}`, as SGLang does: 200 when applied, 400 when refused
 (the message names the tensor or argument at fault; nothing was changed and the old weights keep
@@ -13,6 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from splash.model.update import WeightUpdateError
 from splash.server.native_protocol import (
@@ -21,13 +23,17 @@ from splash.server.native_protocol import (
     MemoryRequest,
     UpdateFromDiskRequest,
     UpdateFromDistributedRequest,
+    UpdateFromTensorRequest,
 )
+from splash.server.tensor_ipc import TensorPayloadError, read_payloads
 
 log = logging.getLogger("splash.server")
 
 
-async def _apply(engine: Any, fn: Callable[[Any], Any], done: str, abort_first: bool = False
-                 ) -> JSONResponse:
+async def apply(engine: Any, fn: Callable[[Any], Any], done: str, abort_first: bool = False
+                ) -> tuple[int, dict[str, Any]]:
+    """Run `fn(llm_engine)` between two steps: (200, {success, message, weight_version}), or (400, the
+    same with success false and the reason) when refused. splash.Engine returns the same bodies."""
     def run(eng: Any) -> Any:
         if abort_first:
             engine._finish_outputs(eng.abort_all())  # (the engine thread: streams end with abort)
@@ -36,9 +42,27 @@ async def _apply(engine: Any, fn: Callable[[Any], Any], done: str, abort_first: 
     try:
         await engine.call(run)
     except (WeightUpdateError, ValueError) as e:
-        return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+        return 400, {"success": False, "message": str(e)}
     log.info("%s (weight version %s)", done, engine.weight_version)
-    return JSONResponse({"success": True, "message": done, "weight_version": engine.weight_version})
+    return 200, {"success": True, "message": done, "weight_version": engine.weight_version}
+
+
+async def _apply(engine: Any, fn: Callable[[Any], Any], done: str, abort_first: bool = False
+                 ) -> JSONResponse:
+    status, body = await apply(engine, fn, done, abort_first)
+    return JSONResponse(body, status_code=status)
+
+
+async def update_from_tensor(engine: Any, req: UpdateFromTensorRequest) -> tuple[int, dict[str, Any]]:
+    """SGLang's /update_weights_from_tensor: every rank's payload read (shared memory or CUDA IPC, never
+    the sender's code), merged by name, then one all-or-nothing update in the live layout."""
+    try:
+        named = await run_in_threadpool(read_payloads, req.serialized_named_tensors, req.load_format)
+    except TensorPayloadError as e:
+        return 400, {"success": False, "message": str(e)}
+    # (the sender's shared segments are released with the last reference, when this returns)
+    return await apply(engine, lambda eng: eng.update_weights_from_tensors(named, req.weight_version),
+                       f"{len(named)} tensors updated", req.abort_all_requests)
 
 
 def _load_format(fmt: str | None) -> None:
@@ -56,6 +80,11 @@ def install(app: FastAPI, engine: Any) -> None:
             eng.update_weights_from_disk(req.model_path, req.weight_version)
 
         return await _apply(engine, fn, f"weights updated from {req.model_path}", req.abort_all_requests)
+
+    @r.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(req: UpdateFromTensorRequest) -> JSONResponse:
+        status, body = await update_from_tensor(engine, req)
+        return JSONResponse(body, status_code=status)
 
     @r.post("/init_weights_update_group")
     async def init_weights_update_group(req: InitGroupRequest) -> JSONResponse:
