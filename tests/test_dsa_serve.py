@@ -1,5 +1,6 @@
-"""A live `splash serve --model tiny-dsa --tp 2 --layout auto` (DSA, sparse at these prompt lengths)
-driven by the official `openai` client and SGLang's native `/generate`, with forced live switches."""
+"""Live DSA servers (sparse at these prompt lengths) driven by the official `openai` client and SGLang's
+native `/generate`: `--model tiny-dsa --tp 2 --layout auto`, and `--model tiny-glm5 --tp 2` (shared
+indexer layers) with forced live switches, each against its single-rank server's greedy tokens."""
 
 from __future__ import annotations
 
@@ -18,22 +19,20 @@ PROMPT = list(range(40, 90))  # 50 tokens: past tiny-dsa's index_topk of 16
 
 @pytest.fixture(scope="module")
 def servers():
-    common = ["--model", "tiny-dsa", "--dtype", "float64", "--tp", "2", "--max-num-seqs", "4",
-              "--num-kv-pages", "64"]
-    one = ServeProcess(["--model", "tiny-dsa", "--dtype", "float64", "--num-kv-pages", "64"])
+    common = ["--dtype", "float64", "--max-num-seqs", "4", "--num-kv-pages", "64"]
+    specs = [["--model", "tiny-dsa", *common],
+             ["--model", "tiny-dsa", "--tp", "2", *common, "--layout", "auto"],
+             ["--model", "tiny-glm5", *common],
+             ["--model", "tiny-glm5", "--tp", "2", *common, "--layout", "dp",
+              "--switch-schedule", "2:cp,4:dop,6:tp,8:dp"]]
+    started: list[ServeProcess] = []
     try:
-        auto = ServeProcess([*common, "--layout", "auto"])
-        try:
-            sched = ServeProcess([*common, "--layout", "dp", "--switch-schedule", "2:cp,4:dop,6:tp,8:dp"])
-        except BaseException:
-            auto.close()
-            raise
-    except BaseException:
-        one.close()
-        raise
-    yield one, auto, sched
-    for s in (one, auto, sched):
-        s.close()
+        for args in specs:
+            started.append(ServeProcess(args))
+        yield tuple(started)
+    finally:
+        for srv in started:
+            srv.close()
 
 
 def _generate(url: str, ids: list[int], n: int) -> list[int]:
@@ -46,10 +45,9 @@ def _generate(url: str, ids: list[int], n: int) -> list[int]:
 
 
 def test_openai_and_native_apis_agree_in_every_layout_and_across_switches(servers):
-    one, auto, sched = servers
-    want = _generate(one.url, PROMPT, 12)
-    for srv in (auto, sched):
-        assert _generate(srv.url, PROMPT, 12) == want
+    one, auto, one_glm, sched = servers
+    for ref, srv in ((one, auto), (one_glm, sched)):
+        assert _generate(srv.url, PROMPT, 12) == _generate(ref.url, PROMPT, 12)
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         out = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPT, max_tokens=12,
                                    temperature=0, extra_body={"ignore_eos": True})
@@ -60,7 +58,7 @@ def test_openai_and_native_apis_agree_in_every_layout_and_across_switches(server
 
 
 def test_metrics_count_the_indexer_cache(servers):
-    _, auto, _ = servers
+    auto = servers[1]
     text = httpx.get(auto.url + "/metrics", timeout=30).text
     samples = {(s.name, s.labels.get("store")): s.value for f in text_string_to_metric_families(text)
                for s in f.samples if s.name == "splash:kv_bytes_per_token"}
