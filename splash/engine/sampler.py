@@ -74,7 +74,7 @@ class Sampler:
 
         tokens = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-        kept: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # row -> (filtered, order, choice)
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (its filtered sorted logits, order)
         if rand:
             idx = torch.tensor(rand, device=logits.device)
             temp = torch.tensor([rows[i].params.temperature for i in rand], dtype=logits.dtype,
@@ -95,7 +95,7 @@ class Sampler:
             tokens[idx] = order.gather(1, choice).squeeze(1)
             for j, i in enumerate(rand):
                 if rows[i].params.return_top_p_token_ids:
-                    kept[i] = (filtered[j], order[j], int(choice[j]))
+                    kept[i] = (filtered[j], order[j])
 
         token_list = tokens.tolist()
         out = [Sampled(token_id=t) for t in token_list]
@@ -106,8 +106,7 @@ class Sampler:
                                     f[1][torch.isfinite(f[0])].tolist())
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if want:
-            lp = torch.stack([_logprob_row(raw[i], logits[i], r.params, kept.get(i))
-                              for i in want for r in (rows[i],)])
+            lp = _logprobs(raw, logits, rows, want, kept)
             kmax = max(rows[i].params.logprobs or 0 for i in want)
             top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
             for j, i in enumerate(want):
@@ -121,16 +120,28 @@ class Sampler:
         return out
 
 
-def _logprob_row(raw: torch.Tensor, masked: torch.Tensor, p: SamplingParams,
-                 kept: tuple[torch.Tensor, torch.Tensor, int] | None) -> torch.Tensor:
-    """The distribution a request's logprobs are of, over the vocabulary. Raw logits by default (vLLM's
-    default); `logprob_temperature` (SGLang's /generate): the distribution drawn from before top-k/top-p,
-    i.e. after min_tokens masking and temperature; `return_top_p_token_ids` too: that distribution
-    renormalised over the kept set, as an RL trainer replaying the truncation computes it."""
-    if not p.logprob_temperature:
-        return torch.log_softmax(raw, dim=-1)
-    if kept is not None:
-        filtered, order, _ = kept
-        out = torch.full_like(masked, float("-inf"))
-        return out.scatter_(0, order, torch.log_softmax(filtered, dim=-1))
-    return torch.log_softmax(masked / p.temperature if not p.greedy else masked, dim=-1)
+def _logprobs(raw: torch.Tensor, masked: torch.Tensor, rows: Sequence[SampleRow], want: list[int],
+              kept: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """[len(want), V]: the distribution each row's logprobs are of, one batched op per kind of row. Raw
+    logits by default (vLLM's default); `logprob_temperature` (SGLang's /generate): the distribution drawn
+    from before top-k/top-p, i.e. after min_tokens masking and temperature; `return_top_p_token_ids` too:
+    that distribution renormalised over the kept set, as an RL trainer replaying the truncation does."""
+    out = torch.empty(len(want), raw.shape[1], dtype=raw.dtype, device=raw.device)
+    plain = [j for j, i in enumerate(want) if not rows[i].params.logprob_temperature]
+    scaled = [j for j, i in enumerate(want) if rows[i].params.logprob_temperature and i not in kept]
+    trunc = [j for j, i in enumerate(want) if rows[i].params.logprob_temperature and i in kept]
+    dev = raw.device
+    if plain:
+        idx = torch.tensor([want[j] for j in plain], device=dev)
+        out[plain] = torch.log_softmax(raw.index_select(0, idx), dim=-1)
+    if scaled:
+        idx = torch.tensor([want[j] for j in scaled], device=dev)
+        temp = torch.tensor([rows[want[j]].params.temperature or 1.0 for j in scaled], dtype=raw.dtype,
+                            device=dev)
+        out[scaled] = torch.log_softmax(masked.index_select(0, idx) / temp.unsqueeze(1), dim=-1)
+    if trunc:
+        filtered = torch.stack([kept[want[j]][0] for j in trunc])
+        order = torch.stack([kept[want[j]][1] for j in trunc])
+        out[trunc] = torch.full_like(filtered, float("-inf")).scatter_(
+            1, order, torch.log_softmax(filtered, dim=-1))
+    return out
