@@ -262,3 +262,37 @@ def test_dsa_model_shares_indexer_keys(tmp_path):
         eng.shutdown()
     assert not errors, errors[:5]
     assert [done[f"{r}-{i}"].outputs[0].token_ids for r in range(2) for i in range(5)] == ref * 2
+
+
+def test_server_reports_cached_tokens():
+    """`splash serve --enable-prefix-caching`: a repeated prompt's usage says how much came from the cache
+    (OpenAI's prompt_tokens_details.cached_tokens, the native meta_info.cached_tokens), /metrics counts
+    queries and hits, /flush_cache empties it."""
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+    from serve_utils import ServeProcess
+
+    srv = ServeProcess(["--model", "tiny", "--dtype", "float32", "--num-kv-pages", "32",
+                        "--max-num-seqs", "4", "--enable-prefix-caching"])
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        model = c.models.list().data[0].id
+        prompt = list(range(40, 90))
+        first = c.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0)
+        again = c.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        # 3 full pages of 16 of the 50 tokens; the page with the last token stays the request's own
+        assert again.usage.prompt_tokens_details.cached_tokens == 48
+        assert again.choices[0].text == first.choices[0].text
+        r = httpx.post(srv.url + "/generate", json={"input_ids": prompt, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 2}}, timeout=60).json()
+        assert r["meta_info"]["cached_tokens"] == 48
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert got["splash:prefix_cache_hits_total"] == 96 and got["splash:prefix_cache_queries_total"] == 150
+        assert httpx.post(srv.url + "/flush_cache", timeout=30).status_code == 200
+        again = c.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        srv.close()

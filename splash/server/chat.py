@@ -82,8 +82,7 @@ async def _full(serving: Serving, req: ChatCompletionRequest, prompt, params, ri
         lp = chat_logprobs(serving, o, 0, params.logprobs) if params.logprobs is not None else None
         choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text), logprobs=lp,
                                   finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-    usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
-                      total_tokens=len(prompt) + completion_tokens)
+    usage = UsageInfo.of(len(prompt), completion_tokens, final.num_cached_tokens)
     resp = ChatCompletionResponse(id=rid, created=created, model=serving.model_name, choices=choices,
                                   usage=usage)
     return JSONResponse(resp.model_dump())
@@ -94,7 +93,7 @@ async def _stream(serving: Serving, req: ChatCompletionRequest, prompt, params, 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
-    completion_tokens = 0
+    completion_tokens = cached = 0
 
     def chunk(choice: ChatStreamChoice) -> str:
         return sse(stream_chunk("chat.completion.chunk", rid, created, serving.model_name, [choice], None,
@@ -106,6 +105,7 @@ async def _stream(serving: Serving, req: ChatCompletionRequest, prompt, params, 
     async with contextlib.aclosing(serving.generate([prompt], [params], rid)) as gen:
         async for _, out in gen:
             completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+            cached = out.num_cached_tokens
             for o in out.outputs:
                 t0, k0 = sent_text.get(o.index, 0), sent_tokens.get(o.index, 0)
                 if t0 < 0:
@@ -122,7 +122,6 @@ async def _stream(serving: Serving, req: ChatCompletionRequest, prompt, params, 
                                                  finish_reason=o.finish_reason))
                     sent_text[o.index] = -1
     if include_usage:
-        usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
-                          total_tokens=len(prompt) + completion_tokens)
+        usage = UsageInfo.of(len(prompt), completion_tokens, cached)
         yield sse(stream_chunk("chat.completion.chunk", rid, created, serving.model_name, [], usage, True))
     yield DONE

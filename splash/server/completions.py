@@ -133,9 +133,8 @@ async def _full(serving: Serving, req: CompletionRequest, prompts, params, rid: 
             choices.append(CompletionChoice(index=i * req.n + o.index, text=text, logprobs=lp,
                                             finish_reason=o.finish_reason, stop_reason=o.stop_reason))
     choices.sort(key=lambda c: c.index)
-    prompt_tokens = sum(len(p) for p in prompts)
-    usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                      total_tokens=prompt_tokens + completion_tokens)
+    usage = UsageInfo.of(sum(len(p) for p in prompts), completion_tokens,
+                         sum(out.num_cached_tokens for out in final.values()))
     resp = CompletionResponse(id=rid, created=created, model=serving.model_name, choices=choices,
                               usage=usage)
     return JSONResponse(resp.model_dump())
@@ -149,6 +148,7 @@ async def _stream(serving: Serving, req: CompletionRequest, prompts, params, rid
     sent_tokens: dict[int, int] = {}
     offsets: dict[int, int] = {}
     tokens_by_prompt: dict[int, int] = {}
+    cached_by_prompt: dict[int, int] = {}
 
     def chunk(choice: CompletionChoice) -> str:
         return sse(stream_chunk("text_completion", rid, created, serving.model_name, [choice], None,
@@ -158,6 +158,7 @@ async def _stream(serving: Serving, req: CompletionRequest, prompts, params, rid
         async for i, out in gen:
             outs = [_generated(req, o) for o in out.outputs]
             tokens_by_prompt[i] = sum(len(o.token_ids) for o in outs)
+            cached_by_prompt[i] = out.num_cached_tokens
             for o in outs:
                 key = i * n + o.index
                 if echo and key not in sent_text:
@@ -182,7 +183,7 @@ async def _stream(serving: Serving, req: CompletionRequest, prompts, params, rid
                                                  stop_reason=o.stop_reason))
                     sent_text[key] = -1
     if include_usage:
-        pt, ct = sum(len(p) for p in prompts), sum(tokens_by_prompt.values())
-        usage = UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+        usage = UsageInfo.of(sum(len(p) for p in prompts), sum(tokens_by_prompt.values()),
+                             sum(cached_by_prompt.values()))
         yield sse(stream_chunk("text_completion", rid, created, serving.model_name, [], usage, True))
     yield DONE

@@ -146,10 +146,21 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> UsageInfo:
+        """OpenAI's usage, the prefix cache's hits in `prompt_tokens_details.cached_tokens`."""
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class ModelCard(_Response):
