@@ -4,7 +4,11 @@ RL frameworks (slime, verl's HTTP rollout, AReaL) drive SGLang through these rou
 out with each token's logprob, abort of one or all requests (each aborted response still ends with
 HTTP 200, the tokens it had and finish reason `abort`), and pause/continue around weight updates.
 Shapes follow SGLang: a single prompt with n = 1 answers one object `{text, output_ids, meta_info}`;
-a batch or n > 1 answers a list, prompt-major (index = prompt * n + sample).
+a batch or n > 1 answers a list, prompt-major (index = prompt * n + sample). So do the values slime
+trains on: logprobs of the distribution drawn from (temperature applied), renormalised over the kept set
+with `custom_params.return_top_p_token_ids` (whose ids/offsets come base64 int32), routed experts of
+every layer, input logprobs from `logprob_start_len`. The bodies are built by plain functions
+(`batch`, `result`, `objects`, `abort`, `pause`, ...) so `splash.Engine` returns the same ones.
 """
 
 from __future__ import annotations
