@@ -42,14 +42,14 @@ def pair(request, tmp_path_factory):
 def test_prefill_logits_and_selected_sets_match(pair, monkeypatch):
     path, ref, model = pair
     picked: dict[int, list[frozenset[int]]] = {}
-    orig = sparse.local_candidates
+    orig = sparse.subset_candidates
 
-    def spy(layer, s, rows, q_rows, ctx, k):
-        got = orig(layer, s, rows, q_rows, ctx, k)
+    def spy(layer, idx, rows, ctx, k):
+        got = orig(layer, idx, rows, ctx, k)
         picked[layer] = [frozenset(p for p in row if p >= 0) for row in got[1].tolist()]
         return got
 
-    monkeypatch.setattr(sparse, "local_candidates", spy)
+    monkeypatch.setattr(sparse, "subset_candidates", spy)
     checked = 0
     for n, seed in ((13, 0), (27, 1), (40, 2)):
         ids = _prompt(n, seed)

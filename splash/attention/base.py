@@ -106,13 +106,7 @@ class AttentionLayout(ABC):
         slice after slice. Here every key a slice sees is on this rank (one rank, TP, DP and DOP
         owners); CP overrides this with the merge of every rank's candidates."""
         assert sp.rows is not None
-        seqs = ctx.seqs if idx is None else [ctx.seqs[k] for k in idx]
-        dev = ctx.positions.device
-        parts = []
-        for s in seqs:
-            rows = torch.arange(s.row_start, s.row_start + s.num_new, device=dev)
-            parts.append(sparse.local_candidates(layer_idx, s, sp.rows, rows, ctx, sp.k)[2])
-        return torch.cat(parts) if parts else torch.zeros(0, sp.k, dtype=torch.long, device=dev)
+        return sparse.subset_candidates(layer_idx, idx, sp.rows, ctx, sp.k)[2]
 
     def forms(self, ctx: ForwardContext, key: str, idx: list[int] | None, mla: MLA, key_share: int = 1
               ) -> mha.FormSplit | None:

@@ -41,23 +41,14 @@ class CPLayout(AttentionLayout):
         the global top-k, which equals the one-rank selection; each rank then keeps the selected keys
         it holds as local slots (-1 for the others)."""
         assert sp.rows is not None
-        seqs = ctx.seqs if idx is None else [ctx.seqs[k] for k in idx]
-        dev, k, P = ctx.positions.device, sp.k, ctx.page_size
+        k, P = sp.k, ctx.page_size
         if ctx.world == 1:
             return super().select(layer_idx, idx, ctx, sp)
-        scores, pos, seg = [], [], []
-        for j, s in zip(range(len(ctx.seqs)) if idx is None else idx, seqs):
-            rows = torch.arange(s.row_start, s.row_start + s.num_new, device=dev)
-            sc, ps, _ = sparse.local_candidates(layer_idx, s, sp.rows, rows, ctx, k)
-            scores.append(sc)
-            pos.append(ps)
-            seg.append(torch.full((s.num_new,), j, dtype=torch.long, device=dev))
-        sc, ps = torch.cat(scores), torch.cat(pos)
+        sc, ps, _, seg = sparse.subset_candidates(layer_idx, idx, sp.rows, ctx, k)
         gpos = merge_candidates(ctx.comm.all_gather(sc.contiguous(), tag=layer_idx),
                                 ctx.comm.all_gather(ps.contiguous(), tag=layer_idx), k)
-        held = ctx.page_table[torch.cat(seg)[:, None], (gpos // P).clamp(min=0)]  # this rank's page, or -1
+        held = ctx.page_table[seg[:, None], (gpos // P).clamp(min=0)]  # this rank's page, or -1
         return torch.where((gpos >= 0) & (held >= 0), held * P + gpos % P, -1)
-
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:

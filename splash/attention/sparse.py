@@ -84,7 +84,7 @@ class SparseStep:
 def rows_of(ctx: ForwardContext, idx: list[int] | None) -> torch.Tensor:
     """Step rows of the slices `idx` (None: all), slice after slice."""
     if idx is None:
-        return torch.arange(ctx.num_rows, device=ctx.positions.device)
+        return torch.arange(ctx.positions.shape[0], device=ctx.positions.device)
     seqs = ctx.seqs
     parts = [torch.arange(seqs[k].row_start, seqs[k].row_start + seqs[k].num_new) for k in idx]
     out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
@@ -151,6 +151,34 @@ def local_candidates(layer: int, s: SliceCtx, rows: IndexRows, q_rows: torch.Ten
     best, col = top_keys(sc, k)
     miss = torch.isinf(best)
     return best, pos[col].masked_fill(miss, -1), slots[col].masked_fill(miss, -1)
+
+
+def subset_candidates(layer: int, idx: list[int] | None, rows: IndexRows, ctx: ForwardContext, k: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`local_candidates` of every slice of `idx` (None: all), rows slice after slice, plus each row's
+    slice (its index in ctx.seqs). On CPU one native call covers the whole subset (each row over its own
+    row of the step's page table), so a decode batch pays the call once per layer, not per request."""
+    seqs = ctx.seqs
+    ks = list(range(len(seqs))) if idx is None else list(idx)
+    dev = ctx.positions.device
+    q_rows = rows_of(ctx, idx)
+    seg = torch.repeat_interleave(torch.tensor(ks, dtype=torch.long),
+                                  torch.tensor([seqs[j].num_new for j in ks], dtype=torch.long)).to(dev)
+    kv = ctx.kv
+    if kv is not None and ctx.page_table is not None and ks:
+        store = kv.store_flat("index_k", layer)
+        if index_kernel(rows.q, store) == "native":
+            sc, ps, sl = native.index_topk(rows.q, rows.w, store, kv.page_size, ctx.page_table, ctx.positions,
+                                           k, rows=q_rows, row_seq=seg)
+            return sc, ps, sl, seg
+    if not ks:
+        neg = torch.zeros(0, k, dtype=torch.long, device=dev)
+        return torch.zeros(0, k, dtype=rows.w.dtype, device=dev), neg, neg.clone(), seg
+    parts = [local_candidates(layer, seqs[j], rows, torch.arange(seqs[j].row_start,
+                                                                  seqs[j].row_start + seqs[j].num_new,
+                                                                  device=dev), ctx, k) for j in ks]
+    return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+            torch.cat([p[2] for p in parts]), seg)
 
 
 def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor,
