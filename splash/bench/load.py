@@ -127,16 +127,28 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(a.seed)
         lens = [a.long_input_len if a.long_fraction > 0 and rng.random() < a.long_fraction else a.input_len
                 for _ in range(a.num_prompts)]
-        prompts = [[rng.randrange(int(vocab)) for _ in range(n)] for n in lens]
+        from splash.bench.workloads import cache_counters, conversations
+
+        workload = getattr(a, "workload", "random")
+        if workload == "random":
+            prompts = [[rng.randrange(int(vocab)) for _ in range(n)] for n in lens]
+            convs = [[p] for p in prompts]
+        else:
+            convs = conversations(workload, a.num_prompts, a.input_len, int(vocab), a.seed,
+                                  group_size=getattr(a, "group_size", 8), turns=getattr(a, "turns", 4),
+                                  turn_len=getattr(a, "turn_len", 64))
+            if max_len and max(len(c[-1]) for c in convs) + a.output_len > max_len:
+                raise RuntimeError(f"the last turn + --output-len exceeds the model's context ({max_len})")
+        before = await _metrics(client)
         delays, t = [], 0.0
-        for _ in prompts:
+        for _ in convs:
             delays.append(t)
             if math.isfinite(a.request_rate):
                 t += rng.expovariate(a.request_rate)
         sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
         from splash.progress import progress_bar
 
-        bar = progress_bar(a.num_prompts, "requests", "req", disable=a.disable_tqdm)
+        bar = progress_bar(sum(len(c) for c in convs), "requests", "req", disable=a.disable_tqdm)
         wall0, start = time.time(), time.perf_counter()
 
         async def send(ids: list[int], delay: float) -> RequestResult:
@@ -151,13 +163,42 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
             bar.update(1)
             return r
 
-        results = await asyncio.gather(*(send(p, d) for p, d in zip(prompts, delays)))
+        peak = {"kv_usage": 0.0}
+        done = asyncio.Event()
+
+        async def watch() -> None:  # KV in use at peak: the server's usage gauge, sampled
+            while not done.is_set():
+                got = cache_counters(await _metrics(client) or "")
+                peak["kv_usage"] = max(peak["kv_usage"], got.get("kv_usage", 0.0))
+                try:
+                    await asyncio.wait_for(done.wait(), 0.5)
+                except TimeoutError:
+                    pass
+
+        async def converse(conv: list[list[int]], delay: float) -> list[RequestResult]:
+            out = [await send(conv[0], delay)]
+            for p in conv[1:]:  # the next turn once the previous one has finished
+                out.append(await send(p, 0.0))
+            return out
+
+        watcher = asyncio.create_task(watch())
+        per_conv = await asyncio.gather(*(converse(c, d) for c, d in zip(convs, delays)))
+        results = [r for rs in per_conv for r in rs]
         duration = time.perf_counter() - start
+        done.set()
+        await watcher
         bar.close()
+        after = cache_counters(await _metrics(client) or "")
+        base = cache_counters(before or "")
         from splash.bench.serve_switches import fetch_events, switch_stalls
 
         events = await fetch_events(client)
     out = summarize(a, card["id"], results, duration)
+    out["workload"] = workload
+    q = after.get("prefix_cache_queries", 0.0) - base.get("prefix_cache_queries", 0.0)
+    h = after.get("prefix_cache_hits", 0.0) - base.get("prefix_cache_hits", 0.0)
+    out["prefix_cache_hit_rate"] = h / q if q > 0 else None
+    out["peak_kv_usage"] = peak["kv_usage"]
     gaps = delivery_gaps(results, start)
     out["max_itl_ms"] = max((g for _, g in gaps), default=0.0) * 1e3  # the worst stall
     if events:
@@ -165,6 +206,15 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
     if getattr(a, "peer", None):  # side by side: every ITL with when it ended, for the ITL-over-time plot
         out["itl_timeline"] = itl_timeline(results, start)
     return out
+
+
+async def _metrics(client: httpx.AsyncClient) -> str | None:
+    """The server's Prometheus page, or None where it has none."""
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    return r.text if r.status_code == 200 else None
 
 
 def delivery_gaps(results: list[RequestResult], start: float) -> list[tuple[float, float]]:
@@ -230,6 +280,11 @@ def format_table(r: dict[str, Any]) -> str:
         row(f"Median {name} (ms):", r[f"median_{key}_ms"])
         row(f"P99 {name} (ms):", r[f"p99_{key}_ms"])
     row("Max ITL (ms):", r.get("max_itl_ms", 0.0))
+    if r.get("workload", "random") != "random" or r.get("prefix_cache_hit_rate") is not None:
+        lines.append("{s:{c}^{n}}".format(s=f"Workload: {r.get('workload')}", n=w + 12, c="-"))
+        hit = r.get("prefix_cache_hit_rate")
+        row("Prefix cache hit rate (tokens):", "n/a" if hit is None else f"{hit:.1%}", "<10")
+        row("Peak KV cache usage:", f"{r.get('peak_kv_usage', 0.0):.1%}", "<10")
     if r.get("num_switches"):
         lines.append("{s:{c}^{n}}".format(s="Live layout switches", n=w + 12, c="-"))
         row("Switches during the load:", r["num_switches"], "<10")

@@ -40,6 +40,14 @@ def register(kinds: argparse._SubParsersAction) -> None:
                    help="a mixed workload: this prompt length for --long-fraction of the requests")
     p.add_argument("--long-fraction", type=float, default=0.0,
                    help="share of requests with --long-input-len prompts (seeded draw; default 0)")
+    from splash.bench.workloads import WORKLOADS
+
+    p.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="random prompts (default); grpo: groups of --group-size requests with one prompt; "
+                        "multiturn: conversations of --turns turns, each resending the history")
+    p.add_argument("--group-size", type=int, default=8, help="grpo: samples per prompt (separate requests)")
+    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument("--turn-len", type=int, default=64, help="multiturn: new tokens per turn")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrival rate in requests/s (default inf: send all at once)")
     p.add_argument("--max-concurrency", type=int, default=None,
