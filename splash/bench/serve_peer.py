@@ -46,6 +46,9 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
                         "are the per-metric medians over rounds, each round's listed (default 1)")
     p.add_argument("--plot", default=None, metavar="FILE", type=output_file,
                    help="with --peer: write the inter-token latency over time of both servers (PNG)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --peer: both servers' prefix cache on or off (default: on for --workload "
+                        "grpo|multiturn, else each server's own default)")
 
 
 def check_args(a: argparse.Namespace) -> str | None:
@@ -75,7 +78,17 @@ def splash_command(a: argparse.Namespace, port: int, name: str) -> list[str]:
         cmd += ["--layout", a.layout]
     if a.api_key:
         cmd += ["--api-key", a.api_key]
+    if _prefix_caching(a):
+        cmd += ["--enable-prefix-caching"]
     return cmd + ["--num-kv-pages", str(kv_pages_like_peer(a))]
+
+
+def _prefix_caching(a: argparse.Namespace) -> bool | None:
+    """Both servers' prefix cache: as asked, else on for the prefix-sharing workloads."""
+    on = getattr(a, "prefix_caching", None)
+    if on is None and getattr(a, "workload", "random") != "random":
+        on = True
+    return on
 
 
 def kv_pages_like_peer(a: argparse.Namespace) -> int:
@@ -103,6 +116,9 @@ def vllm_command(a: argparse.Namespace, py: str, path: str, port: int, name: str
         cmd += ["--tensor-parallel-size", str(a.tp)]
     if a.api_key:
         cmd += ["--api-key", a.api_key]
+    on = _prefix_caching(a)
+    if on is not None:
+        cmd += ["--enable-prefix-caching" if on else "--no-enable-prefix-caching"]
     return cmd
 
 
