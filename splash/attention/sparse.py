@@ -51,13 +51,12 @@ class SparseStep:
         self.topk = topk
         self.active = ctx.max_end > topk  # some query sees more keys than it may read
         self.k = min(topk, ctx.max_end)  # selected keys per row (padded with -1), the same on every rank
-        self.layer = -1
         self.rows: IndexRows | None = None
         self._sel: dict[str, torch.Tensor] = {}  # subset key -> [n, k] local slots (-1: none / not here)
 
     def begin(self, layer: int, rows: IndexRows | None, ctx: ForwardContext) -> None:
         """Layer `layer` is next: a full layer stores its new index keys and selects afresh."""
-        self.layer, self.rows = layer, rows
+        self.rows = rows
         if rows is None:
             if not self._sel and self.active and layer == 0:
                 raise RuntimeError("a shared DSA layer needs an earlier layer with an indexer")

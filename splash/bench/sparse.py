@@ -53,19 +53,16 @@ def decode_rate(path: str, args: argparse.Namespace, context: int) -> dict[str, 
     """Prefill `args.batch` random prompts of `context` tokens, then time `args.output_len` decode steps."""
     from splash.bench.workload import random_prompts
     from splash.commands.generate import engine_kwargs
-    from splash.engine.build import build_engine
     from splash.engine.sampling import SamplingParams
+    from splash.llm import LLM
 
     kw = engine_kwargs(args)
     kw.update(model=path, max_num_seqs=max(args.batch, 1),
               max_model_len=context + args.output_len + 1,
               num_kv_pages=args.batch * (-(-(context + args.output_len + 1) // args.page_size)) + 4)
     kw["memory_per_rank"] = None
-    if kw.pop("enforce_eager", False):
-        from splash.attention import native
-
-        native.set_enabled(False)
-    eng = build_engine(**kw)
+    llm = LLM(**kw)  # (LLM applies --enforce-eager as everywhere else)
+    eng = llm.llm_engine
     try:
         prompts = random_prompts(args.batch, context, eng.vocab_size or 256, args.seed)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -81,7 +78,7 @@ def decode_rate(path: str, args: argparse.Namespace, context: int) -> dict[str, 
             steps += 1
         t2 = time.perf_counter()
     finally:
-        eng.shutdown()
+        llm.shutdown()
     return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_steps": steps,
             "decode_tokens_per_s": args.batch * steps / (t2 - t1) if steps else 0.0}
 

@@ -58,7 +58,3 @@ def values_per_token(cfg: ModelConfig) -> int:
     """KV values one token takes over all layers and per-token stores (latent + indexer keys)."""
     return sum(s.values_per_token for s in token_stores(cfg))
 
-
-def values_per_token_layer(cfg: ModelConfig, layer: int) -> int:
-    """KV values one token takes in `layer` (what a switch moves per token of that layer)."""
-    return sum(s.width for s in token_stores(cfg) if layer in s.layers)

@@ -196,13 +196,8 @@ class Scheduler:
         can hold it, or its next prefix page is being computed by another request (share that prefill).
         DP/DOP: the owner holding the longest prefix, unless that unbalances the owners beyond
         PREFIX_BALANCE (then the one owner rule, and what that owner has cached)."""
-        P, alloc = self.alloc.page_size, self.alloc
-        n = PrefixCache.reusable_pages(seq.num_tokens, P)
-        keys = seq.block_keys
-        if len(keys) < n:
-            prev = keys[-1] if keys else b""
-            keys += cache.keys(seq.token_slice(0, n * P), n, len(keys), prev)
-        keys = keys[:n]
+        alloc = self.alloc
+        keys = self._keys(seq, cache, PrefixCache.reusable_pages(seq.num_tokens, alloc.page_size))
         if not alloc.layout_row.owned:
             blocks, wait = cache.match(keys)
             return None if wait or not self._fits(cache, blocks, seq, 0) else (0, blocks)
@@ -239,15 +234,19 @@ class Scheduler:
         finally:
             cache.untake(blocks)
 
+    def _keys(self, seq: Sequence, cache: PrefixCache, n: int) -> list[bytes]:
+        """The chain keys of `seq`'s first `n` pages; those not yet known are hashed once and kept."""
+        keys, P = seq.block_keys, self.alloc.page_size
+        if len(keys) < n:
+            have = len(keys)
+            keys += cache.keys(seq.token_slice(have * P, n * P), n - have, keys[-1] if keys else b"")
+        return keys[:n]
+
     def _register(self, seq: Sequence, upto: int) -> None:
         """Offer `seq`'s pages [len(seq.cached_blocks), upto) to the prefix cache (their keys known)."""
         cache = self.alloc.cache
         assert cache is not None
-        P = self.alloc.page_size
-        keys = seq.block_keys
-        if len(keys) < upto:
-            prev = keys[-1] if keys else b""
-            keys += cache.keys(seq.token_slice(0, upto * P), upto, len(keys), prev)
+        keys = self._keys(seq, cache, upto)
         while len(seq.cached_blocks) < upto:
             j = len(seq.cached_blocks)
             b = cache.register(keys[j], j, [row[j] for row in seq.pages])
@@ -375,6 +374,7 @@ class Scheduler:
                     full = seq.num_computed // self.alloc.page_size
                     if full > len(seq.cached_blocks):  # generated pages too (a conversation's next turn)
                         self._register(seq, full)
-                    for b in seq.cached_blocks[:full]:
+                    # the pages this step completed: those from the one its first row fell in
+                    for b in seq.cached_blocks[sl.start // self.alloc.page_size:full]:
                         if b is not None:
                             b.ready = True

@@ -252,16 +252,15 @@ class SwitchController(AutoLayout):
         t0 = time.perf_counter()
         why = self.stranded(dst, live)
         cache = self.alloc.cache
-        if why is None and cache is not None:
-            shared = cache.shared_blocks()
-            if shared:
-                sw: Any = SwitchRefusal(cur, dst, "shared", f"{shared} prefix-cache pages are shared by live "
-                                        "requests, and a switch does not move shared pages yet")
-            else:
-                self.alloc.evict_all()  # unreferenced cached pages are dropped, not moved
-                sw = self._plan(dst, plan, live, mode)
+        shared = cache.shared_blocks() if why is None and cache is not None else 0
+        if why is not None:
+            sw: Any = SwitchRefusal(cur, dst, "request", why)
+        elif shared:
+            sw = SwitchRefusal(cur, dst, "shared", f"{shared} prefix-cache pages are shared by live "
+                               "requests, and a switch does not move shared pages yet")
         else:
-            sw = self._plan(dst, plan, live, mode) if why is None else SwitchRefusal(cur, dst, "request", why)
+            self.alloc.evict_all()  # unreferenced cached pages are dropped, not moved (no cache: a no-op)
+            sw = self._plan(dst, plan, live, mode)
         plan_s = time.perf_counter() - t0
 
         if isinstance(sw, SwitchRefusal):

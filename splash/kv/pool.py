@@ -81,10 +81,6 @@ class KVPool:
         """Every store's tensor, the latent first (page axis 1 in each)."""
         return [self.data, *self.extra.values()]
 
-    def has(self, name: str, i: int) -> bool:
-        """Whether layer i has store `name` (the latent: every layer)."""
-        return name == "latent" or i in self._rows.get(name, ())
-
     def store_flat(self, name: str, i: int) -> torch.Tensor:
         """View [num_pages * page_size, width] of store `name` in layer i."""
         if name == "latent":
@@ -96,25 +92,27 @@ class KVPool:
         if slots.numel():
             self.store_flat(name, i).index_copy_(0, slots, rows.to(self.dtype))
 
+    def _extra_of(self, i: int) -> list[tuple[str, int]]:
+        """(name, width) of the stores beside the latent that layer i has, in pool order."""
+        return [(n, self._widths[n]) for n in self.extra if i in self._rows[n]]
+
     def layer_width(self, i: int) -> int:
         """Values per token of layer i over every per-token store (what a switch moves per token)."""
-        return self.dim + sum(w for n, w in self._widths.items() if i in self._rows[n])
+        return self.dim + sum(w for _, w in self._extra_of(i))
 
     def read_rows(self, i: int, slots: torch.Tensor) -> torch.Tensor:
         """[k, layer_width(i)]: every store's values of layer i at `slots`, side by side (latent first)."""
         parts = [self.flat_layer(i).index_select(0, slots)]
-        parts += [self.store_flat(n, i).index_select(0, slots) for n in self.extra if i in self._rows[n]]
+        parts += [self.store_flat(n, i).index_select(0, slots) for n, _ in self._extra_of(i)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def write_rows(self, i: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """The inverse of `read_rows`: rows [k, layer_width(i)] split back into the stores of layer i."""
         self.write(i, slots, rows[:, :self.dim])
         at = self.dim
-        for n in self.extra:
-            if i in self._rows[n]:
-                w = self._widths[n]
-                self.write_store(n, i, slots, rows[:, at:at + w])
-                at += w
+        for n, w in self._extra_of(i):
+            self.write_store(n, i, slots, rows[:, at:at + w])
+            at += w
 
     def release(self) -> tuple[torch.Size, ...]:
         """Free every store's memory (shapes returned for `restore`)."""

@@ -54,11 +54,11 @@ class PrefixCache:
         self.hits = 0  # of those, tokens found (vLLM's prefix_cache_hits)
 
     # ---- keys -------------------------------------------------------------------------------------
-    def keys(self, tokens: Sequence[int], pages: int, start: int = 0, prev: bytes = b"") -> list[bytes]:
-        """Chain keys of pages start .. pages-1 of `tokens` (prev: the key of page start-1)."""
+    def keys(self, tokens: Sequence[int], pages: int, prev: bytes = b"") -> list[bytes]:
+        """Chain keys of the first `pages` full pages of `tokens` (prev: the key of the page before)."""
         P, out = self.page_size, []
-        arr = np.asarray(tokens[start * P:pages * P], dtype=np.int64)
-        for j in range(pages - start):
+        arr = np.asarray(tokens[:pages * P], dtype=np.int64)
+        for j in range(pages):
             prev = hashlib.blake2b(prev + arr[j * P:(j + 1) * P].tobytes(), digest_size=16).digest()
             out.append(prev)
         return out
@@ -82,11 +82,6 @@ class PrefixCache:
                 return got, True
             got.append(b)
         return got, False
-
-    def owner_of(self, block: Block) -> int | None:
-        """The one rank holding `block` when a single rank does (DP/DOP owner, CP position), else None."""
-        held = [r for r, p in enumerate(block.column) if p >= 0]
-        return held[0] if len(held) == 1 else None
 
     # ---- references -------------------------------------------------------------------------------
     def take(self, blocks: Sequence[Block]) -> None:
