@@ -77,7 +77,11 @@ def build_checkpoint(path: str | os.PathLike[str], kind: str = "v3", seed: int =
     from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
     cfg = hf_config(kind, **overrides)
-    cls = DeepseekV3ForCausalLM if kind == "v3" else DeepseekV2ForCausalLM
+    return save_random(DeepseekV3ForCausalLM if kind == "v3" else DeepseekV2ForCausalLM, cfg, path, seed)
+
+
+def save_random(cls: Any, cfg: Any, path: str | os.PathLike[str], seed: int) -> str:
+    """transformers model `cls(cfg)` in float64 with `_init_`'s seeded weights, saved to `path`."""
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float64)
     _init_(model, seed)

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 
 try:
-    from helpers_ckpt import BASE, _init_, hf_greedy, hf_logits  # noqa: F401  (re-exported)
+    from helpers_ckpt import BASE, _init_, hf_greedy, hf_logits, hf_reference, save_random  # noqa: F401
 except ImportError:  # imported as tests.helpers_dsa
-    from tests.helpers_ckpt import BASE, _init_, hf_greedy, hf_logits  # noqa: F401
+    from tests.helpers_ckpt import BASE, _init_, hf_greedy, hf_logits, hf_reference, save_random  # noqa: F401
 
 # BASE (helpers_ckpt: d_rope = 32, 32 experts so the float32 router has no scalar tail) plus V3's q_lora and
 # grouped noaux_tc routing, and an indexer: index_head_dim must be >= qk_rope_head_dim (the indexer rotates
@@ -82,25 +82,15 @@ def build_dsa_checkpoint(path: str | os.PathLike[str], kind: str = "v32", seed: 
     1 + 0.1 N (the indexer's LayerNorm k_norm weight too), 1-D tensors 0.1 N (k_norm's bias)."""
     from transformers import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 
-    cfg = hf_dsa_config(kind, **overrides)
     cls = GlmMoeDsaForCausalLM if kind == "glm" else DeepseekV32ForCausalLM
-    torch.manual_seed(seed)
-    model = cls(cfg).to(torch.float64)
-    _init_(model, seed)
-    path = os.fspath(path)
-    model.save_pretrained(path)
-    return path
+    return save_random(cls, hf_dsa_config(kind, **overrides), path, seed)
 
 
 def hf_dsa_reference(path: str | os.PathLike[str]):
-    """transformers' DSA model in float64: eager experts (the fused kernels lack float64 on CPU), sdpa
-    attention (eager takes the softmax in float32; flash / flex are not supported by these models). The
-    indexer runs in both; with eager / sdpa its top-k becomes part of the attention mask."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float64,
-                                             experts_implementation="eager", attn_implementation="sdpa")
-    return m.eval()
+    """transformers' DSA model in float64, loaded as helpers_ckpt.hf_reference loads every model (eager
+    experts, sdpa attention: flash / flex are not supported by these models). The indexer runs in both
+    attention paths; with eager / sdpa its top-k becomes part of the attention mask."""
+    return hf_reference(path)
 
 
 def _layer_types(model) -> list[str]:

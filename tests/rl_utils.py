@@ -1,5 +1,6 @@
-"""Shared by the RL tests: transformers' greedy tokens, logprobs and routed experts of a checkpoint, and
-a stand-in trainer that broadcasts a checkpoint's tensors over a weight-update group."""
+"""Shared by the RL tests: transformers' greedy tokens, logprobs and routed experts of a checkpoint, the
+two checkpoints they switch between, and a stand-in trainer that broadcasts a checkpoint's tensors over
+a weight-update group."""
 
 from __future__ import annotations
 
@@ -7,10 +8,17 @@ import threading
 from collections.abc import Callable
 
 import torch
-from helpers_ckpt import hf_logits, hf_reference
+from helpers_ckpt import build_checkpoint, hf_logits, hf_reference
 from safetensors.torch import load_file
 
 from splash.dist.weight_group import join_group
+
+
+def two_checkpoints(tmp_path_factory, prompts: list[list[int]], new: int) -> dict:
+    """The RL tests' checkpoints A (seed 0) and B (seed 1), each with its `reference` for `prompts`."""
+    a = build_checkpoint(tmp_path_factory.mktemp("A"), "v3", seed=0)
+    b = build_checkpoint(tmp_path_factory.mktemp("B"), "v3", seed=1)
+    return {"A": (a, reference(a, prompts, new)), "B": (b, reference(b, prompts, new))}
 
 
 def reference(path: str, prompts: list[list[int]], new: int

@@ -13,7 +13,7 @@ from helpers_ckpt import Seq, SimpleRunner
 from helpers_dsa import build_dsa_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_fp8_load import BLOCK, FP8, _dequantise, _quantise
+from test_fp8_load import BLOCK, FP8, quantised
 
 from splash.model import load_model
 
@@ -48,14 +48,7 @@ def test_fp8_sharded_dsa_checkpoint(tmp_path, kind):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     with open(os.path.join(orig, "config.json")) as f:
         cfg = json.load(f)
-    fp8, deq = {}, {}
-    for k, v in tensors.items():
-        if k.endswith(QUANTISED):
-            q, s = _quantise(v)
-            fp8[k], fp8[k + "_scale_inv"] = q, s
-            deq[k] = _dequantise(q, s)
-        else:
-            fp8[k] = deq[k] = v
+    fp8, deq = quantised(tensors, lambda k: k.endswith(QUANTISED))
     assert any(".indexer.wk.weight_scale_inv" in k for k in fp8)
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
           "weight_block_size": [BLOCK, BLOCK]}

@@ -44,6 +44,20 @@ def _dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.double() * s
 
 
+def quantised(tensors: dict[str, torch.Tensor], quantise) -> tuple[dict, dict]:
+    """(the checkpoint as the hub ships it: FP8 + `_scale_inv` for the names `quantise` accepts, the same
+    dequantised in float64)."""
+    fp8, deq = {}, {}
+    for k, v in tensors.items():
+        if quantise(k):
+            q, s = _quantise(v)
+            fp8[k], fp8[k + "_scale_inv"] = q, s
+            deq[k] = _dequantise(q, s)
+        else:
+            fp8[k] = deq[k] = v
+    return fp8, deq
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """(original, fp8, dequantised) checkpoint dirs; dims > 128 so blocks are both whole and partial."""
@@ -51,14 +65,7 @@ def ckpts(tmp_path_factory):
     orig = build_checkpoint(root / "orig", "v3", seed=2, hidden_size=160, intermediate_size=272)
     with safe_open(os.path.join(orig, "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    fp8, deq = {}, {}
-    for k, v in tensors.items():
-        if QUANTISED.match(k):
-            q, s = _quantise(v)
-            fp8[k], fp8[k + "_scale_inv"] = q, s
-            deq[k] = _dequantise(q, s)
-        else:
-            fp8[k] = deq[k] = v
+    fp8, deq = quantised(tensors, QUANTISED.match)
     with open(os.path.join(orig, "config.json")) as f:
         cfg = json.load(f)
     out = {}

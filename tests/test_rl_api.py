@@ -15,8 +15,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from helpers_ckpt import build_checkpoint
-from rl_utils import Trainer, reference
+from rl_utils import Trainer, two_checkpoints
 from serve_utils import ServeProcess
 
 from splash.dist.launch import free_port
@@ -34,9 +33,7 @@ TOL = 1e-9
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    a = build_checkpoint(tmp_path_factory.mktemp("A"), "v3", seed=0)
-    b = build_checkpoint(tmp_path_factory.mktemp("B"), "v3", seed=1)
-    return {"A": (a, reference(a, PROMPTS, NEW)), "B": (b, reference(b, PROMPTS, NEW))}
+    return two_checkpoints(tmp_path_factory, PROMPTS, NEW)
 
 
 @pytest.fixture(scope="module")

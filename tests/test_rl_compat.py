@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from helpers_ckpt import build_checkpoint, hf_logits, hf_reference
-from rl_utils import reference
+from helpers_ckpt import hf_logits, hf_reference
+from rl_utils import two_checkpoints
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
@@ -42,9 +42,7 @@ SENDER = Path(__file__).with_name("tensor_sender.py")
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    a = build_checkpoint(tmp_path_factory.mktemp("A"), "v3", seed=0)
-    b = build_checkpoint(tmp_path_factory.mktemp("B"), "v3", seed=1)
-    return {"A": (a, reference(a, PROMPTS, NEW)), "B": (b, reference(b, PROMPTS, NEW))}
+    return two_checkpoints(tmp_path_factory, PROMPTS, NEW)
 
 
 @pytest.fixture(scope="module")

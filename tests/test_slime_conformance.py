@@ -30,8 +30,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers_ckpt import build_checkpoint, hf_logits, hf_reference
-from rl_utils import reference
+from helpers_ckpt import hf_logits, hf_reference
+from rl_utils import two_checkpoints
 from serve_utils import ServeProcess
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
@@ -45,9 +45,7 @@ SENDER = Path(__file__).with_name("tensor_sender.py")
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    a = build_checkpoint(tmp_path_factory.mktemp("A"), "v3", seed=0)
-    b = build_checkpoint(tmp_path_factory.mktemp("B"), "v3", seed=1)
-    return {"A": (a, reference(a, PROMPTS, NEW)), "B": (b, reference(b, PROMPTS, NEW))}
+    return two_checkpoints(tmp_path_factory, PROMPTS, NEW)
 
 
 @pytest.fixture(scope="module")
