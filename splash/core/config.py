@@ -18,9 +18,12 @@ DTYPE_ALIASES: dict[str, str] = {
     "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
     "float8": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8",
 }
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa", "kimi_linear")
 # DeepSeek Sparse Attention (DSA): MLA plus a lightning indexer per layer (SPEC §9).
 SPARSE_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# Hybrids: MLA layers interleaved with Kimi Delta Attention (KDA) layers, which keep a per-request
+# recurrent state instead of a per-token cache (SPEC §10).
+HYBRID_MODEL_TYPES = ("kimi_linear",)
 
 
 class ConfigError(ValueError):
@@ -96,6 +99,17 @@ class ModelConfig:
     # None with index_topk set: every layer full (V3.2).
     indexer_types: tuple[str, ...] | None = None
     index_rope_interleave: bool = False  # the indexer's rotary: V3.2 half-split, GLM-5 interleaved
+    # Hybrid linear attention (Kimi-Linear, GLM-5.3-Flash's shape): the 0-based layers that run KDA
+    # (Kimi Delta Attention) instead of MLA; None for pure MLA models. A KDA layer has
+    # linear_num_heads heads of linear_head_dim (q, k and v alike), short causal convolutions of
+    # linear_conv_kernel taps, and a per-request state [heads, d_k, d_v] plus conv states.
+    kda_layers: tuple[int, ...] | None = None
+    linear_num_heads: int = 0
+    linear_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    # False: the MLA layers apply no rotary embedding (Kimi-Linear's NoPE MLA; the d_r part of the
+    # keys is still shared and cached, just not rotated).
+    use_rope: bool = True
     # Checkpoint quantisation (e.g. DeepSeek-V3's FP8 128x128 block scales), as read from config.json.
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
 
@@ -126,6 +140,25 @@ class ModelConfig:
         return tuple(i for i in range(self.num_hidden_layers) if self.indexer_type(i) == "full")
 
     @property
+    def is_hybrid(self) -> bool:
+        """MLA layers interleaved with KDA layers (per-request recurrent state)."""
+        return bool(self.kda_layers)
+
+    def layer_kind(self, layer: int) -> str:
+        """"mla" or "kda": what the attention of `layer` is."""
+        return "kda" if self.kda_layers and layer in self.kda_layers else "mla"
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        """Layers with MLA attention, hence with a latent cache (every layer unless hybrid)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.layer_kind(i) == "mla")
+
+    @property
+    def linear_qkv_dim(self) -> int:
+        """Width of a KDA layer's q (and k, v) projection: linear_num_heads x linear_head_dim."""
+        return self.linear_num_heads * self.linear_head_dim
+
+    @property
     def is_moe(self) -> bool:
         return bool(self.n_routed_experts)
 
@@ -152,6 +185,11 @@ class ModelConfig:
                 f"{self.name}: {self.num_attention_heads} attention heads cannot be split evenly over "
                 f"{ranks} ranks; choose a rank count that divides {self.num_attention_heads}"
             )
+        if self.is_hybrid and self.linear_num_heads % ranks:
+            raise ConfigError(
+                f"{self.name}: {self.linear_num_heads} KDA heads cannot be split evenly over {ranks} "
+                f"ranks; choose a rank count that divides {self.linear_num_heads}"
+            )
 
     def replace(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)
@@ -168,6 +206,9 @@ class ModelConfig:
         text = d.get("text_config")
         if isinstance(text, dict) and "kv_lora_rank" not in d:
             d = {**d, **text}
+        hybrid = _hybrid_fields(d) if mt in HYBRID_MODEL_TYPES else {}
+        if hybrid:
+            d = {**d, **hybrid.pop("_aliases")}
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         missing = [k for k in required if d.get(k) is None]
@@ -233,6 +274,7 @@ class ModelConfig:
             pad_token_id=get("pad_token_id"),
             quantization_config=get("quantization_config"),
             **sparse,
+            **hybrid,
         )
 
     @classmethod
@@ -295,6 +337,59 @@ def _sparse_fields(d: dict[str, Any]) -> dict[str, Any]:
             types = None
     return {"index_topk": int(topk), "index_head_dim": int(dim), "index_n_heads": int(heads),
             "indexer_types": types, "index_rope_interleave": glm}
+
+
+def _hybrid_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The KDA fields of a kimi_linear config.json, validated, plus `_aliases`: Kimi's names for the
+    fields every MLA model has (num_experts, moe_renormalize, ...), mapped to DeepSeek's, and the dense
+    prefix its `mlp_layer_types` names. Layers are 1-based in `linear_attn_config` (as transformers
+    reads them) and `layer_types` wins when present."""
+    mt, n = d["model_type"], int(d["num_hidden_layers"])
+    lin = d.get("linear_attn_config") or {}
+    if not isinstance(lin, dict):
+        raise ConfigError(f"{mt}: linear_attn_config must be an object, got {lin!r}")
+    types = d.get("layer_types")
+    if types is None:
+        if "kda_layers" in lin and "full_attn_layers" in lin:
+            types = [None] * n
+            for i in lin["full_attn_layers"]:
+                types[int(i) - 1] = "full_attention"
+            for i in lin["kda_layers"]:
+                types[int(i) - 1] = "linear_attention"
+        else:
+            types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n or any(t not in ("full_attention", "linear_attention") for t in types):
+        raise ConfigError(f"{mt}: layer_types must name 'full_attention' or 'linear_attention' for each of "
+                          f"the {n} layers, got {list(types)!r}")
+    heads = lin.get("num_heads", d.get("linear_num_heads", 32))
+    dim = lin.get("head_dim", d.get("linear_head_dim", 128))
+    kernel = lin.get("short_conv_kernel_size", d.get("linear_conv_kernel_dim", 4))
+    for k, v in (("linear num_heads", heads), ("linear head_dim", dim), ("short_conv_kernel_size", kernel)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{mt} config field {k} must be a positive integer, got {v!r}")
+    kvh = d.get("num_key_value_heads")
+    if kvh is not None and kvh != d.get("num_attention_heads"):
+        raise ConfigError(f"{mt}: num_key_value_heads={kvh} differs from num_attention_heads; MLA has "
+                          "one latent for every head")
+    mlp = d.get("mlp_layer_types")
+    dense = int(d.get("first_k_dense_replace", 1) or 0)
+    if mlp is not None:
+        dense = next((i for i, t in enumerate(mlp) if t != "dense"), len(mlp))
+        if list(mlp) != ["dense"] * dense + ["sparse"] * (n - dense):
+            raise ConfigError(f"{mt}: mlp_layer_types must be dense layers then sparse ones, got {mlp!r}")
+    get = d.get
+    aliases = {
+        "n_routed_experts": get("n_routed_experts") or get("num_experts") or get("num_local_experts"),
+        "n_shared_experts": get("n_shared_experts") or get("num_shared_experts"),
+        "num_experts_per_tok": get("num_experts_per_tok") or get("num_experts_per_token"),
+        "norm_topk_prob": get("norm_topk_prob", get("moe_renormalize", True)),
+        "n_group": get("n_group") or get("num_expert_group") or 1,
+        "max_position_embeddings": get("max_position_embeddings") or get("model_max_length"),
+        "first_k_dense_replace": dense, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    }
+    kda = tuple(i for i, t in enumerate(types) if t == "linear_attention")
+    return {"kda_layers": kda or None, "linear_num_heads": int(heads), "linear_head_dim": int(dim),
+            "linear_conv_kernel": int(kernel), "use_rope": False, "_aliases": aliases}
 
 
 def _yarn(factor: float, orig: int, mscale: float, mscale_all_dim: float, beta_fast: float = 32,
