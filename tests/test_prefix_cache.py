@@ -6,8 +6,8 @@ whose turns resend the history), chunked prefill of 8 rows. Checked: tokens equa
 logits equal the uncached single-rank engine's (1e-9) at T = 1, in every layout at T = 2 (and T = 4 for
 one), through eviction pressure, preemption and abort; the cache is really hit; every page is either in a
 live table or cached, never leaked, and the pool is empty once idle and flushed; a weight update
-invalidates the cache (no stale page is read); a live switch drops unreferenced cached pages and is
-refused, with the reason, while a page is shared.
+invalidates the cache (no stale page is read); live switches in every direction (a fixed schedule and a
+seeded random one) drop unreferenced cached pages and move shared ones once, with their holders.
 """
 
 from __future__ import annotations
@@ -230,23 +230,109 @@ def test_every_layout(group, v3):
         assert hits > 0, name
 
 
-def test_switches_drop_unshared_cache_and_refuse_while_shared(group, v3):
+SCHEDULES = {
+    "every-direction": "2:dp,4:cp,6:dop,8:tp,10:cp,12:dp,14:tp,16:dop,18:cp,20:tp,22:dp,24:dop,26:dp",
+    "random": None,  # seeded below
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_switches_move_shared_pages_once(group, v3, schedule):
+    """Live switches while n = 2 samples of each prompt share their prefix pages: every switch goes
+    through (shared pages move once, with their holders; references and the cache index survive), the
+    answers equal transformers' and the uncached run's, and every page is accounted for at every step."""
+    import random
+
     if group.world != 2:
         pytest.skip("once, at T = 2")
     path, ref, ref_logits = v3
+    sched = SCHEDULES[schedule]
+    if sched is None:
+        rng = random.Random(7)
+        cur, parts = "tp", []
+        for step in sorted(rng.sample(range(1, 40), 12)):
+            cur = rng.choice([x for x in ("tp", "dp", "cp", "dop") if x != cur])
+            parts.append(f"{step}:{cur}")
+        sched = ",".join(parts)
     eng = build_engine(model=path, layout="tp", rank_group=group, num_kv_pages=64, enable_prefix_caching=True,
-                       switch_schedule="3:dp,9:cp,15:dop,21:tp,27:cp,33:dp", **ENGINE)
+                       switch_schedule=sched, **ENGINE)
+    shared_at_switch = []
     try:
-        done, logits, errors = run(eng, PROMPTS, rounds=2)
+        cache = eng.allocator.cache
+        orig = eng.switcher._switch_to
+
+        def spy(st, dst, cause, mode, live):
+            if dst is not None and dst != eng.allocator.layout:
+                shared_at_switch.append(cache.shared_blocks())
+            return orig(st, dst, cause, mode, live)
+
+        eng.switcher._switch_to = spy
+        done, logits, errors = run(eng, PROMPTS, n=2, rounds=2)
         events = list(eng.switcher.events)
+        hits = eng.stats()["prefix_cache_hits"]
+        eng.flush_cache()
+        assert [a.num_free for a in eng.allocator.ranks] == [a.num_pages for a in eng.allocator.ranks]
     finally:
         eng.shutdown()
     assert not errors, errors[:5]
-    assert [done[f"{r}-{i}"].outputs[0].token_ids for r in range(2) for i in range(5)] == ref * 2
-    close(logits, ref_logits, "switches")
-    assert any(e.refused is None for e in events)
-    shared = [e for e in events if e.refused == "shared"]
-    assert shared and "shared by live requests" in shared[0].message
+    for r in range(2):
+        for i in range(5):
+            assert all(c.token_ids == ref[i] for c in done[f"{r}-{i}"].outputs), (r, i)
+    close(logits, ref_logits, f"switches {schedule}")
+    assert events and all(e.refused is None for e in events), [e.message for e in events if e.refused]
+    assert max(shared_at_switch) > 0 and hits > 0  # some switches really moved shared pages
+
+
+def test_planner_counts_shared_pages_once():
+    """Two tables sharing 3 pages: a switch allocates, moves and frees each shared page once, its
+    sharers take the same destination pages, the manifest's bytes are the unique pages', and the
+    cache's blocks follow their pages."""
+    from splash.core.config import PRESETS
+    from splash.switch import LiveRequest, SwitchPlanner
+
+    cfg = PRESETS["tiny"]
+    for src, dst in (("dp", "tp"), ("tp", "dp"), ("tp", "cp"), ("cp", "dop"), ("dop", "cp")):
+        alloc = KVAllocator(32, P, world=2, layout=src)
+        cache = alloc.enable_prefix_cache()
+        a, b = alloc.empty_table(), alloc.empty_table()
+        alloc.grow(a, 14, 1)  # 4 pages; the first 3 become blocks b shares
+        keys = cache.keys(list(range(14)), 3)
+        blocks = [cache.register(k, j, [row[j] for row in a]) for j, k in enumerate(keys)]
+        for blk in blocks:
+            blk.ready = True
+        cache.take(blocks)
+        for r in range(2):
+            b[r].extend(blk.column[r] for blk in blocks)
+        alloc.grow(b, 18, 1)  # 2 pages of its own
+        live = [LiveRequest(1, 14, 1, [row[:] for row in a]), LiveRequest(2, 18, 1, [row[:] for row in b])]
+        used = list(alloc.num_used)
+        planner = SwitchPlanner(cfg, alloc, "float64")
+        plan = planner.plan(dst, live)
+        assert not isinstance(plan, type(None)) and hasattr(plan, "tables"), plan
+        ta, tb = plan.tables[1], plan.tables[2]
+        assert [row[:3] for row in ta] == [row[:3] for row in tb], (src, dst)
+        unique_pages = 4 + 2  # a's 4 + b's own 2
+        held_after = [sum(p >= 0 for p in set(ta[r] + tb[r])) for r in range(2)]
+        assert [u + n - len(f) for u, n, f in zip(used, plan.headroom.new_pages, plan.frees)] == held_after
+        moved = sum(plan.kv_send_tokens(r)[q] for r in range(2) for q in range(2))
+        man_tokens = sum(plan.layers[0].kv_recv_bytes) / planner.sizes.kv_token_bytes(0)
+        assert moved == round(man_tokens)
+        # the moved tokens: each unique page's, once per rank that newly holds it
+        unique = [(a, ta, j, min(P, 14 - j * P)) for j in range(4)] + [(b, tb, j, min(P, 18 - j * P))
+                                                                       for j in (3, 4)]
+        want = sum(tok * sum(1 for r in range(2) if dt[r][j] >= 0 and st[r][j] < 0)
+                   for st, dt, j, tok in unique)
+        assert moved == want, (src, dst, moved, want)
+        assert sum(map(len, plan.frees)) + sum(plan.headroom.new_pages) <= 2 * unique_pages
+        planner.commit(plan)
+        alloc.cache_moved({1: a, 2: b}, plan.tables)
+        want_cols = [tuple(row[j] for row in ta) for j in range(3)]
+        assert [blk.column for blk in cache.blocks.values()] == want_cols
+        assert [blk.refs for blk in cache.blocks.values()] == [2, 2, 2]
+        alloc.release(plan.tables[1])
+        alloc.release(plan.tables[2])
+        alloc.evict_all()
+        assert [x.num_free for x in alloc.ranks] == [32, 32], (src, dst)
 
 
 def test_dsa_model_shares_indexer_keys(tmp_path):

@@ -51,9 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     """The prefix cache (splash/kv/prefix.py): vLLM's flags, and SGLang's --disable-radix-cache."""
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="share full prompt pages between requests by content (default off for now: a live "
-                        "switch is refused while pages are shared)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share full prompt pages between requests by content (default on, as in vLLM and "
+                        "SGLang; off for KDA hybrids, whose per-request state a cached prefix cannot give)")
     p.add_argument("--disable-radix-cache", dest="enable_prefix_caching", action="store_false",
                    help="SGLang's name for --no-enable-prefix-caching")
 
@@ -80,7 +80,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "enforce_eager": getattr(args, "enforce_eager", False),
             "long_prefill_token_threshold": args.long_prefill_token_threshold,
             "attention_form": args.attention_form,
-            "enable_prefix_caching": getattr(args, "enable_prefix_caching", False),
+            "enable_prefix_caching": getattr(args, "enable_prefix_caching", None),
             **switch_kwargs(args)}
 
 

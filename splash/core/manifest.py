@@ -37,11 +37,17 @@ DISCARD, ALL_GATHER, ALL_TO_ALL, KEEP = "discard", "all-gather", "all-to-all", "
 
 @dataclass(frozen=True)
 class Request:
-    """One live request: its context length and its owner before and after the switch."""
+    """One live request: its context length and its owner before and after the switch.
+
+    `first_page`: the request's pages before it are another item's (prefix-cache pages it shares with
+    a request listed earlier, SPEC §11): they are counted, moved and freed once, with that item, and
+    this item covers global pages first_page .. ceil(context / P) - 1 (positions unchanged, so CP
+    still places page j on rank j % T). A shared block needs its sharers on one owner in DP/DOP."""
 
     context: int
     owner_src: int = 0
     owner_dst: int | None = None
+    first_page: int = 0
 
     @property
     def dst_owner(self) -> int:
@@ -61,9 +67,12 @@ def as_requests(batch: Iterable[BatchItem], ranks: int) -> list[Request]:
             r = Request(int(item), i % ranks, i % ranks)
         else:
             t = tuple(map(int, item))
-            r = Request(t[0], t[1] if len(t) > 1 else i % ranks, t[2] if len(t) > 2 else None)
+            r = Request(t[0], t[1] if len(t) > 1 else i % ranks, t[2] if len(t) > 2 else None,
+                        t[3] if len(t) > 3 else 0)
         if r.context < 0:
             raise ConfigError(f"request {i}: context must be >= 0, got {r.context}")
+        if r.first_page < 0:
+            raise ConfigError(f"request {i}: first_page must be >= 0, got {r.first_page}")
         if not (0 <= r.owner_src < ranks and 0 <= r.dst_owner < ranks):
             o = r.dst_owner if 0 <= r.owner_src < ranks else r.owner_src
             raise ConfigError(f"request {i}: owner {o} is not a rank in [0, {ranks})")
@@ -321,9 +330,10 @@ class Manifest:
         T = self.ranks
         per_req = np.array([(r.context, r.owner_src, r.dst_owner) for r in self.requests],
                            dtype=np.int64).reshape(-1, 3)
-        n = -(-per_req[:, 0] // self.page_size)
+        first = np.array([r.first_page for r in self.requests], dtype=np.int64)
+        n = np.maximum(-(-per_req[:, 0] // self.page_size) - first, 0)  # pages this item covers
         req = np.repeat(np.arange(len(n)), n)
-        page = np.arange(req.size) - np.repeat(np.cumsum(n) - n, n)
+        page = np.arange(req.size) - np.repeat(np.cumsum(n) - n, n) + first[req]
         return (req, page, held_columns(self.src.ownership, per_req[:, 1], req, page, T),
                 held_columns(self.dst.ownership, per_req[:, 2], req, page, T), per_req)
 

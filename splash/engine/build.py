@@ -14,6 +14,7 @@ import torch
 
 from splash.attention.mha import FORMS, form
 from splash.core.config import ConfigError, ModelConfig
+from splash.core.stores import stores
 from splash.dist.groups import DEFAULT_TIMEOUT_S, local_grid, parse_device
 from splash.dist.launch import resolve_launch
 from splash.engine.group import RankGroup
@@ -31,6 +32,22 @@ from splash.model import resolve_model_path
 log = logging.getLogger("splash.engine")
 
 
+def prefix_cache_default(cfg: ModelConfig, asked: bool | None) -> bool:
+    """Whether the engine runs the prefix cache: on unless turned off, as in vLLM and SGLang. A model
+    whose requests keep per-request state (the recurrent state of KDA layers) bypasses it: a shared
+    prefix's pages would not give a request that state; asking for it explicitly is an error."""
+    per_request = [s.name for s in stores(cfg) if s.per == "request"]
+    if per_request:
+        if asked:
+            raise ConfigError(f"{cfg.name}: the prefix cache shares KV pages, but this model's requests "
+                              f"also keep per-request state ({', '.join(per_request)}: KDA's recurrent "
+                              "state) that a cached prefix cannot provide; drop --enable-prefix-caching")
+        if asked is None:
+            log.info("%s: prefix cache off: KDA layers keep a per-request recurrent state", cfg.name)
+        return False
+    return True if asked is None else bool(asked)
+
+
 def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  memory_per_rank: int | str | None = None, page_size: int = 16,
@@ -43,7 +60,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                  switch_mode: str = "overlapped", theta: str | None = None, switch_margin: float = 0.05,
                  min_dwell_steps: int = 8, long_prefill_token_threshold: int = 0,
                  attention_form: str | None = None, serving: bool = False,
-                 enable_prefix_caching: bool = False) -> Any:
+                 enable_prefix_caching: bool | None = None) -> Any:
     """Load `model` ('tiny' or a checkpoint directory) on T ranks and build the LLMEngine (rank 0).
 
     T = 1 runs in this process. T > 1 starts the rank group (rank 0 here, this node's other ranks as
@@ -56,8 +73,8 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     `long_prefill_token_threshold` caps one prompt's chunk per step (0: only the step budget does);
     `attention_form` "auto" | "absorbed" | "mha" (splash/attention/mha.py; auto picks per chunk; None:
     SPLASH_ATTN_FORM, else auto). `enable_prefix_caching`: share full prompt pages by content
-    (splash/kv/prefix.py); off by default until a live switch moves shared pages (it refuses to switch
-    while a page is shared).
+    (splash/kv/prefix.py); None (the default) turns it on, as both peers do, except for models whose
+    requests keep per-request state a shared prefix cannot carry (KDA hybrids: `prefix_cache_default`).
     """
     if layout is not None and layout not in (*LAYOUTS, "auto"):
         raise ConfigError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
@@ -131,7 +148,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
         group.owner = runner
     net = runner.model if world == 1 else runner.local.model
     alloc = KVAllocator([f["pages"] for f in facts], page_size, world=world, layout=layout)
-    if enable_prefix_caching:
+    if prefix_cache_default(cfg, enable_prefix_caching):
         alloc.enable_prefix_cache()
     tok = _load_tokenizer(path)
     eos = set(cfg.eos_token_ids)

@@ -251,15 +251,12 @@ class SwitchController(AutoLayout):
             return
         t0 = time.perf_counter()
         why = self.stranded(dst, live)
-        cache = self.alloc.cache
-        shared = cache.shared_blocks() if why is None and cache is not None else 0
         if why is not None:
             sw: Any = SwitchRefusal(cur, dst, "request", why)
-        elif shared:
-            sw = SwitchRefusal(cur, dst, "shared", f"{shared} prefix-cache pages are shared by live "
-                               "requests, and a switch does not move shared pages yet")
         else:
-            self.alloc.evict_all()  # unreferenced cached pages are dropped, not moved (no cache: a no-op)
+            # unreferenced cached pages are dropped, not moved (prefix.py's rule; no cache: a no-op);
+            # shared ones move once, with their holders
+            self.alloc.evict_all()
             sw = self._plan(dst, plan, live, mode)
         plan_s = time.perf_counter() - t0
 
@@ -325,9 +322,8 @@ class SwitchController(AutoLayout):
         timing: SwitchTiming | None = getattr(runner, "last_switch", None)
         src = self.alloc.layout
         self.planner.commit(sw, freed=timing.freed if timing is not None else None)
-        if self.alloc.cache is not None:  # every page moved or stayed privately: forget the old index
-            self.alloc.invalidate_cache()
         by_id = {seq.seq_id: seq for seq in self.sched.running}
+        self.alloc.cache_moved({rid: by_id[rid].pages for rid in sw.tables if rid in by_id}, sw.tables)
         for rid, table in sw.tables.items():
             seq = by_id.get(rid)
             if seq is None:

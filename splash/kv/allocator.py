@@ -202,6 +202,20 @@ class KVAllocator:
             for r, pages in enumerate(self.cache.flush()):
                 self.ranks[r].free(pages)
 
+    def cache_moved(self, before: dict[int, list[list[int]]], after: dict[int, list[list[int]]]) -> None:
+        """A switch committed: requests' tables `before` -> `after` (req id -> [T][pages]); the prefix
+        cache's blocks follow their holders' pages."""
+        if self.cache is None:
+            return
+        cols: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for rid, old in before.items():
+            new = after.get(rid)
+            if new is None or not old:
+                continue
+            for j in range(min(len(old[0]), len(new[0]))):
+                cols[tuple(row[j] for row in old)] = tuple(row[j] for row in new)
+        self.cache.moved(cols)
+
     def invalidate_cache(self) -> None:
         """Forget the cache (a weight update): nothing cached is matched again."""
         if self.cache is not None:

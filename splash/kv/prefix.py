@@ -19,7 +19,10 @@ Rules (the one place they are written):
   page first), and `free` / `grow` of the allocator take evictable pages when the free list runs short;
 - a block not ready when its last holder leaves is dropped (its KV was never completed);
 - `invalidate` (a weight update) forgets every block: held pages become their holders' private pages,
-  evictable ones are freed, so a stale page is never matched.
+  evictable ones are freed, so a stale page is never matched;
+- a layout switch drops the unreferenced blocks first (their pages freed, not moved: cached history
+  nobody holds is not worth a transfer on the switching step) and moves every held block once, with
+  its holders (`moved`): keys, reference counts and readiness survive the switch.
 """
 
 from __future__ import annotations
@@ -176,6 +179,25 @@ class PrefixCache:
         for b in list(self.blocks.values()):
             self._forget(b)
         return freed
+
+    def moved(self, columns: dict[tuple[int, ...], tuple[int, ...]]) -> None:
+        """A layout switch committed: each block's pages now sit at `columns[old column]` (its holders'
+        destination pages). Keys, references and readiness survive; a block no live table holds was
+        evicted before the switch, and one missing from `columns` is forgotten (never matched again)."""
+        for b in list(self.blocks.values()):
+            new = columns.get(b.column)
+            self._forget(b)
+            if new is None:
+                continue
+            b.column = new
+            self.blocks[b.key] = b
+            if b.refs == 0:
+                self._lru[b.key] = None
+                for r, p in enumerate(new):
+                    self._evictable[r] += p >= 0
+            for r, p in enumerate(new):
+                if p >= 0:
+                    self._page[r][p] = b.key
 
     def _forget(self, b: Block) -> None:
         self.blocks.pop(b.key, None)

@@ -106,6 +106,50 @@ class Columns:
         """[pages] whether a column holds cached history (the pages the manifest knows about)."""
         return self.page < self.cached[self.req]
 
+    @cached_property
+    def rep(self) -> np.ndarray:
+        """[pages] index of the column that stands for each column's page: itself, or (a prefix-cache
+        page several tables share) the first column holding the same local pages. A shared page is
+        counted, moved and freed once, through its first column; the others alias it."""
+        T, N = self.old.shape
+        if not N:
+            return np.zeros(0, dtype=np.int64)
+        held = self.mine.any(axis=0)
+        first = self.mine.argmax(axis=0)  # the first rank holding each column names its page
+        page = first * (int(self.old.max()) + 1) + self.old[first, np.arange(N)]
+        key = np.where(held, page, -1 - np.arange(N))
+        _, inv = np.unique(key, return_inverse=True)
+        firsts = np.full(int(inv.max()) + 1, N, dtype=np.int64)
+        np.minimum.at(firsts, inv, np.arange(N))
+        return firsts[inv]
+
+    @cached_property
+    def alias(self) -> np.ndarray:
+        """[pages] whether a column aliases an earlier one (a shared page counted elsewhere)."""
+        return self.rep != np.arange(self.rep.size)
+
+    @cached_property
+    def first_own(self) -> np.ndarray:
+        """[B] pages at the start of each request that alias earlier requests' (its shared prefix).
+        Prefix sharing makes them a prefix of the table; `shared_error` checks that."""
+        counts = np.concatenate([[0], np.cumsum(self.alias, dtype=np.int64)])
+        return counts[self.off[1:]] - counts[self.off[:-1]]
+
+    def shared_error(self) -> str | None:
+        """Why the tables' shared pages cannot be switched (None: they can): an aliased page must sit at
+        the same page index as the page it aliases, and a request's aliased pages must be a prefix."""
+        if not self.alias.any():
+            return None
+        c = np.nonzero(self.alias)[0]
+        bad = self.page[c] != self.page[self.rep[c]]
+        k = self.first_own[self.req[c]]
+        bad |= self.page[c] >= k
+        if bad.any():
+            i = int(c[int(bad.argmax())])
+            return (f"request index {int(self.req[i])}: page {int(self.page[i])} is shared with page "
+                    f"{int(self.page[self.rep[i]])} of another request, out of prefix order")
+        return None
+
     def first_orphan(self) -> tuple[int, int] | None:
         """(request, page) of the first cached page no rank holds."""
         orphan = ~self.mine.any(axis=0)
@@ -117,7 +161,7 @@ class Columns:
         return int(self.req[c]), int(self.page[c])
 
     def held_per_request(self) -> np.ndarray:
-        """[T, B] source pages each rank holds of each request."""
+        """[T, B] source pages each rank holds of each request (a shared page: by its first holder)."""
         held = np.zeros((self.old.shape[0], self.old.shape[1] + 1), dtype=np.int64)
-        np.cumsum(self.mine, axis=1, out=held[:, 1:])
+        np.cumsum(self.mine & ~self.alias, axis=1, out=held[:, 1:])
         return held[:, self.off[1:]] - held[:, self.off[:-1]]

@@ -110,8 +110,7 @@ class SwitchRefusal:
 
     src: str
     dst: str
-    reason: str  # "eq5" | "eq6" | "weights" | "owners" | "request" (the engine: it would strand one) |
-    # "shared" (prefix-cache pages shared by live requests: not moved by a switch yet)
+    reason: str  # "eq5" | "eq6" | "weights" | "owners" | "request" (the engine: it would strand one)
     message: str
     headroom: Headroom | None = None
 

@@ -120,18 +120,21 @@ class SwitchPlanner:
         # Destination tables: keep what a rank already holds, mark what it must newly hold (-2).
         # Every request's table side by side in one [T, pages] array (see `Columns`): a switch
         # covers thousands of pages of up to hundreds of requests, on the switching step's critical path.
+        # A prefix-cache page several tables share is one page: its first column stands for it
+        # (allocated, moved and freed there) and the others take that column's destination pages.
         own = np.asarray(owners, dtype=np.int64)
         old = cols.old
         hold = _holders(dst, own[cols.req], cols.page, T)
         mine = cols.mine
         table = np.where(hold, np.where(mine, old, -2), -1)
-        fresh = hold & ~mine
-        gone = mine & ~hold
+        fresh = hold & ~mine & ~cols.alias
+        gone = mine & ~hold & ~cols.alias
         frees = [old[r, gone[r]].tolist() for r in range(T)]
         new_l = fresh.sum(axis=1).tolist()
         growth_l = _growth(dst, own, cols.n, cols.final, T).tolist()
         kept = row(src).owned  # source owners mean something (DP/DOP)
-        batch = [(req.context, req.owner if kept else 0, o) for req, o in zip(live, owners)]
+        first = cols.first_own.tolist()
+        batch = [(req.context, req.owner if kept else 0, o, k) for req, o, k in zip(live, owners, first)]
         L = self.cfg.num_hidden_layers
         man, in_transit, w_growth = None, [0.0] * T, [0.0] * T
         if not dry_run or self.weight_headroom is not None:  # (only the weights check reads its bytes)
@@ -152,6 +155,8 @@ class SwitchPlanner:
         for r in range(T):
             if new_l[r]:
                 table[r, fresh[r]] = allocated[r]  # column order = request order, then page order
+        if cols.alias.any():
+            table[:, cols.alias] = table[:, cols.rep[cols.alias]]
         try:
             pairs = _kv_pairs(man.kv_pages(), live, cols, table, fresh, P)
             weight_op = self._weight_op(man, src, dst)
@@ -217,7 +222,10 @@ class SwitchPlanner:
             raise ValueError(f"request {live[i].req_id}: cached page {j} is held by no rank")
         if ok < len(live):
             raise ValueError(request_error(live[ok], {req.req_id for req in live[:ok]}, T, P))
-        held = cols.mine.sum(axis=1).tolist()
+        why = cols.shared_error()
+        if why is not None:
+            raise ValueError(why)
+        held = (cols.mine & ~cols.alias).sum(axis=1).tolist()
         if held != self.alloc.num_used:
             raise ValueError(f"the live requests hold {held} pages per rank, the allocators have "
                              f"{self.alloc.num_used} in use; pass every request that holds pages")
@@ -242,14 +250,22 @@ class SwitchPlanner:
         if not row(dst).owned or kept:
             return [req.owner if kept else 0 for req in live]
         avail = [f - r for f, r in zip(free, self.reserve)]
-        # pages rank r lacks to own each request (everything beyond what it holds now)
-        lacks = (cols.n[:, None] - cols.held_per_request().T).tolist()
-        owners, stuck, left = balanced_owners(cols.final.tolist(), lacks, avail, [req.req_id for req in live])
+        # Requests sharing prefix pages go to one owner together (the page lives once, on it): the
+        # one owner rule places each group as a unit, by the pages its members do not share.
+        group = _groups(cols)
+        k = group.max(initial=-1) + 1
+        own_pages = cols.n - cols.first_own
+        final = np.bincount(group, cols.final - cols.first_own, k).astype(np.int64)
+        # pages rank r lacks to own each group (everything beyond what it holds now)
+        lacks = np.stack([np.bincount(group, own_pages - h, k) for h in cols.held_per_request()], axis=1)
+        ids = [min(req.req_id for req, g in zip(live, group) if g == x) for x in range(k)]
+        got, stuck, left = balanced_owners(final.tolist(), lacks.astype(np.int64).tolist(), avail, ids)
         if stuck is not None:
-            req = live[stuck]
-            return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens) fits on "
-                                 f"no rank as owner: free pages beyond the reserve {left}")
-        return owners
+            req = next(req for req, g in zip(live, group) if g == stuck)
+            return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens, with the "
+                                 "requests sharing its prefix) fits on no rank as owner: free pages beyond "
+                                 f"the reserve {left}")
+        return [got[g] for g in group.tolist()]
 
 
 def _check_headroom(src: str, dst: str, room: Headroom) -> SwitchRefusal | None:
@@ -273,6 +289,27 @@ def _check_headroom(src: str, dst: str, room: Headroom) -> SwitchRefusal | None:
                    f"{room.weight_headroom_bytes[r]:.0f} B free")  # type: ignore[index]
         return SwitchRefusal(src, dst, name, msg + f" (ranks over: {bad})", room)
     return None
+
+
+def _groups(cols: Columns) -> np.ndarray:
+    """[B] group of each request: requests sharing a page (transitively) are one group, numbered in
+    order of first appearance (no sharing: request i is group i)."""
+    B = len(cols.n)
+    parent = np.arange(B)
+    if cols.alias.any():
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+        c = np.nonzero(cols.alias)[0]
+        for a, b in set(zip(cols.req[c].tolist(), cols.req[cols.rep[c]].tolist())):
+            ra, rb = find(a), find(b)
+            if ra != rb:
+                parent[max(ra, rb)] = min(ra, rb)
+        parent = np.array([find(i) for i in range(B)])
+    _, group = np.unique(parent, return_inverse=True)
+    return group.astype(np.int64)
 
 
 @lru_cache(maxsize=64)
@@ -322,7 +359,8 @@ def _kv_pairs(kv: KVPages, live: Sequence[LiveRequest], cols: Columns, table: np
         a, b = _run(kv.free_starts, len(fj), int(out.argmax()))
         raise RuntimeError(f"manifest frees pages {tuple(fj[a:b][:4].tolist())} of request {ids[fi[a]]}, "
                            f"outside its {cols.cached[fi[a]]} pages (core and placement rule disagree)")
-    _check_counts(fr, cols.off[fi] + fj, cols.mine & (table < 0), cols, ids, "frees", "the tables'")
+    _check_counts(fr, cols.off[fi] + fj, cols.mine & (table < 0) & ~cols.alias, cols, ids, "frees",
+                  "the tables'")
     if not len(col):
         return {}
     rows = np.stack([cols.old[s, col], table[r, col], np.minimum(P, cols.context[i] - j * P)], axis=1)
