@@ -66,20 +66,30 @@ def greedy(new: int = NEW) -> SamplingParams:
 
 
 def accounting_errors(eng) -> list[str]:
-    """Every used page of every rank is in exactly one live table (or withheld for replicas), tables
-    follow the running layout's placement, and rank 0's runner runs the allocator's layout."""
+    """Every used page of every rank is in exactly one live table, a prefix-cache block (then in as many
+    tables as the block has references: a shared page), or withheld for replicas; tables follow the
+    running layout's placement, and rank 0's runner runs the allocator's layout."""
     alloc, sw = eng.allocator, eng.switcher
+    cache = alloc.cache
     seqs = [s for s in eng.scheduler.running if s.pages]
     errs = []
     for r, a in enumerate(alloc.ranks):
-        held = [p for s in seqs for p in s.pages[r] if p >= 0]
+        count: dict[int, int] = {}
+        for s in seqs:
+            for p in s.pages[r]:
+                if p >= 0:
+                    count[p] = count.get(p, 0) + 1
+        held = set(count)
+        blocks = {} if cache is None else {p: cache.block_of(r, p) for p in range(a.num_pages)}
+        cached = {p for p, b in blocks.items() if b is not None}
         kept = set(sw.withheld[r]) if sw is not None else set()
         used = {p for p, u in enumerate(a._used) if u}
-        if len(held) != len(set(held)) or set(held) & kept:
-            errs.append(f"rank {r}: a page is in two places")
-        if used != set(held) | kept:
-            errs.append(f"rank {r}: leaked {sorted(used - set(held) - kept)}, "
-                        f"unallocated {sorted(set(held) - used)}")
+        shared = [p for p, n in count.items() if n > 1 and (blocks.get(p) is None or blocks[p].refs != n)]
+        if shared or held & kept or cached & kept:
+            errs.append(f"rank {r}: a page is in two places {sorted(shared)[:4]}")
+        if used != held | cached | kept:
+            errs.append(f"rank {r}: leaked {sorted(used - held - cached - kept)}, "
+                        f"unallocated {sorted((held | cached) - used)}")
         if a.num_free + len(used) != len(a._used):
             errs.append(f"rank {r}: free list and used marks disagree")
     for s in seqs:

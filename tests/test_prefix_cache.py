@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 from helpers_dsa import build_dsa_checkpoint, hf_dsa_reference
+from test_engine_switch import accounting_errors
 
 from splash.engine.build import build_engine
 from splash.engine.group import RankGroup
@@ -33,32 +34,6 @@ ENGINE = dict(dtype="float64", page_size=P, max_num_seqs=8, max_num_batched_toke
 
 def greedy(n: int = 1) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, n=n)
-
-
-def cache_errors(eng) -> list[str]:
-    """Every used page is in a live table or a cached block; a page in several tables is a block held
-    by exactly that many; blocks' pages are used."""
-    alloc = eng.allocator
-    cache = alloc.cache
-    errs = []
-    seqs = [s for s in eng.scheduler.running if s.pages]
-    for r, a in enumerate(alloc.ranks):
-        held: dict[int, int] = {}
-        for s in seqs:
-            for p in s.pages[r]:
-                if p >= 0:
-                    held[p] = held.get(p, 0) + 1
-        cached = {} if cache is None else {p: cache.block_of(r, p) for p in range(a.num_pages)
-                                           if cache.block_of(r, p) is not None}
-        used = {p for p, u in enumerate(a._used) if u}
-        if used != set(held) | set(cached):
-            errs.append(f"rank {r}: leaked {sorted(used - set(held) - set(cached))}, "
-                        f"unallocated {sorted((set(held) | set(cached)) - used)}")
-        for p, n in held.items():
-            b = cached.get(p)
-            if n > 1 and (b is None or b.refs != n):
-                errs.append(f"rank {r} page {p}: in {n} tables, block refs {None if b is None else b.refs}")
-    return errs
 
 
 def run(eng, prompts, n: int = 1, rounds: int = 1, abort: str | None = None):
@@ -81,7 +56,7 @@ def run(eng, prompts, n: int = 1, rounds: int = 1, abort: str | None = None):
             for o in eng.step():
                 if o.finished:
                     done[o.request_id] = o
-            errors += [f"step {eng.steps}: {e}" for e in cache_errors(eng)]
+            errors += [f"step {eng.steps}: {e}" for e in accounting_errors(eng)]
     eng.logits_hook = None
     return done, logits, errors
 

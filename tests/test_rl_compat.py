@@ -81,7 +81,7 @@ def test_routes_need_the_key_and_info_is_sglangs(client):
     info = client.get("/server_info", headers=H).json()
     want = {"tp_size": 1, "pp_size": 1, "dp_size": 1, "ep_size": 1, "dtype": "float64",
             "kv_cache_dtype": "auto",
-            "enable_memory_saver": False, "enable_return_routed_experts": True, "disable_radix_cache": True,
+            "enable_memory_saver": False, "enable_return_routed_experts": True, "disable_radix_cache": False,
             "page_size": 4, "max_running_requests": 8, "disaggregation_mode": "null", "encoder_only": False,
             "skip_tokenizer_init": True, "speculative_algorithm": None}
     assert {k: info.get(k) for k in want} == want and "api_key" not in info

@@ -78,8 +78,9 @@ def splash_command(a: argparse.Namespace, port: int, name: str) -> list[str]:
         cmd += ["--layout", a.layout]
     if a.api_key:
         cmd += ["--api-key", a.api_key]
-    if _prefix_caching(a):
-        cmd += ["--enable-prefix-caching"]
+    on = _prefix_caching(a)
+    if on is not None:
+        cmd += ["--enable-prefix-caching" if on else "--no-enable-prefix-caching"]
     return cmd + ["--num-kv-pages", str(kv_pages_like_peer(a))]
 
 

@@ -33,6 +33,13 @@ class SamplingParams:
     # SGLang's custom_params.return_top_p_token_ids); needs a filter unless greedy.
     return_top_p_token_ids: bool = False
 
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Whether the request needs every prompt position computed (its prompt logprobs, or the experts
+        each prompt token routed to), so the prefix cache must not skip any: it computes its whole
+        prompt (its pages are still offered to the cache for others)."""
+        return self.prompt_logprobs is not None or self.return_routed_experts
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -317,7 +317,7 @@ class Scheduler:
                 continue
             cache = self.alloc.cache
             blocks: list[Block] = []
-            if cache is None or seq.params.prompt_logprobs is not None:  # (its prompt rows are needed)
+            if cache is None or seq.params.needs_prompt_rows:
                 owner = self._pick_owner(seq)
             else:
                 got = self._cached(seq, cache)
