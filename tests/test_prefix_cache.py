@@ -357,3 +357,38 @@ def test_server_reports_cached_tokens():
         assert again.usage.prompt_tokens_details.cached_tokens == 0
     finally:
         srv.close()
+
+
+def test_multiturn_conversation_hits_its_history(group, v3):
+    """A conversation of 4 turns, each resending the whole history (prompt + the answer so far + new
+    tokens), at T = 1 and at T = 2 under live switches: every turn's answer equals transformers', and
+    from turn 2 on the history's full pages, the generated ones included, come from the cache."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    path, _, _ = v3
+    hf = hf_reference(path)
+    for world in (1, 2):
+        kw = dict(rank_group=group, layout="dop", switch_schedule="3:cp,8:dp,14:tp,20:dop") if world == 2 else {}
+        eng = build_engine(model=path, num_kv_pages=64, **kw, **ENGINE)
+        try:
+            history, computed = list(range(20, 33)), 0
+            for turn in range(4):
+                eng.add_request(f"t{turn}", prompt_token_ids=history, params=greedy())
+                out, errors = None, []
+                while eng.has_unfinished():
+                    for o in eng.step():
+                        if o.finished:
+                            out = o
+                    errors += accounting_errors(eng)
+                assert not errors, (world, turn, errors[:3])
+                assert out.outputs[0].token_ids == hf_greedy(hf, history, NEW), (world, turn)
+                # the pages the last turn computed (its last sampled token never was), up to this
+                # prompt's reusable pages
+                want = 0 if turn == 0 else min((len(history) - 1) // P, computed // P) * P
+                assert out.num_cached_tokens == want, (world, turn)
+                computed = len(history) + NEW - 1
+                history = history + out.outputs[0].token_ids + [40 + turn, 41 + turn, 42 + turn]
+            if world == 2:
+                assert any(e.refused is None for e in eng.switcher.events)
+        finally:
+            eng.shutdown()
