@@ -368,7 +368,7 @@ def test_multiturn_conversation_hits_its_history(group, v3):
     path, _, _ = v3
     hf = hf_reference(path)
     for world in (1, 2):
-        kw = dict(rank_group=group, layout="dop", switch_schedule="3:cp,8:dp,14:tp,20:dop") if world == 2 else {}
+        kw = {} if world == 1 else dict(rank_group=group, layout="dop", switch_schedule="3:cp,8:dp,14:tp,20:dop")
         eng = build_engine(model=path, num_kv_pages=64, **kw, **ENGINE)
         try:
             history, computed = list(range(20, 33)), 0
