@@ -368,7 +368,8 @@ def test_multiturn_conversation_hits_its_history(group, v3):
     path, _, _ = v3
     hf = hf_reference(path)
     for world in (1, 2):
-        kw = {} if world == 1 else dict(rank_group=group, layout="dop", switch_schedule="3:cp,8:dp,14:tp,20:dop")
+        sched = "3:cp,8:dp,14:tp,20:dop"
+        kw = {} if world == 1 else dict(rank_group=group, layout="dop", switch_schedule=sched)
         eng = build_engine(model=path, num_kv_pages=64, **kw, **ENGINE)
         try:
             history, computed = list(range(20, 33)), 0
