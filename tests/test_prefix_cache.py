@@ -393,3 +393,34 @@ def test_multiturn_conversation_hits_its_history(group, v3):
                 assert any(e.refused is None for e in eng.switcher.events)
         finally:
             eng.shutdown()
+
+
+def test_auto_prices_a_cached_prefix_as_free_prefill(group, v3, monkeypatch):
+    """`--layout auto` prices each step from the rows it computes: a request whose prefix came from the
+    cache brings only its uncached tokens as query rows (the Policy's q_i), so over a run the rows it
+    priced are the prompt tokens minus the cache hits, plus one per decode step."""
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    path, ref, _ = v3
+    from splash.engine.auto_layout import AutoLayout
+
+    priced: list[tuple[int, int]] = []
+    orig = AutoLayout._batch
+
+    def spy(self, plan, live):
+        b = orig(self, plan, live)
+        priced.append((int(b.rows.sum()), sum(s.num_new for s in plan.seqs)))
+        return b
+
+    monkeypatch.setattr(AutoLayout, "_batch", spy)
+    eng = build_engine(model=path, layout="auto", rank_group=group, num_kv_pages=64, **ENGINE)
+    try:
+        done, _, errors = run(eng, PROMPTS, n=2, rounds=2)
+        hits = eng.stats()["prefix_cache_hits"]
+    finally:
+        eng.shutdown()
+    assert not errors, errors[:5]
+    assert all(c.token_ids == ref[int(k.split("-")[1])] for k, o in done.items() for c in o.outputs)
+    assert priced and all(q == rows for q, rows in priced)  # exactly the rows the step computes
+    cached = sum(o.num_cached_tokens for o in done.values())
+    assert hits > 0 and cached > 0
