@@ -18,7 +18,8 @@ DTYPE_ALIASES: dict[str, str] = {
     "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
     "float8": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8",
 }
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa", "kimi_linear")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa",
+                         "kimi_linear")
 # DeepSeek Sparse Attention (DSA): MLA plus a lightning indexer per layer (SPEC §9).
 SPARSE_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # Hybrids: MLA layers interleaved with Kimi Delta Attention (KDA) layers, which keep a per-request
