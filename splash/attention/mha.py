@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splash.attention.kernel import acc_dtype
+from splash.model import gemm
 
 if TYPE_CHECKING:
     from splash.model.context import ForwardContext
@@ -159,10 +160,10 @@ def _attend_t(c: Chunk, kvt: torch.Tensor, dn: int, d_c: int, scale: float, lse:
     vt = kvt[:, dn:]
 
     def scores(a: int, b: int, hi: int) -> torch.Tensor:
-        return torch.bmm(q[:, a:b], kt[:, :, :hi])
+        return gemm.bmm(q[:, a:b], kt[:, :, :hi])
 
     def values(p: torch.Tensor, hi: int) -> torch.Tensor:  # p [h, rows, hi] -> [rows, h, d_v]
-        return torch.bmm(vt[:, :, :hi], p.transpose(1, 2)).permute(2, 0, 1)
+        return gemm.bmm(vt[:, :, :hi], p.transpose(1, 2)).permute(2, 0, 1)
 
     return _blocked(scores, values, n, h, vt.shape[1], m, c.q_nope, c.q_pos, c.key_pos, scale, lse,
                     out=c.out)
@@ -237,10 +238,10 @@ def attend_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     h, n, _ = q.shape
 
     def scores(a: int, b: int, hi: int) -> torch.Tensor:
-        return torch.matmul(q[:, a:b], k[:, :hi].transpose(1, 2))
+        return gemm.matmul(q[:, a:b], k[:, :hi].transpose(1, 2))
 
     def values(p: torch.Tensor, hi: int) -> torch.Tensor:
-        return torch.matmul(p, v[:, :hi]).transpose(0, 1)
+        return gemm.matmul(p, v[:, :hi]).transpose(0, 1)
 
     return _blocked(scores, values, n, h, v.shape[-1], k.shape[1], q, q_pos, key_pos, scale, lse, block)
 

@@ -14,23 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from typing import Any
 
-
-def cpu_isa() -> str:
-    """The widest vector ISA this CPU has (figures depend on it: bf16 is emulated without AVX512-BF16)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return platform.machine()
-    for name, flag in (("AVX-512 with BF16", "avx512_bf16"), ("AVX-512", "avx512f"), ("AVX2", "avx2")):
-        if flag in flags:
-            return name
-    return platform.machine()
+from splash.model.gemm import cpu_isa
 
 
 def dense_copy(path: str, out_dir: str) -> str:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splash.core.config import ConfigError, ModelConfig, head_slice
+from splash.model import gemm
 from splash.model.context import ForwardContext
 from splash.model.indexer import Indexer
 from splash.model.layers import MLP, RMSNorm, check_activation
@@ -237,12 +238,12 @@ class DeepseekForCausalLM(nn.Module):
         head = self.embed if self.lm_head is None else self.lm_head
         h = self.norm(hidden_rows)
         if not self.head_sharded:
-            return F.linear(h, head)
+            return gemm.linear(h, head)
         if comm is None:
             raise RuntimeError("this model's LM head is vocab-parallel (shard_lm_head=True): every rank "
                                "must call compute_logits(rows, comm) with the same rows")
         sizes = [len(even_range(self.vocab_size, r, self.world)) for r in range(self.world)]
-        part = F.linear(h, head)
+        part = gemm.linear(h, head)
         if part.shape[1] < sizes[0]:  # equal-shape gather: pad the shorter slices by a column
             part = F.pad(part, (0, sizes[0] - part.shape[1]))
         pieces = comm.all_gather(part.contiguous(), tag="lm_head")  # [T, n, ceil(V/T)]

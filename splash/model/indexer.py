@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splash.core.config import ModelConfig
+from splash.model import gemm
 from splash.model.loader import CheckpointReader
 from splash.model.rope import Rotary
 
@@ -71,9 +72,9 @@ class Indexer(nn.Module):
         b, rot, r = self._buffers, self.rotary, self.d_rope
         tables = rot.tables(positions)
         n = x.shape[0]
-        q = F.linear(q_in, b["wq_b"]).view(n, self.n_heads, self.head_dim)
+        q = gemm.linear(q_in, b["wq_b"]).view(n, self.n_heads, self.head_dim)
         q = torch.cat([rot.apply(q[..., :r], tables, self.style), q[..., r:]], dim=-1)
-        k = F.layer_norm(F.linear(x, b["wk"]), (self.head_dim,), b["k_norm_w"], b["k_norm_b"], 1e-6)
+        k = F.layer_norm(gemm.linear(x, b["wk"]), (self.head_dim,), b["k_norm_w"], b["k_norm_b"], 1e-6)
         k = torch.cat([rot.apply(k[:, :r], tables, self.style), k[:, r:]], dim=-1)
         sd = score_dtype(x.dtype)
         w = F.linear(x.to(sd), b["weights_proj"]) * self.w_scale

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splash.core.config import ConfigError
+from splash.model import gemm
 from splash.model.loader import CheckpointReader
 from splash.model.shard import span
 
@@ -117,7 +118,7 @@ class MLP(nn.Module):
         b = self._buffers
         gu = self._gate_up
         if gu is not None and b["gate_proj"]._base is gu and b["up_proj"]._base is gu:
-            g, u = F.linear(x, gu).chunk(2, dim=-1)
+            g, u = gemm.linear(x, gu).chunk(2, dim=-1)
         else:  # unfused, or the weights were replaced since (a reload, `.to()`)
-            g, u = F.linear(x, b["gate_proj"]), F.linear(x, b["up_proj"])
-        return F.linear(F.silu(g).mul_(u), b["down_proj"])
+            g, u = gemm.linear(x, b["gate_proj"]), gemm.linear(x, b["up_proj"])
+        return gemm.linear(F.silu(g).mul_(u), b["down_proj"])

@@ -15,10 +15,10 @@ Head-tensor layout for switching (`head_tensors` / `set_heads`): "q_b" [h, d_nop
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splash.core.config import ModelConfig
+from splash.model import gemm
 from splash.model.layers import RMSNorm, fusable, fused_rows
 from splash.model.loader import CheckpointReader
 from splash.model.rope import Rotary, softmax_scale
@@ -136,9 +136,9 @@ class MLA(nn.Module):
         """(x q_a^T + bias [N, q_lora], x kv_a^T + bias [N, d_c + d_rope]), fused when possible."""
         b, f = self._buffers, self._qkv_a
         if f is not None and b["q_a"]._base is f[0] and b["kv_a"]._base is f[0]:
-            y = F.linear(x, f[0], f[1])
+            y = gemm.linear(x, f[0], f[1])
             return y[:, :self.q_lora], y[:, self.q_lora:]
-        return F.linear(x, b["q_a"], b["q_a_bias"]), F.linear(x, b["kv_a"], b["kv_a_bias"])
+        return gemm.linear(x, b["q_a"], b["q_a_bias"]), gemm.linear(x, b["kv_a"], b["kv_a_bias"])
 
     # ---- compute --------------------------------------------------------------------------------
     # Weights are read from `_buffers` / `_modules` and norms called through `.forward`: nn.Module's
@@ -151,7 +151,7 @@ class MLA(nn.Module):
             q, kv = self._project_a(x)
             q_in = m["q_a_norm"].forward(q)
         else:
-            q_in, kv = x, F.linear(x, b["kv_a"], b["kv_a_bias"])
+            q_in, kv = x, gemm.linear(x, b["kv_a"], b["kv_a_bias"])
         k_pe = rot.apply(kv[:, d_c:], rot.tables(positions))
         return q_in, torch.cat([m["kv_a_norm"].forward(kv[:, :d_c]), k_pe], dim=-1)
 
@@ -159,12 +159,12 @@ class MLA(nn.Module):
         """Held heads' queries before absorption: (q_nope [N, h, d_nope], roped q_pe [N, h, d_rope]);
         the MHA form (splash/attention/mha.py) scores them against decompressed keys."""
         b, dn, rot = self._buffers, self.d_nope, self.rotary
-        q = F.linear(q_in, b["q_b"]).view(q_in.shape[0], len(self.heads), dn + self.d_rope)
+        q = gemm.linear(q_in, b["q_b"]).view(q_in.shape[0], len(self.heads), dn + self.d_rope)
         return q[..., :dn], rot.apply(q[..., dn:], rot.tables(positions))
 
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [N, h, d_nope] -> q_lat = q_nope W_UK [N, h, d_c], scored against the latent directly."""
-        return torch.bmm(q_nope.transpose(0, 1), self._buffers["w_uk"]).transpose(0, 1)
+        return gemm.bmm(q_nope.transpose(0, 1), self._buffers["w_uk"]).transpose(0, 1)
 
     def q_heads(self, q_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Held heads' absorbed queries: (q_lat [N, h, d_c], roped q_pe [N, h, d_rope])."""
@@ -173,14 +173,14 @@ class MLA(nn.Module):
 
     def uv(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [N, h, d_c] -> per-head values [N, h, d_v] (W_UV)."""
-        return torch.bmm(o_lat.transpose(0, 1), self._buffers["w_uv"]).transpose(0, 1)
+        return gemm.bmm(o_lat.transpose(0, 1), self._buffers["w_uv"]).transpose(0, 1)
 
     def o_proj(self, v: torch.Tensor) -> torch.Tensor:
         """v [N, h, d_v] -> [N, d] over held heads (a partial sum if sharded; the o_proj bias, if any, is
         added by the rank holding head 0)."""
         b = self._buffers
         v = v.reshape(v.shape[0], len(self.heads) * self.d_v)
-        return F.linear(v, b["o_w"], b["o_bias"] if self.heads.start == 0 else None)
+        return gemm.linear(v, b["o_w"], b["o_bias"] if self.heads.start == 0 else None)
 
     def out_heads(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [N, h, d_c] -> [N, d]: W_UV then o_proj over held heads."""

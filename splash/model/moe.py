@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splash.core.config import ConfigError, ModelConfig
+from splash.model import gemm
 from splash.model.layers import MLP
 from splash.model.loader import CheckpointReader
 from splash.model.shard import even_range, moe_mode, span
@@ -215,8 +216,8 @@ class MoE(nn.Module):
         local = idx - self.experts.start  # [N, k]; outside [0, ne): another rank's expert
         pick = local[:, :, None] == torch.arange(ne, device=x.device)  # [N, k, ne]
         wm = (w[:, :, None] * pick).sum(dim=1)  # [N, ne] each held expert's weight per row
-        g, u = torch.bmm(x.expand(ne, *x.shape), b["gate_up"].transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.bmm(F.silu(g) * u, b["down"].transpose(1, 2))  # [ne, N, d]
+        g, u = gemm.bmm(x.expand(ne, *x.shape), b["gate_up"].transpose(1, 2)).chunk(2, dim=-1)
+        y = gemm.bmm(F.silu(g) * u, b["down"].transpose(1, 2))  # [ne, N, d]
         return (y * wm.t()[:, :, None]).to(x.dtype).sum(dim=0)
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
@@ -246,25 +247,36 @@ class MoE(nn.Module):
         slot = expert * cmax + torch.arange(m) - starts.index_select(0, expert)
         rows = tok.new_zeros(ne * cmax).index_copy_(0, slot, tok)
         x3 = x.index_select(0, rows).view(ne, cmax, -1)
-        g, u = torch.bmm(x3, b["gate_up"].transpose(1, 2)).chunk(2, dim=-1)
-        y3 = torch.bmm(F.silu(g).mul_(u), b["down"].transpose(1, 2))
+        g, u = gemm.bmm(x3, b["gate_up"].transpose(1, 2)).chunk(2, dim=-1)
+        y3 = gemm.bmm(F.silu(g).mul_(u), b["down"].transpose(1, 2))
         return y3.view(ne * cmax, -1).index_select(0, slot)
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert [M, d] -> expert outputs [M, d] (unweighted), two grouped GEMMs."""
         b = self._buffers
         offs = counts.cumsum(0).to(torch.int32)
-        g, u = torch._grouped_mm(xs, b["gate_up"].transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(g).mul_(u), b["down"].transpose(1, 2), offs=offs)
+        gu, down = b["gate_up"].transpose(1, 2), b["down"].transpose(1, 2)
+        if gemm.upcasts(xs, xs.shape[0], gemm.GROUPED_ROWS):  # (splash/model/gemm.py; as `_looped`)
+            dt = xs.dtype  # each product rounded to the model's dtype, as the native kernel's
+            g, u = torch._grouped_mm(xs.float(), gu.float(), offs=offs).to(dt).chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(g).mul_(u).float(), down.float(), offs=offs).to(dt)
+        g, u = torch._grouped_mm(xs, gu, offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(g).mul_(u), down, offs=offs)
 
     def _looped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The same, one expert at a time (float64, accelerators); experts without rows are skipped."""
         ys = torch.empty_like(xs)
+        up = gemm.upcasts(xs, xs.shape[0], gemm.GROUPED_ROWS)  # as `_grouped` decides: bit for bit
         a = 0
         for j, c in enumerate(counts.tolist()):
             if not c:
                 continue
-            g, u = F.linear(xs[a:a + c], self.gate_up[j]).chunk(2, dim=-1)
-            ys[a:a + c] = F.linear(F.silu(g) * u, self.down[j])
+            if up:
+                dt = xs.dtype
+                g, u = F.linear(xs[a:a + c].float(), self.gate_up[j].float()).to(dt).chunk(2, dim=-1)
+                ys[a:a + c] = F.linear((F.silu(g) * u).float(), self.down[j].float()).to(dt)
+            else:
+                g, u = F.linear(xs[a:a + c], self.gate_up[j]).chunk(2, dim=-1)
+                ys[a:a + c] = F.linear(F.silu(g) * u, self.down[j])
             a += c
         return ys
