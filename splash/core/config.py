@@ -503,6 +503,60 @@ PRESETS["small-dsa"] = dataclasses.replace(
 )
 
 
+# Hybrids (SPEC §10): MLA layers interleaved with Kimi Delta Attention (KDA) layers, each KDA layer keeping a
+# per-request recurrent state [heads, d, d] plus short-conv states instead of a per-token latent.
+# `kimi-linear`: moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json (linear_attn_config: 1-based
+# full_attn_layers [4, 8, 12, 16, 20, 24, 27], i.e. 7 MLA layers, the last layer among them, and 20 KDA
+# layers; 32 KDA heads of 128, conv 4; NoPE MLA without a query LoRA), which transformers' KimiLinearConfig
+# defaults also give apart from the layer schedule.
+PRESETS["kimi-linear"] = ModelConfig(
+    name="kimi-linear", model_type="kimi_linear", vocab_size=163840, hidden_size=2304,
+    intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=27,
+    num_attention_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+    num_experts_per_tok=8, n_group=1, topk_group=1, topk_method="noaux_tc",
+    scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.446,
+    first_k_dense_replace=1, rms_norm_eps=1e-5, max_position_embeddings=1048576, rope_theta=10000.0,
+    rope_scaling=None, bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+    kda_layers=tuple(i for i in range(27) if i not in (3, 7, 11, 15, 19, 23, 26)),
+    linear_num_heads=32, linear_head_dim=128, linear_conv_kernel=4, use_rope=False,
+)
+# `glm-5.3-flash`: the shape of the paper's GLM-5.3-Flash (§C.2, §H: "300B", 45 layers, 11 MLA and 34 KDA,
+# INT8 weights, FP8 KV, TP16 decode). The paper states nothing else, so the rest is ASSUMED: MLA at every
+# fourth layer (0-based 3, 7, ..., 43 -> 11 layers); GLM-5's MLA dims (hidden 6144, 64 heads, q LoRA 2048,
+# latent 512 + 64, nope 192, v 256), NoPE as in Kimi-Linear (the kimi_linear model type has no rotary) and
+# without GLM-5's DSA indexer (splash does not combine DSA with KDA); Kimi-Linear's KDA head dim 128 with
+# 64 KDA heads (= the MLA heads, so T = 16 divides both); GLM-5's dense prefix (3), vocab and router; 192
+# routed experts of 2048 (12 per rank at EP16), which with the rest comes to ~315B parameters.
+PRESETS["glm-5.3-flash"] = ModelConfig(
+    name="glm-5.3-flash", model_type="kimi_linear", vocab_size=154880, hidden_size=6144,
+    intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=45,
+    num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+    qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=192, n_shared_experts=1,
+    num_experts_per_tok=8, n_group=1, topk_group=1, topk_method="noaux_tc",
+    scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+    first_k_dense_replace=3, rms_norm_eps=1e-5, max_position_embeddings=1048576, rope_theta=10000.0,
+    rope_scaling=None, bos_token_id=0, eos_token_id=1,
+    kda_layers=tuple(i for i in range(45) if i % 4 != 3),
+    linear_num_heads=64, linear_head_dim=128, linear_conv_kernel=4, use_rope=False,
+)
+# The built-in hybrid models. `tiny-hybrid`: tiny's body as Kimi-Linear (KDA layers 0-2, NoPE MLA at layer
+# 3, no query LoRA), 8 KDA heads of 32 so T = 1, 2, 4, 8 split both kinds of heads. `small-hybrid`: small's
+# body and MLA dims (latent 512 + 64, 16 heads) with 3 KDA layers + 1 MLA layer, 16 KDA heads of 128:
+# Kimi-Linear's real KDA head dim (the 128 x 128 state the FLA/vLLM kernels are built for), and one KDA
+# layer's head-sliced projections (q, k, v, o: 4 x 2048 x 512 = 4.2M) then about match small's MLA layer's
+# (q 3072 x 512, kv_b 4096 x 512, o 512 x 2048 = 4.7M), so switches move comparable weights per layer.
+PRESETS["tiny-hybrid"] = dataclasses.replace(
+    PRESETS["tiny"], name="tiny-hybrid", model_type="kimi_linear", q_lora_rank=None, first_k_dense_replace=1,
+    kda_layers=(0, 1, 2), linear_num_heads=8, linear_head_dim=32, linear_conv_kernel=4, use_rope=False,
+)
+PRESETS["small-hybrid"] = dataclasses.replace(
+    PRESETS["small"], name="small-hybrid", model_type="kimi_linear", q_lora_rank=None,
+    first_k_dense_replace=1, kda_layers=(0, 1, 2), linear_num_heads=16, linear_head_dim=128,
+    linear_conv_kernel=4, use_rope=False,
+)
+
+
 def resolve_model_config(model: str) -> ModelConfig:
     """A preset name, a checkpoint directory, or a config.json path -> ModelConfig."""
     if model in PRESETS:
