@@ -119,6 +119,7 @@ class Seq:
     ids: list[int]
     pages: list[int] = field(default_factory=list)
     cached: int = 0
+    slot: int = -1  # a KDA hybrid's state slot (SimpleRunner assigns one on first use)
 
 
 class SimpleRunner:
@@ -133,6 +134,15 @@ class SimpleRunner:
         self.pool = KVPool.for_model(cfg, num_pages, page_size, model.dtype, model.device)
         self.free = list(range(num_pages))[::-1]  # pop from the end; reversed so pages are out of order
         self.layout = layout or LocalLayout()
+        from splash.kv.state import StatePool
+
+        self.state = StatePool.for_model(cfg, 8, model.dtype, model.device)  # None unless a KDA hybrid
+        self.slots = list(range(8))[::-1]
+
+    def _slot(self, s: Seq) -> int:
+        if self.state is not None and s.slot < 0:
+            s.slot = self.slots.pop(0)
+        return s.slot
 
     def step(self, work: list[tuple[Seq, int]]) -> torch.Tensor:
         """Run `num_new` new tokens of each seq (from seq.ids[cached:]); return last-row logits [B, V]."""
@@ -145,9 +155,10 @@ class SimpleRunner:
             while len(s.pages) < need:
                 s.pages.append(self.free.pop(0))
             slices.append(SeqSlice(req_id=id(s), start=s.cached, num_new=n, owner=0, pages=[list(s.pages)],
-                                   sample=True))
+                                   sample=True, slot=self._slot(s)))
             ids.extend(s.ids[s.cached:s.cached + n])
-        ctx = ForwardContext.build(slices, kv=self.pool, layout=self.layout, page_size=self.P)
+        ctx = ForwardContext.build(slices, kv=self.pool, layout=self.layout, page_size=self.P,
+                                   state=self.state)
         hidden = self.model(torch.tensor(ids, device=self.model.device), ctx.positions, ctx)
         last = torch.tensor([sc.row_start + sc.num_new - 1 for sc in ctx.seqs], device=hidden.device)
         for s, n in work:
@@ -162,8 +173,9 @@ class SimpleRunner:
         need = -(-(seq.cached + n) // self.P)
         while len(seq.pages) < need:
             seq.pages.append(self.free.pop(0))
-        sl = SeqSlice(req_id=0, start=seq.cached, num_new=n, owner=0, pages=[list(seq.pages)], sample=True)
-        ctx = ForwardContext.build([sl], kv=self.pool, layout=self.layout, page_size=self.P)
+        sl = SeqSlice(req_id=0, start=seq.cached, num_new=n, owner=0, pages=[list(seq.pages)], sample=True,
+                      slot=self._slot(seq))
+        ctx = ForwardContext.build([sl], kv=self.pool, layout=self.layout, page_size=self.P, state=self.state)
         hidden = self.model(torch.tensor(seq.ids[seq.cached:seq.cached + n]), ctx.positions, ctx)
         seq.cached += n
         return self.model.compute_logits(hidden)

@@ -23,6 +23,7 @@ from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
 from splash.core.layouts import Layout, Ownership
 from splash.model.context import ForwardContext, SliceCtx
+from splash.model.kda import KDA
 from splash.model.mla import MLA
 
 
@@ -45,6 +46,17 @@ class AttentionLayout(ABC):
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
         """-> [N, d]: this layer's attention output for every row of the step."""
+
+    def linear_attention(self, layer_idx: int, kda: KDA, x: torch.Tensor, ctx: ForwardContext
+                         ) -> torch.Tensor:
+        """-> [N, d]: a KDA layer's output for every row of the step (hybrid models), from the normed
+        rows x [N, d]. Here (one rank) the layer runs over every row and the heads it holds, reading and
+        writing the step's state slots (`ctx.state`). The multi-rank layouts override it: TP head-sharded
+        with o_proj's partial reduced, DP on each request's owner, CP replicated."""
+        if self.core is not None:
+            raise NotImplementedError(f"KDA layers under the {self.name} layout are not implemented yet "
+                                      "(KDA hybrids run at T=1 for now)")
+        return kda.forward(x, ctx)
 
     # Helpers every layout uses -----------------------------------------------------------------------
     @staticmethod

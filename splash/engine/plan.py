@@ -36,6 +36,9 @@ class SeqSlice:
     # sequence's live table, valid while the step runs); decoded step messages leave it empty.
     pages: list[list[int]]
     sample: bool  # rank 0 needs logits of this slice's last row (decode, or last prefill chunk)
+    # The request's state slot on the ranks (KDA models: the same index in every KDA layer; chosen at
+    # admission, freed at finish/abort/preemption); -1 for models without per-request state.
+    slot: int = -1
 
     @property
     def end(self) -> int:

@@ -18,15 +18,23 @@ from splash.core.stores import token_stores, values_per_token
 
 
 class KVPool:
-    """`extra`: the per-token stores beside the latent, name -> (layers that have it, width)."""
+    """`extra`: the per-token stores beside the latent, name -> (layers that have it, width).
+    `latent_layers`: the model layers that have a latent, in order (default 0 .. num_layers-1); a
+    hybrid's KDA layers have none. Every method takes *model* layer ids: `_lat` maps them to the
+    latent tensor's rows, in this one place."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 extra: dict[str, tuple[tuple[int, ...], int]] | None = None) -> None:
+                 extra: dict[str, tuple[tuple[int, ...], int]] | None = None,
+                 latent_layers: tuple[int, ...] | None = None) -> None:
         if num_pages < 1 or page_size < 1:
             raise ConfigError(f"KV pool needs at least one page of at least one token "
                               f"(got {num_pages} pages of {page_size})")
+        if latent_layers is not None and len(latent_layers) != num_layers:
+            raise ValueError(f"{num_layers} latent layers but {len(latent_layers)} layer ids given")
         self.num_layers, self.num_pages, self.page_size, self.dim = num_layers, num_pages, page_size, dim
+        self.latent_layers = tuple(range(num_layers)) if latent_layers is None else tuple(latent_layers)
+        self._lat = {layer: k for k, layer in enumerate(self.latent_layers)}
         self.dtype = dtype
         self.device = torch.device(device or "cpu")
         self.data = torch.zeros(num_layers, num_pages, page_size, dim, dtype=dtype, device=self.device)
@@ -44,8 +52,13 @@ class KVPool:
     def for_model(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32,
                   device: torch.device | str | None = None) -> KVPool:
         """A pool holding every per-token store of `cfg` (the latent, and the indexer keys of a DSA model)."""
-        extra = {s.name: (s.layers, s.width) for s in token_stores(cfg) if s.name != "latent"}
-        return cls(cfg.num_hidden_layers, num_pages, page_size, cfg.latent_dim, dtype, device, extra)
+        ts = token_stores(cfg)
+        extra = {s.name: (s.layers, s.width) for s in ts if s.name != "latent"}
+        # the latent's layers: what the stores table says (a hybrid's MLA layers only)
+        lat = next((tuple(s.layers) for s in ts if s.name == "latent"), tuple(range(cfg.num_hidden_layers)))
+        if cfg.is_hybrid:
+            lat = tuple(i for i in lat if cfg.layer_kind(i) == "mla")
+        return cls(len(lat), num_pages, page_size, cfg.latent_dim, dtype, device, extra, latent_layers=lat)
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -133,12 +146,12 @@ class KVPool:
             t[:, pages] = float("nan")
 
     def layer(self, i: int) -> torch.Tensor:
-        """View [num_pages, page_size, D] of layer i."""
-        return self.data[i]
+        """View [num_pages, page_size, D] of model layer i."""
+        return self.data[self._lat[i]]
 
     def flat_layer(self, i: int) -> torch.Tensor:
-        """View [num_pages * page_size, D] of layer i (slot = page * page_size + offset)."""
-        return self.data[i].view(-1, self.dim)
+        """View [num_pages * page_size, D] of model layer i (slot = page * page_size + offset)."""
+        return self.data[self._lat[i]].view(-1, self.dim)
 
     def write(self, i: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store `rows` [k, D] at flat `slots` [k] of layer i."""

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from splash.engine.plan import SeqSlice
     from splash.engine.tables import RankTables
     from splash.kv.pool import KVPool
+    from splash.kv.state import StatePool, StateStep
 
 
 class SliceCtx:
@@ -34,11 +35,12 @@ class SliceCtx:
     own tables (by hand, tests); empty when built from the rank's stored tables (the engine)."""
 
     __slots__ = ("req_id", "start", "num_new", "owner", "sample", "row_start", "all_pages", "page_size",
-                 "_pages", "_table", "_keys")
+                 "_pages", "_table", "_keys", "slot")
 
     def __init__(self, req_id: int, start: int, num_new: int, owner: int, sample: bool, row_start: int,
                  pages: torch.Tensor | None = None, all_pages: list[list[int]] | None = None,
-                 page_size: int = 16, *, table: tuple[torch.Tensor, int, int] | None = None) -> None:
+                 page_size: int = 16, *, table: tuple[torch.Tensor, int, int] | None = None,
+                 slot: int = -1) -> None:
         if pages is None and table is None:
             raise ValueError("SliceCtx needs `pages` (or a row of a padded page table)")
         self.req_id, self.start, self.num_new, self.owner = req_id, start, num_new, owner
@@ -47,6 +49,7 @@ class SliceCtx:
         self._pages = pages
         self._table = table  # (padded [B, W] table, row, length): `pages` is made from it on demand
         self._keys: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.slot = slot  # the request's state slot (KDA models; -1 without per-request state)
 
     @property
     def pages(self) -> torch.Tensor:
@@ -94,6 +97,7 @@ class ForwardContext:
     page_size: int = 16
     all_held: bool = False  # this rank holds every page of every slice (write_rows is then all rows)
     sparse: SparseStep | None = None  # DSA models: the step's index rows and top-k selections
+    state: StateStep | None = None  # KDA models: which rows read which state slot (splash/kv/state.py)
 
     @property
     def num_rows(self) -> int:
@@ -103,9 +107,20 @@ class ForwardContext:
     def build(cls, seqs: Sequence[SeqSlice], *, kv: KVPool | None, layout: AttentionLayout, comm: Any = None,
               rank: int = 0, world: int = 1, page_size: int | None = None,
               device: torch.device | str | None = None, stats: dict[str, Any] | None = None,
-              tables: RankTables | None = None) -> ForwardContext:
+              tables: RankTables | None = None, state: StatePool | None = None) -> ForwardContext:
         """From a StepPlan's slices (in plan order). `page_size` defaults to the pool's. With `tables`
-        (the rank's own, kept from the step messages) the slices' `pages` are not read."""
+        (the rank's own, kept from the step messages) the slices' `pages` are not read. With `state`
+        (a KDA model's StatePool) the slices' `slot`s are read and fresh slots zeroed (`ctx.state`)."""
+        ctx = cls._build(seqs, kv=kv, layout=layout, comm=comm, rank=rank, world=world, page_size=page_size,
+                         device=device, stats=stats, tables=tables)
+        if state is not None:
+            ctx.state = state.step(ctx.seqs, ctx.positions.device)
+        return ctx
+
+    @classmethod
+    def _build(cls, seqs: Sequence[SeqSlice], *, kv: KVPool | None, layout: AttentionLayout, comm: Any,
+               rank: int, world: int, page_size: int | None, device: torch.device | str | None,
+               stats: dict[str, Any] | None, tables: RankTables | None) -> ForwardContext:
         if page_size is None:
             if kv is None:
                 raise ValueError("ForwardContext.build needs page_size when there is no KV pool")
@@ -127,7 +142,7 @@ class ForwardContext:
         row = 0
         for k, s in enumerate(seqs):
             out.append(SliceCtx(s.req_id, s.start, s.num_new, s.owner, s.sample, row, None, s.pages, P,
-                                table=(table, k, len(lists[k]))))
+                                table=(table, k, len(lists[k])), slot=s.slot))
             row += s.num_new
         holes = any(t and min(t) < 0 for t in lists)  # pages some slice has but this rank does not hold
         if row <= _PY_ROWS:
@@ -167,7 +182,7 @@ class ForwardContext:
         row = 0
         for k, (s, n) in enumerate(zip(seqs, need.tolist())):
             out.append(SliceCtx(s.req_id, s.start, s.num_new, s.owner, s.sample, row, None, None, P,
-                                table=(table, k, n)))
+                                table=(table, k, n), slot=s.slot))
             row += s.num_new
         pos, w_rows, w_slots = _rows_np(st, nu, host, row, P)
         return cls(positions=to_device(torch.from_numpy(pos), dev), seqs=out, kv=kv, layout=layout, comm=comm,

@@ -1,4 +1,6 @@
-"""The DeepSeek-V2/V3 (and Kimi-K2) causal LM over rows of a step, attention delegated to a layout.
+"""The DeepSeek-V2/V3 (and Kimi-K2, Kimi-Linear) causal LM over rows of a step, attention delegated to a
+layout. A hybrid (Kimi-Linear) has MLA layers (NoPE: no rotary when `cfg.use_rope` is False) and KDA
+layers (splash/model/kda.py, per `cfg.layer_kind(i)`), the latter through `layout.linear_attention`.
 
 `forward` returns the residual stream *before* the final norm; `compute_logits` applies the norm and
 the LM head to just the rows that are sampled, which saves the [N, V] product for prefill rows.
@@ -23,8 +25,9 @@ from splash.core.config import ConfigError, ModelConfig, head_slice
 from splash.model import gemm
 from splash.model.context import ForwardContext
 from splash.model.indexer import Indexer
+from splash.model.kda import KDA
 from splash.model.layers import MLP, RMSNorm, check_activation
-from splash.model.loader import CheckpointReader
+from splash.model.loader import CheckpointReader, RenamedReader
 from splash.model.mla import MLA
 from splash.model.moe import MoE
 from splash.model.rope import Rotary
@@ -40,16 +43,31 @@ def held_heads(cfg: ModelConfig, rank: int, world: int, sharded: bool) -> range:
     return head_slice(h, rank, world)
 
 
+def held_kda_heads(cfg: ModelConfig, rank: int, world: int, sharded: bool) -> range:
+    """KDA heads a rank holds: sharded like MLA's heads (head-sharded projections), else all."""
+    h = cfg.linear_num_heads
+    if not sharded or world == 1:
+        return range(h)
+    cfg.check_ranks(world)
+    return head_slice(h, rank, world)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, rotary: Rotary, heads: range, dtype: torch.dtype,
                  device: torch.device | str | None, rank: int = 0, world: int = 1,
-                 expert_parallel: str = "auto") -> None:
+                 expert_parallel: str = "auto", kda_heads: range | None = None) -> None:
         super().__init__()
         self.idx = idx
         self.mlp_tag = f"mlp.{idx}"
         d = cfg.hidden_size
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = MLA(cfg, rotary, heads, dtype, device)
+        self.kind = cfg.layer_kind(idx)  # "mla" or "kda"
+        self.self_attn: MLA | KDA
+        if self.kind == "kda":
+            self.self_attn = KDA(cfg, idx, range(cfg.linear_num_heads) if kda_heads is None else kda_heads,
+                                 dtype, device)
+        else:
+            self.self_attn = MLA(cfg, rotary, heads, dtype, device)
         # DSA: "full" layers run an indexer, "shared" ones reuse the previous full layer's top-k
         self.indexer_type = cfg.indexer_type(idx)
         self.indexer = Indexer(cfg, rotary, dtype, device) if self.indexer_type == "full" else None
@@ -75,11 +93,18 @@ class DecoderLayer(nn.Module):
         m = self._modules  # direct, as in MLA: no hooks here, and the nn.Module machinery is not free
         attn = m["self_attn"]
         xn = m["input_layernorm"].forward(x)
+        if self.kind == "kda":
+            x = x + ctx.layout.linear_attention(self.idx, attn, xn, ctx)
+            return self._mlp(x, ctx)
         q_in, latent_new = attn.prepare(xn, ctx.positions)
         if ctx.sparse is not None:  # DSA: this layer's index rows (None: shared) before its attention
             ix = m.get("indexer")
             ctx.sparse.begin(self.idx, None if ix is None else ix.prepare(xn, q_in, ctx.positions), ctx)
         x = x + ctx.layout.attention(self.idx, attn, q_in, latent_new, ctx)
+        return self._mlp(x, ctx)
+
+    def _mlp(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        m = self._modules
         h = m["mlp"].forward(m["post_attention_layernorm"].forward(x))
         if self.mlp_partial:
             h = ctx.comm.all_reduce(h, tag=self.mlp_tag)
@@ -115,6 +140,7 @@ class DeepseekForCausalLM(nn.Module):
         self.attn_sharded = attn_sharded and world > 1
         self.rotary = Rotary(cfg, None if self.device.type == "meta" else self.device)
         heads = held_heads(cfg, rank, world, attn_sharded)
+        kda_heads = held_kda_heads(cfg, rank, world, attn_sharded) if cfg.is_hybrid else None
         d, v = cfg.hidden_size, cfg.vocab_size
         self.vocab_size = v
         shard_head = shard_lm_head and world > 1
@@ -124,7 +150,7 @@ class DeepseekForCausalLM(nn.Module):
         self.head_rows = even_range(v, rank, world) if shard_head else range(v)
         self.register_buffer("embed", torch.empty(len(self.embed_rows), d, dtype=dtype, device=self.device))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, heads, dtype, self.device, rank, world,
-                                                 expert_parallel)
+                                                 expert_parallel, kda_heads)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype, self.device)
         self.register_buffer("lm_head", None if cfg.tie_word_embeddings
@@ -195,7 +221,9 @@ class DeepseekForCausalLM(nn.Module):
                     shard_lm_head=shard_lm_head)
         model.device = torch.device(device or "cpu")
         model.rotary.to(model.device)
-        reader = CheckpointReader(path, cfg.quantization_config)
+        reader: Any = CheckpointReader(path, cfg.quantization_config)
+        if cfg.model_type == "kimi_linear":  # Kimi's MoE names (block_sparse_moe, experts' w1/w2/w3)
+            reader = RenamedReader(reader, cfg.model_type)
         try:
             model.load_weights(reader)
         finally:
@@ -209,6 +237,9 @@ class DeepseekForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [N] -> residual stream [N, d] after the last layer (pre final norm)."""
+        if self.cfg.is_hybrid and ctx.state is None:
+            raise RuntimeError("a KDA hybrid's step needs its requests' state slots: build the "
+                               "ForwardContext with state=<the rank's StatePool>")
         if self.cfg.is_sparse and ctx.sparse is None:
             from splash.attention.sparse import SparseStep
 

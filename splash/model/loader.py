@@ -4,7 +4,8 @@ Tensors are read lazily by name through `safe_open` slices, so a rank that holds
 (or some experts, or a slice of the MLP) reads only those rows/columns from disk. FP8
 (`float8_e4m3fn`) weights with a `<name>_scale_inv` block scale (DeepSeek-V3's 128x128 blocks) are
 dequantised on read: in float64 when the model runs in float64 (exact: 4-bit mantissa x float32
-scale), else in float32, then cast.
+scale), else in float32, then cast. Kimi-Linear's MoE names are mapped to DeepSeek's
+(`checkpoint_name` / `internal_name`, `RenamedReader`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -131,3 +133,59 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+# ---- checkpoint names of model families whose tensors are named differently ---------------------------
+# Kimi-Linear's checkpoints (and transformers' save_pretrained of KimiLinearForCausalLM) name a layer's
+# MLP / MoE `block_sparse_moe` and its routed experts' projections w1 (gate), w3 (up), w2 (down); splash's
+# modules read DeepSeek's names (`mlp`, gate_proj / up_proj / down_proj). KDA layers' own names
+# (q_conv1d, A_log, ...) are read as they are by splash/model/kda.py.
+_KIMI_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_KIMI_EXPERT_BACK = {v: k for k, v in _KIMI_EXPERT.items()}
+
+
+def checkpoint_name(model_type: str, name: str) -> str:
+    """A tensor's name in `model_type`'s checkpoints, from splash's (DeepSeek's) name."""
+    if model_type != "kimi_linear" or ".mlp." not in name:
+        return name
+    parts = name.replace(".mlp.", ".block_sparse_moe.", 1).split(".")
+    # model.layers.N.block_sparse_moe.experts.J.gate_proj.weight
+    if len(parts) == 8 and parts[4] == "experts" and parts[5].isdigit() and parts[6] in _KIMI_EXPERT:
+        parts[6] = _KIMI_EXPERT[parts[6]]
+    return ".".join(parts)
+
+
+def internal_name(model_type: str, name: str) -> str:
+    """The inverse of `checkpoint_name`: splash's name of a checkpoint tensor."""
+    if model_type != "kimi_linear" or ".block_sparse_moe." not in name:
+        return name
+    parts = name.replace(".block_sparse_moe.", ".mlp.", 1).split(".")
+    if len(parts) == 8 and parts[4] == "experts" and parts[5].isdigit() and parts[6] in _KIMI_EXPERT_BACK:
+        parts[6] = _KIMI_EXPERT_BACK[parts[6]]
+    return ".".join(parts)
+
+
+class RenamedReader:
+    """A reader asked with splash's names that reads the checkpoint's (`checkpoint_name`)."""
+
+    def __init__(self, reader: Any, model_type: str) -> None:
+        self.reader, self.model_type = reader, model_type
+        self.path = getattr(reader, "path", "")
+
+    def _n(self, name: str) -> str:
+        return checkpoint_name(self.model_type, name)
+
+    def keys(self) -> list[str]:
+        return [internal_name(self.model_type, k) for k in self.reader.keys()]
+
+    def has(self, name: str) -> bool:
+        return self.reader.has(self._n(name))
+
+    def shape(self, name: str) -> list[int]:
+        return self.reader.shape(self._n(name))
+
+    def get(self, name: str, *args: Any, **kw: Any) -> torch.Tensor:
+        return self.reader.get(self._n(name), *args, **kw)
+
+    def close(self) -> None:
+        self.reader.close()

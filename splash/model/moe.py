@@ -20,7 +20,8 @@ from splash.model.layers import MLP
 from splash.model.loader import CheckpointReader
 from splash.model.shard import even_range, moe_mode, span
 
-V3_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")  # sigmoid + bias + group top-k
+# sigmoid + bias + group top-k
+V3_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa", "kimi_linear")
 _GROUPED = hasattr(torch, "_grouped_mm")
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_MAX = 1 << 14  # rows x held experts up to which CUDA runs every expert on every row (`MoE._dense`)

@@ -2,7 +2,7 @@
 
 The frequencies and the cos/sin tables are computed in float32 whatever the model dtype (as the
 reference does), so a float64 model reproduces the reference's logits to ~1e-12 rather than ~1e-7.
-Three application styles exist:
+Three application styles exist (and "none" for NoPE MLA, Kimi-Linear's: `apply` returns x as it is):
 - `complex` (DeepSeek-V2 in transformers): the rotary slice is rotated as complex pairs in float32,
   output kept interleaved;
 - `interleave` (V3 with `rope_interleave`): pairs (x0, x1), (x2, x3)... rotated and written out
@@ -118,6 +118,8 @@ class Rotary:
         self.inv_freq = inv_freq.to(device)
         self.style = "complex" if cfg.model_type == "deepseek_v2" else (
             "interleave" if cfg.rope_interleave else "half")
+        if not cfg.use_rope:  # Kimi-Linear's NoPE MLA: the d_r part of q and k is used as it is
+            self.style = "none"
         # out = a * C + b * S with table row (C, S): C = cos, S = sin with its first half negated, a = x
         # in the style's order and b = a with its halves swapped; both styles are this form, bit for
         # bit (negation is exact). interleave: a = (x_even, x_odd), so out = [x_even*c - x_odd*s,
@@ -164,6 +166,8 @@ class Rotary:
         """What `apply` needs for these positions. The last two calls' results are memoised by tensor
         identity (a step's positions, and a layout's subset of them), so the layers of one step share
         a lookup. `bound` (> every position, from the plan) spares a device sync on GPU."""
+        if self.style == "none":
+            return None
         for key, val in self._memo:
             if key is positions:
                 return val
@@ -183,6 +187,8 @@ class Rotary:
         """Rotate x [N, h, d_r] (or [N, d_r]) by the tables of its rows' positions. `style` overrides the
         model's ("half" / "interleave"): the DSA indexer rotates its keys in its own style."""
         style = style or self.style
+        if style == "none":
+            return x
         if style == "complex":
             squeeze = x.dim() == 2
             if squeeze:
