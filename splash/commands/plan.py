@@ -80,8 +80,26 @@ def kv_summary(sizes: AttentionSizes) -> dict[str, Any]:
 def kv_line(sizes: AttentionSizes) -> str:
     """'KV fp8: 48,068 bytes per token (788 per layer x 61 layers)': what one context token costs."""
     per_layer = sizes.kv_layer_bytes
-    parts = [f"{b:,g} per layer x {per_layer.count(b)} layers" for b in sorted(set(per_layer), reverse=True)]
+    parts = [f"{b:,g} per layer x {per_layer.count(b)} layers"
+             for b in sorted(set(per_layer), reverse=True) if b]  # (a hybrid's KDA layers hold no KV)
     return f"KV {sizes.kv_dtype}: {sizes.k:,.0f} bytes per token ({' + '.join(parts)})"
+
+
+def state_summary(sizes: AttentionSizes) -> dict[str, Any]:
+    """A hybrid's per-request KDA state (the core's rule, `splash.core.stores`), for JSON output."""
+    if not sizes.cfg.is_hybrid:
+        return {}
+    return {"mla_layers": len(sizes.mla_layers), "kda_layers": len(sizes.kda_layers),
+            "state_bytes_per_request": sizes.z, "state_bytes_per_request_layer": sizes.state_layer_bytes,
+            "state_stores_per_layer": sizes.state_store_bytes()}
+
+
+def state_line(sizes: AttentionSizes) -> str:
+    """'; KDA state: 43,417,600 bytes per request (2,170,880 per layer x 20 KDA layers)', or ''."""
+    if not sizes.cfg.is_hybrid:
+        return ""
+    return (f"; KDA state: {sizes.z:,.0f} bytes per request ({sizes.state_layer_bytes:,.0f} per layer x "
+            f"{len(sizes.kda_layers)} KDA layers, whatever the context)")
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:
@@ -143,27 +161,39 @@ def run_switches(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch x --context = {pages:,} pages of {args.page_size}, more than the "
                           f"{MAX_PAGES:,} a manifest is built for; raise --page-size or shrink them")
     batch = [args.context] * args.batch
+    hybrid = sizes.cfg.is_hybrid
     out, rows = [], []
+
+    def entry(st: Any) -> dict[str, Any]:
+        return {"primitive": st.primitive, "bytes_per_rank": st.bytes_per_rank, "bytes_group": st.total_bytes}
+
     for a, b in DIRECTIONS:
         m = switch_manifest(sizes, a, b, batch, args.ranks, args.page_size)
         w, kv = m.weights, m.kv
-        out.append({"from": a.label, "to": b.label,
-                    "weights": {"primitive": w.primitive, "bytes_per_rank": w.bytes_per_rank,
-                                "bytes_group": w.total_bytes},
-                    "kv": {"primitive": kv.primitive, "bytes_per_rank": kv.bytes_per_rank,
-                           "bytes_group": kv.total_bytes},
-                    "bytes_per_rank_all_layers": float(m.recv_bytes_per_rank().max(initial=0))})
+        item = {"from": a.label, "to": b.label, "weights": entry(w), "kv": entry(kv),
+                "bytes_per_rank_all_layers": float(m.recv_bytes_per_rank().max(initial=0))}
         total = m.recv_bytes_per_rank().max(initial=0)
-        rows.append([f"{a.label}->{b.label}", w.primitive, f"{w.bytes_per_rank / MIB:,.2f}", kv.primitive,
-                     f"{kv.bytes_per_rank / MIB:,.2f}", f"{total / GIB:,.2f}"])
+        row = [f"{a.label}->{b.label}", w.primitive, f"{w.bytes_per_rank / MIB:,.2f}", kv.primitive,
+               f"{kv.bytes_per_rank / MIB:,.2f}"]
+        if hybrid:  # a KDA layer moves its projections and its per-request states (no KV)
+            kw, st = m.kda_weights, m.state
+            item.update(kda_weights=entry(kw), state=entry(st))
+            row += [kw.primitive, f"{kw.bytes_per_rank / MIB:,.2f}", st.primitive,
+                    f"{st.bytes_per_rank / MIB:,.2f}"]
+        out.append(item)
+        rows.append(row + [f"{total / GIB:,.2f}"])
     obj = {"model": sizes.cfg.name, "ranks": args.ranks, "batch": args.batch, "context": args.context,
            "dtype": sizes.dtype, "kv_dtype": sizes.kv_dtype, "page_size": args.page_size,
-           "layers": sizes.layers, **kv_summary(sizes),
-           "note": "per layer (the largest layer's KV): bytes_per_rank busiest rank, bytes_group all ranks",
+           "layers": sizes.layers, **kv_summary(sizes), **state_summary(sizes),
+           "note": "per layer (the largest layer's KV): bytes_per_rank busiest rank, bytes_group all ranks"
+                   + ("; kda_weights and state: one KDA layer's" if hybrid else ""),
            "switches": out}
+    header = ["switch", "MLA weights", "MiB", "KV", "MiB"]
+    if hybrid:
+        header += ["KDA weights", "MiB", "KDA state", "MiB"]
     text = (f"{sizes.cfg.name}: T={args.ranks}, B={args.batch}, s={args.context}, weights {sizes.dtype}; "
-            f"{kv_line(sizes)}; per layer, busiest rank\n"
-            + table(rows, ["switch", "weights", "MiB", "KV", "MiB", "GiB all layers"]))
+            f"{kv_line(sizes)}{state_line(sizes)}; per layer of each kind, busiest rank\n"
+            + table(rows, header + ["GiB all layers"]))
     return emit(args, obj, text)
 
 
@@ -256,6 +286,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     from splash.core.capacity import (
         CapacityScenario,
         distinct_tokens,
+        model_capacity,
         model_pools,
         pools_from_budget,
         residency_limits,
@@ -270,6 +301,7 @@ def run_capacity(args: argparse.Namespace) -> int:
         raise ConfigError("give exactly one of --scenario, --pool-tokens, or --memory-gib (with --model, or "
                           "--weights-gib and --kv-bytes-per-token), or --model alone (pools from --gpu)")
     sizes = None
+    budget: tuple[float, int, float, bool] | None = None  # (memory, ranks, reserve, fixed) of model pools
     if args.model:  # the model's W_A and bytes per token (the core's rule), reported with every source
         if args.weights_gib is not None or args.kv_bytes_per_token is not None:
             raise ConfigError("--model gives the weights and KV bytes per token; leave out --weights-gib "
@@ -291,7 +323,8 @@ def run_capacity(args: argparse.Namespace) -> int:
             need(args.memory_gib, "--memory-gib", 0)
             need(args.reserve_gib, "--reserve-gib", 0)
             if sizes is not None:  # a budget for attention weights + KV, as the paper's DCU scenario
-                pools = model_pools(sizes, args.memory_gib * GIB, ranks, args.reserve_gib * GIB, fixed=False)
+                budget = (args.memory_gib * GIB, ranks, args.reserve_gib * GIB, False)
+                pools = model_pools(sizes, *budget)
             else:
                 need(args.weights_gib, "--weights-gib", 0)
                 need(args.kv_bytes_per_token, "--kv-bytes-per-token", 1e-9)
@@ -300,13 +333,21 @@ def run_capacity(args: argparse.Namespace) -> int:
         else:  # --model alone: the device's memory less every weight the rank holds and the reserve
             assert sizes is not None
             th = profile_theta(args.gpu, ranks, sizes, args.memory_fraction, None)
-            pools = model_pools(sizes, th.memory_bytes, ranks, th.reserve_bytes)
+            budget = (th.memory_bytes, ranks, th.reserve_bytes, True)
+            pools = model_pools(sizes, *budget)
             source = (f"{th.name}: {th.memory_bytes / GIB:,.1f} GiB per rank, {th.reserve_bytes / GIB:g} GiB "
                       "reserve")
         base = CapacityScenario("custom" if sizes is None else sizes.cfg.name,
                                 16 if args.batch is None else args.batch, ranks, pools)
     batch = base.batch if args.batch is None else args.batch  # (0 is an input to refuse, not "unset")
     ranks = base.ranks if args.ranks is None else args.ranks
+    slots = None
+    if sizes is not None and budget is not None and sizes.z:  # a hybrid: B request states beside the KV
+        pools = model_pools(sizes, *budget, requests=batch)
+        base = CapacityScenario(base.name, base.batch, base.ranks, pools, base.output_min, base.output_max,
+                                base.note, base.paper_limits_k)
+        slots = {lay.label: c.requests for lay, c in model_capacity(sizes, budget[0], budget[1], budget[2],
+                                                                    budget[3]).items()}
     sc = CapacityScenario(base.name, batch, ranks, base.pools, args.output_min, args.output_max, base.note,
                           base.paper_limits_k if (args.batch, args.ranks) == (None, None) else {})
     need(sc.batch, "--batch")
@@ -325,8 +366,13 @@ def run_capacity(args: argparse.Namespace) -> int:
     model = ""
     if sizes is not None:
         obj.update(model=sizes.cfg.name, dtype=sizes.dtype, source=source, **kv_summary(sizes),
-                   pool_gib={k.label: v * sizes.k / GIB for k, v in sc.pools.items()})
-        model = f"\n{sizes.cfg.name} ({sizes.dtype} weights): {kv_line(sizes)}; pools from {source}"
+                   **state_summary(sizes), pool_gib={k.label: v * sizes.k / GIB for k, v in sc.pools.items()})
+        model = (f"\n{sizes.cfg.name} ({sizes.dtype} weights): {kv_line(sizes)}{state_line(sizes)}; "
+                 f"pools from {source}")
+        if slots is not None:
+            obj["state_slots_requests"] = slots
+            model += (f"\npools after B={sc.batch} request states; state slots (requests the budget holds by "
+                      "their KDA state alone): " + ", ".join(f"{k} {v:,}" for k, v in slots.items()))
     rows = []
     for lay in LAYOUTS:
         paper = sc.paper_limits_k.get(lay)
@@ -364,6 +410,7 @@ def theta_from(args: argparse.Namespace, sizes: AttentionSizes):  # -> Theta
 
 
 def run_advise(args: argparse.Namespace) -> int:
+    from splash.core.capacity import requests_at
     from splash.core.costmodel import Batch
     from splash.core.policy import PolicyConfig, decide
 
@@ -386,27 +433,33 @@ def run_advise(args: argparse.Namespace) -> int:
         e = d.evals[lay]
         group = lay.distinct([e.kv_pool_tokens] * args.ranks)  # TP: one rank's pool; the others: the sum
         longest = longest_balanced_context(lay, avail, sizes.w_a, sizes.k, args.batch, args.ranks,
-                                           sizes.indexer_weight_bytes())
+                                           sizes.indexer_weight_bytes(), sizes.z)
         layouts[lay.label] = {**e.to_dict(), "kv_distinct_tokens_group": group,
                               "longest_balanced_context": int(longest), **{"stages": e.cost.to_dict()}}
         rows.append([lay.label + (" *" if lay is d.layout else ""), f"{e.time * 1e3:,.2f}",
                      f"{e.memory_bytes / GIB:,.1f}", "yes" if e.fits else "NO",
                      "yes" if e.switch_fits else "NO", f"{e.kv_pool_tokens:,}", f"{group:,}",
                      f"{int(longest):,}"])
+        if sizes.cfg.is_hybrid:  # requests, not tokens, can run out first: each holds its KDA state
+            fit = requests_at(lay, sizes, th.memory_bytes, args.ranks, args.context, th.reserve_bytes)
+            layouts[lay.label]["requests_fit_at_context"] = fit
+            rows[-1].append(f"{fit:,}")
     obj = {"model": sizes.cfg.name, "gpu": getattr(th, "name", args.gpu), "theta_source": th.source,
            "ranks": args.ranks, "batch": args.batch, "context": args.context, "query_rows": args.query_rows,
-           "dtype": sizes.dtype, **kv_summary(sizes), "memory_per_rank_gib": th.memory_bytes / GIB,
-           "current": cur.label if cur else None, "layout": d.layout.label, "switch": d.switch,
+           "dtype": sizes.dtype, **kv_summary(sizes), **state_summary(sizes),
+           "memory_per_rank_gib": th.memory_bytes / GIB, "current": cur.label if cur else None,
+           "layout": d.layout.label, "switch": d.switch,
            "reason": d.reason, "feasible": [lay.label for lay in LAYOUTS if lay in d.feasible],
            "layouts": layouts}
     dsa = (f"; DSA: main attention reads top-{sizes.cfg.index_topk} keys, the indexer scores all "
            f"{args.context:,}" if sizes.cfg.is_sparse else "")
     text = (f"{sizes.cfg.name} ({sizes.dtype} weights) on {th.name or args.gpu}, "
             f"T={args.ranks}, B={args.batch}, s={args.context}, q={args.query_rows}, "
-            f"{th.memory_bytes / GIB:.1f} GiB per rank\n{kv_line(sizes)}{dsa}\n"
+            f"{th.memory_bytes / GIB:.1f} GiB per rank\n{kv_line(sizes)}{state_line(sizes)}{dsa}\n"
             f"-> run {d.layout.label}: {d.reason}\n"
             + table(rows, ["layout", "step ms", "mem GiB", "fits", "switch fits", "KV tok/rank",
-                           "KV distinct/group", "longest s"]))
+                           "KV distinct/group", "longest s"]
+                    + (["requests fit at s"] if sizes.cfg.is_hybrid else [])))
     return emit(args, obj, text)
 
 

@@ -8,6 +8,11 @@ input + output KV, and calls L feasible when every rank fits in at least 99% of 
 owners are count-balanced round-robin (request i on rank i mod T, length-blind), CP is ideally
 token-balanced, TP replicates every history. The sample is redrawn with the same PCG64 seed at
 every candidate L, as one run of the protocol at that L, and L is bisected to the token.
+
+A hybrid (SPEC §10) also limits *requests*: each admitted request holds z bytes of KDA state whatever
+its context, of which a rank keeps the share g of `Layout.state_placement` (1/T head-sharded, whole on
+a DP owner, whole on every CP rank). `model_capacity` gives per layout the state slots (requests with
+no context), the token pool with no request, and the requests of a given context that fit.
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ from statistics import NormalDist
 import numpy as np
 
 from splash.core.config import ConfigError
-from splash.core.layouts import LAYOUTS, Layout, Ownership
+from splash.core.layouts import (
+    LAYOUTS,
+    Layout,
+    Ownership,
+    StatePlacement,
+    kv_histories_busiest,
+    state_histories_busiest,
+)
 from splash.core.sizes import GIB, KIB, AttentionSizes
 
 PAPER_SEED = 20260922
@@ -44,23 +56,114 @@ def pools_from_budget(memory_bytes: float, w_a: float, k: float, ranks: int,
     return {lay: pool_tokens(lay, memory_bytes, w_a, k, ranks, reserve_bytes) for lay in LAYOUTS}
 
 
-def model_pool_tokens(layout: Layout, sizes: AttentionSizes, memory_bytes: float, ranks: int,
-                      reserve_bytes: float = 0.0, fixed: bool = True) -> int:
-    """Per-rank KV pool of a model in tokens: (budget - M0 (when `fixed`) - W_r(l) - reserve) / k, floored.
-
-    W_r(l) and k are the model's (`AttentionSizes`): rank 0's head slice or every head, a DSA model's
-    indexer projections whole in either, and its indexer keys and the KV dtype's layout in k. The one
-    pool rule the policy, the simulator and `splash plan capacity --model` ask."""
+def model_free_bytes(layout: Layout, sizes: AttentionSizes, memory_bytes: float, ranks: int,
+                     reserve_bytes: float = 0.0, fixed: bool = True) -> float:
+    """Bytes per rank left for KV and per-request state: budget - M0 (when `fixed`) - W_r(l) - reserve."""
     used = sizes.attention_weight_bytes(layout.sharded, ranks) + reserve_bytes
     if fixed:
         used += sizes.fixed_bytes_per_rank(ranks)
-    return max(0, math.floor((memory_bytes - used) / sizes.k))
+    return memory_bytes - used
+
+
+def model_pool_tokens(layout: Layout, sizes: AttentionSizes, memory_bytes: float, ranks: int,
+                      reserve_bytes: float = 0.0, fixed: bool = True, requests: int = 0) -> int:
+    """Per-rank KV pool of a model in tokens: (budget - M0 (when `fixed`) - W_r(l) - reserve - the
+    busiest rank's share of `requests` request states) / k, floored.
+
+    W_r(l) and k are the model's (`AttentionSizes`): rank 0's head slice or every head, a DSA model's
+    indexer projections whole in either, and its indexer keys and the KV dtype's layout in k; a hybrid's
+    KDA projections shard alike and only its MLA layers count in k. The one pool rule the policy, the
+    simulator and `splash plan capacity --model` ask."""
+    free = model_free_bytes(layout, sizes, memory_bytes, ranks, reserve_bytes, fixed)
+    if requests and sizes.z:
+        free -= state_histories_busiest(layout, requests, ranks) * sizes.z
+    return max(0, math.floor(free / sizes.k))
+
+
+def state_slots(layout: Layout, sizes: AttentionSizes, memory_bytes: float, ranks: int,
+                reserve_bytes: float = 0.0, fixed: bool = True) -> int | None:
+    """Requests the group can hold by their per-request state alone (no context), from the free bytes F
+    per rank: head-sharded floor(T*F/z), DP T*floor(F/z) (whole states per owner), CP floor(F/z). None
+    for a model without per-request state (no such limit)."""
+    z = sizes.z
+    if not z:
+        return None
+    free = max(0.0, model_free_bytes(layout, sizes, memory_bytes, ranks, reserve_bytes, fixed))
+    kind = layout.state_placement
+    if kind is StatePlacement.HEAD_SHARDED:
+        return math.floor(free * ranks / z)
+    if kind is StatePlacement.OWNER:
+        return ranks * math.floor(free / z)
+    return math.floor(free / z)
+
+
+def busiest_request_bytes(layout: Layout, sizes: AttentionSizes, batch: int, context: float,
+                          ranks: int) -> float:
+    """KV + state bytes on the busiest rank for `batch` requests of `context` tokens (count-balanced
+    owners, ideal CP): Eq 1's B*k*s*f + B*z*g without the weights."""
+    if batch <= 0:
+        return 0.0
+    kv = kv_histories_busiest(layout, batch, ranks) * sizes.k * context
+    return kv + state_histories_busiest(layout, batch, ranks) * sizes.z
+
+
+def requests_at(layout: Layout, sizes: AttentionSizes, memory_bytes: float, ranks: int, context: int,
+                reserve_bytes: float = 0.0, fixed: bool = True, limit: int = 1 << 40) -> int:
+    """Most requests of `context` tokens each the group holds in `layout` (KV and, in a hybrid, state):
+    the largest B whose busiest rank fits; `limit` when nothing per request costs memory."""
+    free = model_free_bytes(layout, sizes, memory_bytes, ranks, reserve_bytes, fixed)
+    if free < 0:
+        return 0
+    if sizes.k * context <= 0 and not sizes.z:
+        return limit
+    lo, hi = 0, 1
+    while hi < limit and busiest_request_bytes(layout, sizes, hi, context, ranks) <= free:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if busiest_request_bytes(layout, sizes, mid, context, ranks) <= free:
+            lo = mid
+        else:
+            hi = mid
+    return hi if busiest_request_bytes(layout, sizes, hi, context, ranks) <= free else lo
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One layout's capacity from a memory budget: per-rank KV pool with no request (`tokens`), the
+    requests its state slots hold (`requests`: None without per-request state), and the requests of
+    `context` tokens that fit (`requests_at_context`, when a context was asked)."""
+
+    layout: Layout
+    tokens: int
+    requests: int | None
+    context: int | None = None
+    requests_at_context: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"layout": self.layout.label, "pool_tokens_per_rank": self.tokens,
+                "state_slots": self.requests, "context": self.context,
+                "requests_at_context": self.requests_at_context}
+
+
+def model_capacity(sizes: AttentionSizes, memory_bytes: float, ranks: int, reserve_bytes: float = 0.0,
+                   fixed: bool = True, context: int | None = None) -> dict[Layout, Capacity]:
+    """Capacity in tokens and requests of every layout (see `Capacity`)."""
+    out = {}
+    for lay in LAYOUTS:
+        at = None if context is None else requests_at(lay, sizes, memory_bytes, ranks, context,
+                                                      reserve_bytes, fixed)
+        out[lay] = Capacity(lay, model_pool_tokens(lay, sizes, memory_bytes, ranks, reserve_bytes, fixed),
+                            state_slots(lay, sizes, memory_bytes, ranks, reserve_bytes, fixed), context, at)
+    return out
 
 
 def model_pools(sizes: AttentionSizes, memory_bytes: float, ranks: int, reserve_bytes: float = 0.0,
-                fixed: bool = True) -> dict[Layout, int]:
-    """`model_pool_tokens` of every layout."""
-    return {lay: model_pool_tokens(lay, sizes, memory_bytes, ranks, reserve_bytes, fixed) for lay in LAYOUTS}
+                fixed: bool = True, requests: int = 0) -> dict[Layout, int]:
+    """`model_pool_tokens` of every layout (`requests`: the per-request states held beside the pool)."""
+    return {lay: model_pool_tokens(lay, sizes, memory_bytes, ranks, reserve_bytes, fixed, requests)
+            for lay in LAYOUTS}
 
 
 def distinct_tokens(layout: Layout, pool: int, ranks: int) -> int:

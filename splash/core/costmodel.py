@@ -12,6 +12,12 @@ runs its own projections on the rows (replicated in every layout: rows are place
 them in TP and CP, each owner's under DP and DOP). The indexer is a second roofline inside t_att. GLM-5's
 shared layers reuse the previous indexer's selection: sparse main attention, no indexer. Layers of one
 kind cost alike, so a step is the sum over the kinds (`layer_kinds`) of count x one layer's cost.
+
+A hybrid's KDA layers (SPEC §10) are one more kind (`kda_layer_loads`), constant per token: their
+projections (t_proj) and the state update (t_att: ~8 d^2 FLOPs per row and head, and one read + write
+of the state per request with rows), no context-dependent term. The share a rank computes follows the
+state placement: TP/DOP each rank its heads of every row (one all-reduce after o), DP the owner's rows
+(one all-gather), CP every row whole on every rank (redundant, no collective).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from splash.core.config import ConfigError
-from splash.core.layouts import LAYOUTS, Layout, Ownership, round_robin_owners
+from splash.core.layouts import LAYOUTS, Layout, Ownership, StatePlacement, round_robin_owners
 from splash.core.manifest import position_tokens_matrix
 from splash.core.sizes import AttentionSizes
 
@@ -249,10 +255,11 @@ def _index_proj_flops_per_row(sizes: AttentionSizes) -> float:
 
 def layer_kinds(sizes: AttentionSizes) -> tuple[tuple[int, bool], ...]:
     """(layers, runs an indexer) per kind of attention layer that costs alike: a dense model's L layers;
-    a DSA model's indexer layers and, in GLM-5, its shared layers (sparse attention, no indexer)."""
+    a DSA model's indexer layers and, in GLM-5, its shared layers (sparse attention, no indexer); a
+    hybrid's MLA layers (its KDA layers are priced by `kda_layer_loads`)."""
     c = sizes.cfg
     if not c.is_sparse:
-        return ((sizes.layers, False),)
+        return ((len(c.mla_layers) if c.is_hybrid else sizes.layers, False),)
     full = sizes.memo("indexer_layers", lambda: len(c.indexer_layers))
     return tuple((n, ix) for n, ix in ((full, True), (sizes.layers - full, False)) if n)
 
@@ -345,6 +352,58 @@ def layer_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: int,
     )
 
 
+KDA_STATE_FLOPS_PER_D2 = 8.0  # per row and head: decay S*exp(g), k^T S, the rank-1 update, q^T S (d^2 each)
+
+
+def _kda_proj_flops_per_row_head(sizes: AttentionSizes) -> float:
+    """A KDA layer's head-sliced matmuls per row and head: q, k, v, their convs, f_b, g_b, b and o."""
+    c = sizes.cfg
+    d, hid, K = c.linear_head_dim, c.hidden_size, c.linear_conv_kernel
+    return 2.0 * (3 * hid * d + 3 * d * K + 2 * d * d + hid + d * hid)
+
+
+def _kda_replicated_flops_per_row(sizes: AttentionSizes) -> float:
+    """A KDA layer's low-rank gate projections per row (f_a, g_a: hidden -> d), replicated."""
+    c = sizes.cfg
+    return 2.0 * 2 * c.hidden_size * c.linear_head_dim
+
+
+def kda_layer_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: int,
+                    act_bytes: float) -> LayerLoads:
+    """The rate-free loads of one KDA layer (constant in context): rows and heads each rank computes as
+    the state placement says, its projections and state update, one read + write of its state share
+    per request with rows, and the layer's collective (none in CP, whose ranks compute everything)."""
+    T, c = ranks, sizes.cfg
+    H, d = c.linear_num_heads, c.linear_head_dim
+    q, o = batch.rows.astype(float), batch.owners
+    active = (q > 0).astype(float)
+    kind = layout.state_placement
+    if kind is StatePlacement.OWNER:
+        rows_r = np.bincount(o, weights=q, minlength=T)
+        req_r = np.bincount(o, weights=active, minlength=T)
+    else:
+        rows_r, req_r = np.full(T, q.sum()), np.full(T, active.sum())
+    heads = H / T if kind is StatePlacement.HEAD_SHARDED else H
+    w_rank = sizes.w_layer_kda / T if layout.sharded else sizes.w_layer_kda
+    w_rank += sizes.kda_replicated_layer_bytes
+    N, hid = batch.n_rows, c.hidden_size
+    if T == 1 or kind is StatePlacement.REPLICATED:
+        comm, coll = 0.0, 0.0
+    elif kind is StatePlacement.HEAD_SHARDED:
+        comm, coll = 2 * (T - 1) / T * N * hid * act_bytes, 1.0  # all-reduce of o's output
+    else:
+        comm, coll = float((N - rows_r.min()) * hid * act_bytes), 1.0  # all-gather of the owners' rows
+    return LayerLoads(
+        f_proj=rows_r * (heads * _kda_proj_flops_per_row_head(sizes) + _kda_replicated_flops_per_row(sizes)),
+        w_read=np.where(rows_r > 0, w_rank, 0.0),
+        f_att=rows_r * heads * KDA_STATE_FLOPS_PER_D2 * d * d,
+        kv_read=req_r * (heads / H) * 2 * sizes.state_layer_bytes,
+        slices=req_r,
+        comm_bytes=comm,
+        collectives=coll,
+    )
+
+
 def _rank_times(ld: LayerLoads, theta: Theta) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per rank, one layer: (t_proj, t_att, the indexer's part of t_att), each stage its roofline."""
     t_proj = np.maximum(ld.f_proj / theta.flops_proj, ld.w_read / theta.bw_weights)
@@ -367,24 +426,34 @@ def _kinds_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: The
     for n, ix in layer_kinds(sizes):
         ld = layer_loads(layout, sizes, batch, T, theta.act_bytes, coll, page_size, ix)
         kinds.append((n, ld, _rank_times(ld, theta)))
+    if sizes.cfg.is_hybrid:
+        ld = kda_layer_loads(layout, sizes, batch, T, theta.act_bytes)
+        kinds.append((len(sizes.kda_layers), ld, _rank_times(ld, theta)))
     per_rank = sum(n * (t[0] + t[1]) for n, _, t in kinds)
     return kinds, int(np.argmax(per_rank)) if T else 0
 
 
 def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
               page_size: int | None = None) -> StepCost:
-    """Eq 10 summed over the model's MLA layers for `batch` in `layout` on theta.ranks ranks."""
+    """Eq 10 summed over the model's attention layers (a hybrid's KDA layers included) for `batch` in
+    `layout` on theta.ranks ranks."""
     L = sizes.layers
     kinds, b = _kinds_loads(layout, sizes, batch, theta, page_size)
-    comm = kinds[0][1].comm_bytes / theta.link_bw_of(layout)
+    bw = theta.link_bw_of(layout)
+    comm = kinds[0][1].comm_bytes / bw
     delta = theta.latency * kinds[0][1].collectives
     eta = theta.eta_of(layout)
-    t_proj = t_att = t_index = exposed = 0.0
-    for n, _, times in kinds:
+    t_proj = t_att = t_index = exposed = deltas = 0.0
+    for n, ld, times in kinds:
         tp, ta, ti = (float(v[b]) for v in times)
         t_proj, t_att, t_index = t_proj + n * tp, t_att + n * ta, t_index + n * ti
-        exposed += n * max(0.0, comm - eta * ta)
-    total = outside_attention(theta, batch) + t_proj + t_att + L * delta + exposed
+        exposed += n * max(0.0, ld.comm_bytes / bw - eta * ta)
+        deltas += n * theta.latency * ld.collectives
+    if not sizes.cfg.is_hybrid:  # every kind issues the same collectives (kept as L * delta exactly)
+        deltas = L * delta
+    else:
+        delta = deltas / L
+    total = outside_attention(theta, batch) + t_proj + t_att + deltas + exposed
     return StepCost(layout, total, t_proj / L, t_att / L, comm, delta, exposed / L, L, t_index / L)
 
 
@@ -523,13 +592,16 @@ def layer_transfer_times(weight_bytes: np.ndarray, kv_bytes: np.ndarray, layers:
     """Per-layer transfer time of a switch: busiest rank's bytes / link + one latency per collective.
 
     `kv_bytes` is one layer's per-rank KV ([T], every layer alike) or each layer's ([layers, T]: a DSA
-    model's indexer layers carry their indexer keys, GLM-5's shared layers none)."""
-    w = float(np.max(weight_bytes, initial=0))
+    model's indexer layers carry their indexer keys, GLM-5's shared layers none, a hybrid's KDA layers
+    their per-request states instead). `weight_bytes` likewise: [T] every layer alike, or [layers, T]
+    (a hybrid's KDA layers move KDA projections; `manifest.switch_layer_bytes` gives both)."""
+    w_b = np.asarray(weight_bytes, dtype=float)
+    w = w_b.max(axis=-1, initial=0) if w_b.ndim == 2 else np.full(layers, w_b.max(initial=0))
     kv_b = np.asarray(kv_bytes, dtype=float)
     per_layer = kv_b.max(axis=-1, initial=0) if kv_b.ndim == 2 else np.full(layers, kv_b.max(initial=0))
-    if len(per_layer) != layers:
-        raise ConfigError(f"need KV bytes for {layers} layers, got {len(per_layer)}")
-    n_coll = float(w > 0) + (per_layer > 0)  # nothing to move, nothing to pay
+    if len(per_layer) != layers or len(w) != layers:
+        raise ConfigError(f"need KV and weight bytes for {layers} layers, got {len(per_layer)} and {len(w)}")
+    n_coll = (w > 0).astype(float) + (per_layer > 0)  # nothing to move, nothing to pay
     return ((w + per_layer) / theta.link_bw + n_coll * theta.latency).tolist()
 
 

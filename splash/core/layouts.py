@@ -8,7 +8,12 @@
 | DOP    | sharded by heads           | on one owner rank        |
 
 Everything else (footprints, manifests, capacity) is derived from these two choices, so a new
-layout is a new row here. Footprints take arbitrary, unbalanced contexts and owners; the balanced
+layout is a new row here. So is where a per-request state with heads (a KDA layer's recurrent and conv
+states, SPEC §10) lives, `Layout.state_placement`: head-sharded where the projections are (TP, DOP: a
+rank updates the heads it projects, for every request), else on the owner (DP), else on every rank
+(CP, whose ranks all compute every row's KDA redundantly: replicated).
+
+Footprints take arbitrary, unbalanced contexts and owners; the balanced
 formulas of Eq 1 and the busiest-rank loads of Table 2 are special cases checked in the tests.
 """
 
@@ -35,6 +40,12 @@ class Ownership(enum.Enum):
     POSITION = "position"  # global page j of a request lives on rank j % T (CP)
 
 
+class StatePlacement(enum.Enum):
+    HEAD_SHARDED = "head-sharded"  # rank r holds its head slice of every request's state (TP, DOP)
+    OWNER = "owner"  # the request's owner holds it whole (DP)
+    REPLICATED = "replicated"  # every rank holds it whole (CP)
+
+
 class Layout(enum.Enum):
     TP = "tp"
     DP = "dp"
@@ -52,6 +63,15 @@ class Layout(enum.Enum):
     @property
     def ownership(self) -> Ownership:
         return _OWNERSHIP[self]
+
+    @property
+    def state_placement(self) -> StatePlacement:
+        """Where a per-request state with heads lives: derived from the projection placement (sharded
+        -> head-sharded) and, for replicated projections, the KV ownership (owner -> owner, else every
+        rank). The one statement of the rule; `stores.state_share` makes it concrete per rank."""
+        if self.sharded:
+            return StatePlacement.HEAD_SHARDED
+        return StatePlacement.OWNER if self.owned else StatePlacement.REPLICATED
 
     @property
     def sharded(self) -> bool:
@@ -100,6 +120,12 @@ _OWNERSHIP = {Layout.TP: Ownership.REPLICATED, Layout.DP: Ownership.OWNER,
               Layout.CP: Ownership.POSITION, Layout.DOP: Ownership.OWNER}
 LAYOUTS: tuple[Layout, ...] = (Layout.TP, Layout.DP, Layout.CP, Layout.DOP)
 DIRECTIONS: tuple[tuple[Layout, Layout], ...] = tuple((a, b) for a in LAYOUTS for b in LAYOUTS if a != b)
+
+
+def state_placement(layout: Layout | str) -> str:
+    """"head-sharded", "owner" or "replicated": where `layout` keeps each request's KDA state (what the
+    runtime asks instead of testing layout names)."""
+    return Layout.parse(layout).state_placement.value
 
 
 def parse_layouts(spec: str) -> list[Layout]:
@@ -166,38 +192,71 @@ def kv_pages_per_rank(layout: Layout, contexts: Sequence[int], owners: Sequence[
     return (n[None, :] // ranks + (r < (n % ranks)[None, :])).sum(axis=1)
 
 
+def state_requests_per_rank(layout: Layout, owners: Sequence[int] | np.ndarray, ranks: int) -> np.ndarray:
+    """Sum over requests of g, the share of each request's per-request state a rank holds ([T] float):
+    B/T everywhere when head-sharded, each owner's count in DP, B on every rank in CP."""
+    o = np.asarray(owners, dtype=np.int64).reshape(-1)
+    kind = layout.state_placement
+    if kind is StatePlacement.HEAD_SHARDED:
+        return np.full(ranks, len(o) / ranks)
+    if kind is StatePlacement.OWNER:
+        return np.bincount(o, minlength=ranks).astype(np.float64)
+    return np.full(ranks, float(len(o)))
+
+
 def footprint(layout: Layout, sizes: AttentionSizes, contexts: Sequence[int],
               owners: Sequence[int] | None, ranks: int, page_size: int | None = None) -> np.ndarray:
-    """Eq 1 for any batch: per-rank bytes of attention weights + KV ([T] float array); a DSA model's
-    indexer projections count whole on every rank, its indexer keys in k."""
-    kv = kv_tokens_per_rank(layout, contexts, owners, ranks, page_size) * sizes.k
+    """Eq 1 for any batch: per-rank bytes of attention weights + KV + per-request state ([T] float
+    array): M(l) = W(l) + B*k*s*f_l + B*z*g_l. A DSA model's indexer projections count whole on every
+    rank, its indexer keys in k; a hybrid's KDA projections shard like MLA's, its states by g."""
+    s, o = _check(contexts, owners, ranks)
+    kv = kv_tokens_per_rank(layout, s, o, ranks, page_size) * sizes.k
     w = np.array([sizes.attention_weight_bytes(layout.sharded, ranks, r) for r in range(ranks)])
+    if sizes.z:
+        return w + kv + state_requests_per_rank(layout, o, ranks) * sizes.z
     return w + kv
 
 
 def balanced_footprint(layout: Layout, w_a: float, k: float, batch: int, context: float,
-                       ranks: int, replicated: float = 0.0) -> float:
+                       ranks: int, replicated: float = 0.0, z: float = 0.0) -> float:
     """Eq 1 as printed (T divides B): the per-rank bytes of B requests of context s; `replicated`:
-    attention weights every layout replicates (a DSA model's indexer projections)."""
+    attention weights every layout replicates (a DSA model's indexer projections); `z`: per-request
+    state bytes (a hybrid's KDA states), the busiest rank holding B*z*g (`state_histories_busiest`)."""
     w = (w_a / ranks if layout.sharded else w_a) + replicated
     kv = batch * k * context
-    return w + (kv if layout.ownership is Ownership.REPLICATED else kv / ranks)
+    kv = kv if layout.ownership is Ownership.REPLICATED else kv / ranks
+    return w + kv + (z * state_histories_busiest(layout, batch, ranks) if z else 0.0)
 
 
 def busiest_rank_load(layout: Layout, batch: int, ranks: int) -> dict[str, float]:
     """Table 2: busiest-rank load for B equal requests (count-balanced owners, ideal CP).
 
     `weights` is the fraction of W_A held; the KV columns count histories of k*s bytes; attention
-    work counts one request's attention over all heads.
+    work counts one request's attention over all heads. A hybrid's KDA layers add `state_stored`
+    (request states of z bytes held, the sum of g) and `kda` (one request's KDA work over all heads:
+    TP/DOP each rank its heads of every row, DP the owner's rows, CP every row on every rank).
     """
     owned = math.ceil(batch / ranks)
-    return {
+    row = {
         Layout.TP: {"weights": 1 / ranks, "kv_stored": batch, "kv_read": batch, "attention": batch / ranks},
         Layout.CP: {"weights": 1.0, "kv_stored": batch / ranks, "kv_read": batch / ranks,
                     "attention": batch / ranks},
         Layout.DP: {"weights": 1.0, "kv_stored": owned, "kv_read": owned, "attention": owned},
         Layout.DOP: {"weights": 1 / ranks, "kv_stored": owned, "kv_read": owned, "attention": owned},
     }[layout]
+    state = state_histories_busiest(layout, batch, ranks)
+    return {**row, "state_stored": state, "kda": state}
+
+
+def state_histories_busiest(layout: Layout, batch: int, ranks: int) -> float:
+    """Request states (of z bytes) the busiest rank holds: B/T head-sharded, ceil(B/T) on a DP owner
+    (count-balanced owners), B replicated. The KDA work per rank is the same count."""
+    kind = layout.state_placement
+    if kind is StatePlacement.HEAD_SHARDED:
+        return batch / ranks
+    if kind is StatePlacement.OWNER:
+        return float(math.ceil(batch / ranks))
+    return float(batch)
 
 
 def kv_histories_busiest(layout: Layout, batch: int, ranks: int) -> float:
@@ -206,17 +265,18 @@ def kv_histories_busiest(layout: Layout, batch: int, ranks: int) -> float:
 
 
 def longest_balanced_context(layout: Layout, mem_avail: float, w_a: float, k: float, batch: int,
-                             ranks: int, replicated: float = 0.0) -> float:
+                             ranks: int, replicated: float = 0.0, z: float = 0.0) -> float:
     """Longest context s of B equal requests whose busiest rank fits `mem_avail` bytes (>= 0).
 
     With T | B this is Eq 1 solved for s: DOP (T*M - W_A)/(B*k), DP/CP T*(M - W_A)/(B*k),
     TP (M - W_A/T)/(B*k); otherwise the owner layouts use ceil(B/T) histories. `replicated`: attention
-    weights every layout holds whole (a DSA model's indexer projections), taken from M first.
+    weights every layout holds whole (a DSA model's indexer projections), taken from M first; `z`:
+    per-request state bytes (a hybrid's), the busiest rank's share of them taken too.
     """
     if batch < 1:
         raise ConfigError(f"batch must be >= 1, got {batch}")
     w = (w_a / ranks if layout.sharded else w_a) + replicated
-    free = mem_avail - w
+    free = mem_avail - w - (z * state_histories_busiest(layout, batch, ranks) if z else 0.0)
     if free <= 0:
         return 0.0
     return free / (k * kv_histories_busiest(layout, batch, ranks))

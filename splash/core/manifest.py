@@ -15,6 +15,13 @@ indexer keys, a GLM-5 shared layer has none). `Manifest.layers` lists each layer
 that walk layer by layer (the switch executor, Eq 7); `Manifest.kv` is the largest layer's. Concrete
 moves (which heads / pages go from which rank to which) are produced on demand.
 
+A hybrid's KDA layers (SPEC §10) have no pages: their manifest is their head-sliced weights (Eq 9 over
+the KDA heads, `Manifest.kda_weights`) and their per-request state (`Manifest.state`): blocks (request,
+head) held per rank as `Layout.state_placement` says (head-sharded: the rank's slice of every request;
+owner: every head on the owner; replicated: everything everywhere), moved and freed by the same set
+differences. TP <-> DOP keeps it; DP -> TP/DOP scatters each owner's heads to their holders and
+TP/DOP -> DP gathers them (all-to-all); into CP it is all-gathered; out of CP it is discarded.
+
 (Past ~450 lines on purpose: the set differences, their byte totals and the concrete moves are one
 derivation from the holdings; split, each half would restate the other's ownership cases.)
 """
@@ -28,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from splash.core.config import ConfigError, ModelConfig
-from splash.core.layouts import Layout, Ownership
+from splash.core.config import ConfigError, ModelConfig, head_slice
+from splash.core.layouts import Layout, Ownership, StatePlacement
 from splash.core.sizes import MIB, AttentionSizes, head_runs
 
 DISCARD, ALL_GATHER, ALL_TO_ALL, KEEP = "discard", "all-gather", "all-to-all", "keep"
@@ -214,13 +221,73 @@ class StateManifest:
 
 @dataclass(frozen=True)
 class LayerManifest:
+    """One layer's manifest: an MLA layer's weights and KV, or a KDA layer's weights and per-request
+    state (its `kv` then moves nothing: a KDA layer has no pages)."""
+
     layer: int
     weights: StateManifest
     kv: StateManifest
+    kind: str = "mla"
+    state: StateManifest | None = None
 
     @property
     def recv_bytes(self) -> np.ndarray:
-        return np.asarray(self.weights.recv_bytes) + np.asarray(self.kv.recv_bytes)
+        out = np.asarray(self.weights.recv_bytes) + np.asarray(self.kv.recv_bytes)
+        return out if self.state is None else out + np.asarray(self.state.recv_bytes)
+
+
+@dataclass(frozen=True)
+class StateMove:
+    """`dst` receives heads [start, stop) of request `request`'s KDA state from `src` (per KDA layer)."""
+
+    request: int
+    start: int
+    stop: int
+    src: int
+    dst: int
+    nbytes: float
+
+
+@dataclass(frozen=True)
+class StateFree:
+    rank: int
+    request: int
+    start: int
+    stop: int
+    nbytes: float
+
+
+@dataclass(frozen=True)
+class StateBlocks:
+    """One KDA layer's state moves and frees as int64 arrays, one row per (request, head) block:
+    moves [k, 4] (request, head, sender, receiver), frees [f, 3] (request, head, rank); rows sorted by
+    (request, receiver, sender, head) and (request, rank, head)."""
+
+    moves: np.ndarray
+    frees: np.ndarray
+
+
+def held_state(layout: Layout, owners: np.ndarray, ranks: int, heads: int) -> np.ndarray:
+    """[T, B, H] bool: which (request, head) blocks of the per-request state each rank holds in `layout`
+    (`stores.state_share` over a whole batch)."""
+    B = len(owners)
+    kind = layout.state_placement
+    if kind is StatePlacement.HEAD_SHARDED:
+        mine = np.zeros((ranks, heads), dtype=bool)
+        for r in range(ranks):
+            mine[r, list(head_slice(heads, r, ranks)) if ranks > 1 else slice(None)] = True
+        return np.broadcast_to(mine[:, None, :], (ranks, B, heads)).copy()
+    if kind is StatePlacement.OWNER:
+        on = np.arange(ranks)[:, None] == np.asarray(owners, dtype=np.int64)[None, :]
+        return np.broadcast_to(on[:, :, None], (ranks, B, heads)).copy()
+    return np.ones((ranks, B, heads), dtype=bool)
+
+
+def _state_classify(recv_total: float, freed_total: float, gathered: bool) -> str:
+    """A state that nothing enters or leaves is kept in place (TP <-> DOP: the same head slices)."""
+    if recv_total == 0:
+        return KEEP if freed_total == 0 else DISCARD
+    return ALL_GATHER if gathered else ALL_TO_ALL
 
 
 def _runs(pages: np.ndarray, tok: np.ndarray, starts: np.ndarray) -> tuple[list[list[int]], list[int]]:
@@ -262,17 +329,25 @@ class Manifest:
             object.__setattr__(self, "layer_ids", tuple(range(self.sizes.layers)))
 
     # -- weights ---------------------------------------------------------------------------------
-    def weight_moves(self) -> list[WeightMove]:
-        """Per layer: head runs each rank receives, each from the one rank that holds it.
+    def weight_moves(self, kind: str = "mla") -> list[WeightMove]:
+        """Per layer: head runs each rank receives, each from the one rank that holds it (`kind`: an
+        MLA layer's projections, or "kda": a hybrid's KDA layer's, over the KDA heads).
 
         When several ranks hold a head (replicated source) the first holder after the receiver,
         cyclically, sends it, which spreads the load. They depend on the layouts and T only, so they
         are kept in `sizes` (a switch planner asks for them at every switch).
         """
+        if kind == "kda":
+            return list(self.sizes.memo(("kda_weight_moves", self.src, self.dst, self.ranks),
+                                        lambda: self._weight_moves(self.sizes.kda_heads,
+                                                                   self.sizes.kda_projections)))
         return list(self.sizes.memo(("weight_moves", self.src, self.dst, self.ranks), self._weight_moves))
 
-    def _weight_moves(self) -> tuple[WeightMove, ...]:
-        H, T, projections = self.sizes.heads, self.ranks, self.sizes.projections
+    def _weight_moves(self, heads: int | None = None,
+                      projections: Sequence[Any] | None = None) -> tuple[WeightMove, ...]:
+        H = self.sizes.heads if heads is None else heads
+        T = self.ranks
+        projections = self.sizes.projections if projections is None else projections
         src_sets = [held_heads(self.src, r, T, H) for r in range(T)]
         moves: list[WeightMove] = []
         for r in range(T):
@@ -291,11 +366,18 @@ class Manifest:
                         moves.append(WeightMove(p.name, a, b, s, r, self.sizes.slice_bytes(p, range(a, b))))
         return tuple(moves)
 
-    def weight_frees(self) -> list[WeightFree]:
+    def weight_frees(self, kind: str = "mla") -> list[WeightFree]:
+        if kind == "kda":
+            return list(self.sizes.memo(("kda_weight_frees", self.src, self.dst, self.ranks),
+                                        lambda: self._weight_frees(self.sizes.kda_heads,
+                                                                   self.sizes.kda_projections)))
         return list(self.sizes.memo(("weight_frees", self.src, self.dst, self.ranks), self._weight_frees))
 
-    def _weight_frees(self) -> tuple[WeightFree, ...]:
-        H, T, projections = self.sizes.heads, self.ranks, self.sizes.projections
+    def _weight_frees(self, heads: int | None = None,
+                      projections: Sequence[Any] | None = None) -> tuple[WeightFree, ...]:
+        H = self.sizes.heads if heads is None else heads
+        T = self.ranks
+        projections = self.sizes.projections if projections is None else projections
         out = []
         for r in range(T):
             gone = held_heads(self.src, r, T, H) - held_heads(self.dst, r, T, H)
@@ -308,13 +390,18 @@ class Manifest:
     def weights(self) -> StateManifest:
         return self.sizes.memo(("weights", self.src, self.dst, self.ranks), self._weights)
 
-    def _weights(self) -> StateManifest:
+    @cached_property
+    def kda_weights(self) -> StateManifest:
+        """One KDA layer's head-sliced weights (Eq 9 over the KDA heads); nothing for a pure MLA model."""
+        return self.sizes.memo(("kda_weights", self.src, self.dst, self.ranks), lambda: self._weights("kda"))
+
+    def _weights(self, kind: str = "mla") -> StateManifest:
         T = self.ranks
         recv, send, freed = np.zeros(T), np.zeros(T), np.zeros(T)
-        for m in self.weight_moves():
+        for m in self.weight_moves(kind):
             recv[m.dst] += m.nbytes
             send[m.src] += m.nbytes
-        for f in self.weight_frees():
+        for f in self.weight_frees(kind):
             freed[f.rank] += f.nbytes
         gathered = not self.dst.sharded
         prim = _classify(recv.sum(), freed.sum(), self.src is self.dst, gathered)
@@ -430,29 +517,142 @@ class Manifest:
         return self.kv if per_tok == self.sizes.kv_token_layer else self._kv_state(per_tok)
 
     # -- whole switch ------------------------------------------------------------------------------
+    # -- per-request state (a hybrid's KDA layers) -------------------------------------------------
+    @property
+    def hybrid(self) -> bool:
+        return self.sizes.cfg.is_hybrid
+
+    def _layer_kind(self, layer: int) -> str:
+        return self.sizes.cfg.layer_kind(layer)
+
+    @cached_property
+    def _state_arrays(self) -> tuple[StateBlocks, np.ndarray, np.ndarray, np.ndarray, bool]:
+        """(moves and frees of (request, head) blocks, blocks each rank receives / sends / frees, and
+        whether every received block ends up on every rank): set differences of `held_state`."""
+        T, H = self.ranks, max(self.sizes.kda_heads, 1)
+        oa = np.array([r.owner_src for r in self.requests], dtype=np.int64)
+        ob = np.array([r.dst_owner for r in self.requests], dtype=np.int64)
+        a, b = held_state(self.src, oa, T, H), held_state(self.dst, ob, T, H)
+        need, gone = b & ~a, a & ~b
+        moves = np.zeros((0, 4), dtype=np.int64)
+        send = np.zeros(T)
+        if need.any():
+            r, i, h = np.nonzero(need)
+            s = np.full(len(r), -1, dtype=np.int64)
+            for d in range(1, T):  # each block from its first holder after the receiver, cyclically
+                cand = (r + d) % T
+                pick = (s < 0) & a[cand, i, h]
+                s[pick] = cand[pick]
+            if (s < 0).any():  # pragma: no cover - every block is held somewhere in any layout
+                raise AssertionError("a state block is held by no rank")
+            order = np.lexsort((h, s, r, i))
+            moves = np.stack([i, h, s, r], axis=1)[order].astype(np.int64)
+            send = np.bincount(s, minlength=T).astype(np.float64)
+        frees = np.zeros((0, 3), dtype=np.int64)
+        if gone.any():
+            r, i, h = np.nonzero(gone)
+            order = np.lexsort((h, r, i))
+            frees = np.stack([i, h, r], axis=1)[order].astype(np.int64)
+        gathered = not (need.any(axis=0) & ~b.all(axis=0)).any()
+        recv = need.sum(axis=(1, 2)).astype(np.float64)
+        freed = gone.sum(axis=(1, 2)).astype(np.float64)
+        for x in (moves, frees):
+            x.setflags(write=False)
+        return StateBlocks(moves, frees), recv, send, freed, gathered
+
+    def state_blocks(self) -> StateBlocks:
+        """One KDA layer's state moves and frees as arrays, one row per (request, head) block (every
+        KDA layer alike)."""
+        return self._state_arrays[0]
+
+    def state_moves(self) -> list[StateMove]:
+        """Head runs of each request's state that each rank receives, grouped by (request, receiver,
+        sender); bytes per KDA layer."""
+        rows = self.state_blocks().moves
+        per = self.sizes.state_head_bytes
+        out: list[StateMove] = []
+        for i, h, s, r in rows.tolist():
+            last = out[-1] if out else None
+            if last and (last.request, last.src, last.dst, last.stop) == (i, s, r, h):
+                out[-1] = StateMove(i, last.start, h + 1, s, r, last.nbytes + per)
+            else:
+                out.append(StateMove(i, h, h + 1, s, r, per))
+        return out
+
+    def state_frees(self) -> list[StateFree]:
+        rows = self.state_blocks().frees
+        per = self.sizes.state_head_bytes
+        out: list[StateFree] = []
+        for i, h, r in rows.tolist():
+            last = out[-1] if out else None
+            if last and (last.request, last.rank, last.stop) == (i, r, h):
+                out[-1] = StateFree(r, i, last.start, h + 1, last.nbytes + per)
+            else:
+                out.append(StateFree(r, i, h, h + 1, per))
+        return out
+
+    @cached_property
+    def state(self) -> StateManifest:
+        """One KDA layer's per-request state (recurrent + conv): its primitive and per-rank bytes; a
+        state that nothing enters or leaves is `keep`. Zero bytes for a pure MLA model."""
+        T = self.ranks
+        if not self.hybrid:
+            z = tuple(0.0 for _ in range(T))
+            return StateManifest("state", KEEP, z, z, z)
+        _, recv, send, freed, gathered = self._state_arrays
+        per = self.sizes.state_head_bytes
+        prim = _state_classify(recv.sum(), freed.sum(), gathered)
+        return StateManifest("state", prim, tuple(recv * per), tuple(send * per), tuple(freed * per))
+
+    # -- whole switch ------------------------------------------------------------------------------
     @property
     def layers(self) -> tuple[LayerManifest, ...]:
+        """Every layer's manifest with its kind: "mla" (weights + KV) or "kda" (weights + state)."""
         w = self.weights
-        return tuple(LayerManifest(i, w, self.kv_layer(i)) for i in self.layer_ids)
+        if not self.hybrid:
+            return tuple(LayerManifest(i, w, self.kv_layer(i)) for i in self.layer_ids)
+        z = tuple(0.0 for _ in range(self.ranks))
+        none = StateManifest("kv", KEEP, z, z, z)
+        return tuple(LayerManifest(i, self.kda_weights, none, "kda", self.state)
+                     if self._layer_kind(i) == "kda" else LayerManifest(i, w, self.kv_layer(i))
+                     for i in self.layer_ids)
 
     def recv_bytes_per_rank(self) -> np.ndarray:
-        """Bytes each rank receives over the whole switch (all layers, weights + KV)."""
+        """Bytes each rank receives over the whole switch (all layers: weights + KV, and a hybrid's KDA
+        weights + state)."""
         per_tok = sum(self.sizes.kv_token_bytes(i) for i in self.layer_ids)
-        return (np.asarray(self.weights.recv_bytes) * len(self.layer_ids)
-                + np.asarray(self._kv_tokens[0]) * per_tok)
+        if not self.hybrid:
+            return (np.asarray(self.weights.recv_bytes) * len(self.layer_ids)
+                    + np.asarray(self._kv_tokens[0]) * per_tok)
+        n_kda = sum(1 for i in self.layer_ids if self._layer_kind(i) == "kda")
+        n_mla = len(self.layer_ids) - n_kda
+        return (np.asarray(self.weights.recv_bytes) * n_mla + np.asarray(self._kv_tokens[0]) * per_tok
+                + (np.asarray(self.kda_weights.recv_bytes) + np.asarray(self.state.recv_bytes)) * n_kda)
 
     def in_transit_bytes(self) -> np.ndarray:
         """Delta_layer_r of Eq 5: one layer's incoming state per rank (at most one layer in flight: the
-        largest)."""
-        return np.asarray(self.weights.recv_bytes) + np.asarray(self.kv.recv_bytes)
+        largest; a hybrid's KDA layer brings its weights and state)."""
+        mla = np.asarray(self.weights.recv_bytes) + np.asarray(self.kv.recv_bytes)
+        if not self.hybrid:
+            return mla
+        kda = np.asarray(self.kda_weights.recv_bytes) + np.asarray(self.state.recv_bytes)
+        kinds = {self._layer_kind(i) for i in self.layer_ids}
+        if kinds == {"kda"}:
+            return kda
+        return np.maximum(mla, kda) if "kda" in kinds else mla
 
     def to_dict(self) -> dict[str, Any]:
         nl = len(self.layer_ids)
-        return {
+        out = {
             "from": self.src.label, "to": self.dst.label, "layers": nl,
             "weights": self.weights.to_dict(), "kv": self.kv.to_dict(),
             "bytes_per_rank_all_layers": float(self.recv_bytes_per_rank().max(initial=0.0)),
         }
+        if self.hybrid:
+            out["kda_layers"] = sum(1 for i in self.layer_ids if self._layer_kind(i) == "kda")
+            out["kda_weights"] = self.kda_weights.to_dict()
+            out["state"] = self.state.to_dict()
+        return out
 
 
 def switch_manifest(model: ModelConfig | AttentionSizes, src: Layout | str, dst: Layout | str,
@@ -478,7 +678,7 @@ def weights_report(sizes: AttentionSizes, ranks: int) -> dict[str, Any]:
     sizes.cfg.check_ranks(ranks)
     m = switch_manifest(sizes, Layout.TP, Layout.DP, [], ranks)
     per_layer = {k: v / MIB for k, v in sizes.layer_weight_bytes().items()}
-    return {
+    out = {
         "model": sizes.cfg.name, "ranks": ranks, "dtype": sizes.dtype, "fp8_scales": sizes.fp8_scales,
         "per_layer_mib": per_layer,
         "receive_mib_per_rank": m.weights.bytes_per_rank / MIB,
@@ -487,6 +687,13 @@ def weights_report(sizes: AttentionSizes, ranks: int) -> dict[str, Any]:
         "receive_mib_per_rank_all_layers": m.weights.bytes_per_rank * sizes.layers / MIB,
         "w_a_gib": sizes.w_a / 2**30,
     }
+    if sizes.cfg.is_hybrid:  # MLA rows are its MLA layers'; its KDA layers' weights move alike (Eq 9)
+        n_mla, n_kda = len(sizes.mla_layers), len(sizes.kda_layers)
+        out.update(mla_layers=n_mla, kda_layers=n_kda,
+                   kda_per_layer_mib={k: v / MIB for k, v in sizes.kda_layer_weight_bytes().items()},
+                   kda_receive_mib_per_rank=m.kda_weights.bytes_per_rank / MIB,
+                   receive_mib_per_rank_all_layers=float(m.recv_bytes_per_rank().max(initial=0.0)) / MIB)
+    return out
 
 
 # ---- closed-form per-rank counts (what the policy evaluates every step) ---------------------------
@@ -545,3 +752,46 @@ def weight_transfer_bytes(sizes: AttentionSizes, src: Layout, dst: Layout, ranks
     recv = sizes.memo(("w_recv", src, dst, ranks),
                       lambda: Manifest(sizes, src, dst, ranks, 1, ()).weights.recv_bytes)
     return np.asarray(recv)
+
+
+def state_transfer_requests(src: Layout, dst: Layout, owners_src: Sequence[int],
+                            owners_dst: Sequence[int] | None, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(received, freed) request states per rank for one KDA layer (a fraction 1/T per head slice),
+    without listing blocks: the closed form of `Manifest.state`. Every holding is the rank's head
+    slice, all heads or nothing, nested alike on one rank, so the overlap is the smaller share."""
+    oa = np.asarray(owners_src, dtype=np.int64).reshape(-1)
+    ob = oa if owners_dst is None else np.asarray(owners_dst, dtype=np.int64).reshape(-1)
+    a = _state_shares(src, oa, ranks)
+    b = _state_shares(dst, ob, ranks)
+    both = np.minimum(a, b)
+    return (b - both).sum(axis=1), (a - both).sum(axis=1)
+
+
+def _state_shares(layout: Layout, owners: np.ndarray, ranks: int) -> np.ndarray:
+    """[T, B] share of each request's state each rank holds (g)."""
+    kind = layout.state_placement
+    if kind is StatePlacement.HEAD_SHARDED:
+        return np.full((ranks, len(owners)), 1.0 / ranks)
+    if kind is StatePlacement.OWNER:
+        return (np.arange(ranks)[:, None] == owners[None, :]).astype(np.float64)
+    return np.ones((ranks, len(owners)))
+
+
+def switch_layer_bytes(sizes: AttentionSizes, src: Layout, dst: Layout, contexts: Sequence[int],
+                       owners_src: Sequence[int], owners_dst: Sequence[int] | None, ranks: int,
+                       page_size: int | None = 64) -> tuple[np.ndarray, np.ndarray]:
+    """([layers, T] weight bytes, [layers, T] KV + state bytes) each rank receives per layer in a switch
+    src -> dst (closed forms, what the policy and the simulator price by Eq 7): an MLA layer's
+    projections and latent pages, a hybrid's KDA layer's projections and per-request states."""
+    w_mla = weight_transfer_bytes(sizes, src, dst, ranks)
+    kv_tok, _ = kv_transfer_tokens(src, dst, contexts, owners_src, owners_dst, ranks, page_size)
+    w = np.tile(w_mla, (sizes.layers, 1))
+    kv = np.outer(sizes.kv_layer_bytes, kv_tok)
+    if sizes.cfg.is_hybrid:
+        w_kda = np.asarray(sizes.memo(("kda_w_recv", src, dst, ranks),
+                                      lambda: Manifest(sizes, src, dst, ranks, 1, ()).kda_weights.recv_bytes))
+        st, _ = state_transfer_requests(src, dst, owners_src, owners_dst, ranks)
+        kda = list(sizes.kda_layers)
+        w[kda] = w_kda
+        kv[kda] = st * sizes.state_layer_bytes
+    return w, kv

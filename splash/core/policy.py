@@ -25,8 +25,14 @@ from splash.core.capacity import model_pool_tokens
 from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, StepCost, Theta, step_cost, switch_time
 from splash.core.law import Crossover
-from splash.core.layouts import LAYOUTS, Layout, kv_pages_per_rank, kv_tokens_per_rank
-from splash.core.manifest import kv_transfer_tokens, weight_transfer_bytes
+from splash.core.layouts import (
+    LAYOUTS,
+    Layout,
+    kv_pages_per_rank,
+    kv_tokens_per_rank,
+    state_requests_per_rank,
+)
+from splash.core.manifest import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
 from splash.core.sizes import AttentionSizes
 
 
@@ -144,7 +150,10 @@ def resident_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: i
     else:
         kv = kv_tokens_per_rank(layout, tokens, batch.owners, ranks)
     w = np.array([sizes.attention_weight_bytes(layout.sharded, ranks, r) for r in range(ranks)])
-    return sizes.fixed_bytes_per_rank(ranks) + w + kv * sizes.k
+    out = sizes.fixed_bytes_per_rank(ranks) + w + kv * sizes.k
+    if sizes.z:  # a hybrid's per-request KDA states, the share each rank holds (SPEC §10)
+        out = out + state_requests_per_rank(layout, batch.owners, ranks) * sizes.z
+    return out
 
 
 def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout | None,
@@ -174,13 +183,19 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
         if current is None or lay is current:
             peak, sw_fits, exposed = float(steady.max(initial=0)), True, 0.0
         else:
-            w = weight_transfer_bytes(sizes, current, lay, T)
-            kv_tok, _ = kv_transfer_tokens(current, lay, batch.contexts, batch.owners, None, T, P)
-            now = resident_bytes(lay, sizes, batch, T, P, False)
-            peak_r = np.maximum(now_cur, now) + w + kv_tok * sizes.kv_token_layer + R  # the largest layer
+            if sizes.cfg.is_hybrid:  # KDA layers move their own projections and per-request states
+                w2, kv2 = switch_layer_bytes(sizes, current, lay, batch.contexts, batch.owners, None, T, P)
+                now = resident_bytes(lay, sizes, batch, T, P, False)
+                peak_r = np.maximum(now_cur, now) + (w2 + kv2).max(axis=0) + R  # the largest layer
+                exposed, _ = switch_time(w2, kv2, cost, theta)
+            else:
+                w = weight_transfer_bytes(sizes, current, lay, T)
+                kv_tok, _ = kv_transfer_tokens(current, lay, batch.contexts, batch.owners, None, T, P)
+                now = resident_bytes(lay, sizes, batch, T, P, False)
+                peak_r = np.maximum(now_cur, now) + w + kv_tok * sizes.kv_token_layer + R  # the largest layer
+                exposed, _ = switch_time(w, np.outer(sizes.kv_layer_bytes, kv_tok), cost, theta)
             peak, sw_fits = float(peak_r.max(initial=0)), bool((peak_r <= H).all())
-            exposed, _ = switch_time(w, np.outer(sizes.kv_layer_bytes, kv_tok), cost, theta)
-        pool = model_pool_tokens(lay, sizes, H, T, R)
+        pool = model_pool_tokens(lay, sizes, H, T, R, requests=batch.size)
         f, u = (corrections or {}).get(lay, (1.0, 0.0))
         out[lay] = LayoutEval(lay, cost, float(steady.max(initial=0)), fits, peak, sw_fits, exposed, pool,
                               float(f), float(u))

@@ -22,7 +22,7 @@ from splash.core.capacity import model_pool_tokens
 from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, Theta, step_cost, switch_time
 from splash.core.layouts import LAYOUTS, Layout, kv_pages_per_rank
-from splash.core.manifest import kv_transfer_tokens, weight_transfer_bytes
+from splash.core.manifest import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
 from splash.core.policy import Policy, PolicyConfig, activation_bytes, decide
 from splash.core.sizes import AttentionSizes
 
@@ -215,10 +215,15 @@ def rollout(sizes: AttentionSizes, theta: Theta, wl: Workload, mode: Layout | st
                 d = policy.step(batch, k)
                 if d.switch:
                     cost_b = step_cost(d.layout, sizes, batch, theta, cfg.page_size)
-                    w = weight_transfer_bytes(sizes, before, d.layout, T)
-                    kv_tok, _ = kv_transfer_tokens(before, d.layout, start, run.owner[idx], None, T,
-                                                   cfg.page_size)
-                    exposed, _ = switch_time(w, np.outer(sizes.kv_layer_bytes, kv_tok), cost_b, theta)
+                    if sizes.cfg.is_hybrid:  # KDA layers: their projections and per-request states
+                        w2, kv2 = switch_layer_bytes(sizes, before, d.layout, start, run.owner[idx], None, T,
+                                                     cfg.page_size)
+                        exposed, _ = switch_time(w2, kv2, cost_b, theta)
+                    else:
+                        w = weight_transfer_bytes(sizes, before, d.layout, T)
+                        kv_tok, _ = kv_transfer_tokens(before, d.layout, start, run.owner[idx], None, T,
+                                                       cfg.page_size)
+                        exposed, _ = switch_time(w, np.outer(sizes.kv_layer_bytes, kv_tok), cost_b, theta)
                     t += exposed
                     res.switch_s += exposed
                     res.switches += 1

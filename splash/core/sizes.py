@@ -8,6 +8,12 @@ KV bytes per token are written once here (`kv_bytes_per_token_layer`, `kv_bytes_
 per-token stores of `splash.core.stores` (the latent, and a DSA model's indexer keys in its indexer
 layers): every KV dtype but fp8 takes width x bytes per value; fp8 is the layout the paper counts
 (appendix B.1, DeepSeek-V3.2: `(512 + 4*4 + 64*2 + 128 + 4) * 61 = 48,068` bytes per token).
+A hybrid's KDA layers (SPEC §10) have head-sliced projections too (`kda_projections`: q, k, v, their
+short convs, the forget gate's f_b, dt_bias and A_log, the beta projection b, the output gate's g_b, and
+o), which TP/DOP shard over the KDA heads and a switch moves by Eq 9 like MLA's; the low-rank f_a and
+g_a and the gated norm stay replicated. They keep no KV: only MLA layers count in k. Their per-request
+state (recurrent state in float32 unless the model is float64, conv states in the activation dtype) is
+z bytes per request (`AttentionSizes.z`, from `splash.core.stores`).
 Pure Python: no torch.
 """
 
@@ -18,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splash.core.config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
-from splash.core.stores import Store, token_stores
+from splash.core.stores import Store, layer_state_bytes, request_state_bytes, request_stores, token_stores
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -108,6 +114,24 @@ def projections(cfg: ModelConfig) -> tuple[Projection, ...]:
     )
 
 
+def kda_projections(cfg: ModelConfig) -> tuple[Projection, ...]:
+    """A KDA layer's head-sliced weights (transformers' KimiLinearDeltaAttention; () unless hybrid):
+    every one has the KDA head axis, so TP/DOP hold 1/T of each and Eq 9 moves them like MLA's. The
+    conv1d over the concatenated q, k, v channels counts as three per-head slices of d x K."""
+    if not cfg.is_hybrid:
+        return ()
+    H, d, K, hid = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel, cfg.hidden_size
+    return (
+        Projection("q", d, hid, "rows", H), Projection("k", d, hid, "rows", H),
+        Projection("v", d, hid, "rows", H),
+        Projection("q_conv", d, K, "rows", H), Projection("k_conv", d, K, "rows", H),
+        Projection("v_conv", d, K, "rows", H),
+        Projection("f_b", d, d, "rows", H), Projection("dt_bias", d, 1, "rows", H),
+        Projection("A_log", 1, 1, "rows", H), Projection("b", 1, hid, "rows", H),
+        Projection("g_b", d, d, "rows", H), Projection("o", d, hid, "cols", H),
+    )
+
+
 def fp8_block(cfg: ModelConfig) -> int:
     """FP8 scale block edge: from the checkpoint's quantization_config, else DeepSeek-V3's 128."""
     q = cfg.quantization_config or {}
@@ -123,6 +147,7 @@ class AttentionSizes:
     dtype: str = "bf16"
     kv_dtype: str = "bf16"
     fp8_scales: bool = False
+    state_dtype: str | None = None  # a KDA recurrent state's dtype (None: fp32, fp64 for an fp64 model)
     # Derived byte counts are pure functions of the fields above; the policy asks for them every
     # step, so they are computed once.
     _memo: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -130,6 +155,8 @@ class AttentionSizes:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         object.__setattr__(self, "kv_dtype", normalize_dtype(self.kv_dtype))
+        if self.state_dtype is not None:
+            object.__setattr__(self, "state_dtype", normalize_dtype(self.state_dtype))
 
     def memo(self, key: Hashable, fn: Callable[[], Any]) -> Any:
         """Cached `fn()` under `key` (callers key by everything the value depends on)."""
@@ -168,8 +195,86 @@ class AttentionSizes:
 
     @property
     def w_a(self) -> float:
-        """W_A: shardable projection bytes over all layers (the quantity of Eq 1)."""
-        return self.w_layer * self.layers
+        """W_A: shardable projection bytes over all layers (the quantity of Eq 1): MLA's per MLA layer
+        and, in a hybrid, KDA's per KDA layer."""
+        if not self.cfg.is_hybrid:
+            return self.w_layer * self.layers
+        return self.w_layer * len(self.mla_layers) + self.w_layer_kda * len(self.kda_layers)
+
+    # -- hybrids (KDA layers) -------------------------------------------------------------------
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return self.cfg.mla_layers
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(self.cfg.kda_layers or ())
+
+    @property
+    def kda_heads(self) -> int:
+        return self.cfg.linear_num_heads
+
+    @property
+    def kda_projections(self) -> tuple[Projection, ...]:
+        return kda_projections(self.cfg)
+
+    def kda_layer_weight_bytes(self) -> dict[str, float]:
+        """Eq 9 per KDA layer: each head-sliced weight's full bytes and the total ({} unless hybrid)."""
+        def compute() -> dict[str, float]:
+            if not self.cfg.is_hybrid:
+                return {}
+            allh = range(self.kda_heads)
+            out = {p.name: self.slice_bytes(p, allh) for p in self.kda_projections}
+            out["total"] = sum(out.values())
+            return out
+        return dict(self.memo("kda_layer_weight_bytes", compute))
+
+    @property
+    def w_layer_kda(self) -> float:
+        """One KDA layer's shardable weight bytes (0 unless hybrid)."""
+        return self.memo("w_layer_kda", lambda: self.kda_layer_weight_bytes().get("total", 0.0))
+
+    def layer_projections(self, layer: int) -> tuple[tuple[Projection, ...], int]:
+        """(head-sliced projections, heads) of `layer`: MLA's or, in a KDA layer, KDA's."""
+        if self.cfg.layer_kind(layer) == "kda":
+            return self.kda_projections, self.kda_heads
+        return self.projections, self.heads
+
+    def layer_w(self, layer: int) -> float:
+        """S_A of `layer`: its shardable projection bytes (MLA's or KDA's)."""
+        return self.w_layer_kda if self.cfg.layer_kind(layer) == "kda" else self.w_layer
+
+    @property
+    def z(self) -> float:
+        """z: per-request state bytes over every KDA layer (0 for a pure MLA model)."""
+        return self.memo("z", lambda: request_state_bytes(self.cfg, self.dtype, self.state_dtype))
+
+    @property
+    def state_layer_bytes(self) -> float:
+        """One request's state in one KDA layer, all heads (recurrent + conv)."""
+        return self.memo("z_layer", lambda: layer_state_bytes(self.cfg, self.dtype, self.state_dtype)
+                         if self.cfg.is_hybrid else 0.0)
+
+    @property
+    def state_head_bytes(self) -> float:
+        """One request's state of one KDA head in one layer: the block a switch moves."""
+        return self.state_layer_bytes / self.kda_heads if self.cfg.is_hybrid else 0.0
+
+    def state_store_bytes(self) -> dict[str, float]:
+        """Per request and KDA layer, each per-request store's bytes ({"kda_state": ..., "kda_conv": ...})."""
+        from splash.core.stores import store_request_bytes
+        return {st.name: store_request_bytes(st, self.dtype, self.state_dtype)
+                for st in request_stores(self.cfg)}
+
+    @property
+    def kda_replicated_layer_bytes(self) -> float:
+        """A KDA layer's weights no head owns: f_a [d, hidden], g_a [d, hidden] and the gated norm [d],
+        replicated on every rank in every layout (never moved)."""
+        c = self.cfg
+        if not c.is_hybrid:
+            return 0.0
+        d = c.linear_head_dim
+        return 2 * self._matrix_bytes(d, c.hidden_size) + d * 2
 
     @property
     def kv_layer_bytes(self) -> tuple[float, ...]:
@@ -236,7 +341,11 @@ class AttentionSizes:
         qa = c.hidden_size * c.q_lora_rank + c.q_lora_rank if c.q_lora_rank else 0
         kva = c.hidden_size * c.latent_dim + c.kv_lora_rank
         norms = 2 * c.hidden_size
-        return self.layers * ((qa + kva) * b + norms * 2) + c.hidden_size * 2
+        if not c.is_hybrid:
+            return self.layers * ((qa + kva) * b + norms * 2) + c.hidden_size * 2
+        n_mla, n_kda = len(self.mla_layers), len(self.kda_layers)
+        return (n_mla * (qa + kva) * b + self.layers * norms * 2 + n_kda * self.kda_replicated_layer_bytes
+                + c.hidden_size * 2)
 
     def expert_bytes(self) -> float:
         """Routed-expert weights over all layers (read only for the experts a batch touches)."""
@@ -273,6 +382,12 @@ class AttentionSizes:
         if not sharded:
             return self.w_a + extra
         mine = head_slice(self.heads, rank, ranks)
-        heads = self.memo(("w_rank", ranks, rank),
-                          lambda: self.layers * sum(self.slice_bytes(p, mine) for p in self.projections))
+        if not self.cfg.is_hybrid:
+            heads = self.memo(("w_rank", ranks, rank),
+                              lambda: self.layers * sum(self.slice_bytes(p, mine) for p in self.projections))
+            return heads + extra
+        kmine = head_slice(self.kda_heads, rank, ranks)
+        heads = self.memo(("w_rank", ranks, rank), lambda: (
+            len(self.mla_layers) * sum(self.slice_bytes(p, mine) for p in self.projections)
+            + len(self.kda_layers) * sum(self.slice_bytes(p, kmine) for p in self.kda_projections)))
         return heads + extra

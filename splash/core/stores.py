@@ -4,10 +4,15 @@ A request's state is a small set of stores (DESIGN.md, "State beyond the latent"
 rule (per token and paged, or per request and fixed), a head axis or not, and per layout a placement
 derived from the ownership model (`splash.core.layouts`):
 
-| store     | models        | per   | width per layer        | heads | TP         | DP, DOP | CP          |
-|-----------|---------------|-------|------------------------|-------|------------|---------|-------------|
-| `latent`  | every MLA     | token | d_c + d_r              | no    | replicated | owner   | by position |
-| `index_k` | DSA (V3.2...) | token | index_head_dim         | no    | replicated | owner   | by position |
+| store       | models     | per     | width per layer       | heads | TP      | DP    | CP       | DOP     |
+|-------------|------------|---------|-----------------------|-------|---------|-------|----------|---------|
+| `latent`    | MLA layers | token   | d_c + d_r             | no    | repl.   | owner | position | owner   |
+| `index_k`   | DSA layers | token   | index_head_dim        | no    | repl.   | owner | position | owner   |
+| `kda_state` | KDA layers | request | H_l * d * d (fp32)    | yes   | heads   | owner | repl.    | heads   |
+| `kda_conv`  | KDA layers | request | 3 * H_l * d * (K - 1) | yes   | heads   | owner | repl.    | heads   |
+
+(repl.: every rank; position: page j on rank j % T; heads: each rank its head slice of every request.
+H_l, d, K: a KDA layer's heads, head dim and conv kernel; a hybrid's latent lives in its MLA layers only.)
 
 Per-token stores share the latent's pages: one page id names the same positions in every per-token
 store (sibling tensors of one pool, as SGLang and vLLM keep the indexer's keys), so the allocator,
@@ -15,14 +20,25 @@ page tables, manifests and switch executor count and move pages once and carry e
 with them. A head-free per-token store is placed exactly as the layout places KV pages
 (`Layout.ownership`); nothing here is layout-specific beyond that rule.
 
+A per-request store with a head axis (KDA's recurrent and conv states) is placed by
+`Layout.state_placement`, the one rule derived from the layout's projection placement and KV ownership:
+head-sharded projections (TP, DOP) -> each rank holds its heads' slice of every request's state (no
+replica, no exchange: the rank that projects a head updates its state); replicated projections with
+owners (DP) -> the owner holds the whole state; replicated projections without owners (CP: every rank
+has every row) -> every rank holds (and updates) the whole state. `state_share` answers it per rank.
+
 Pure Python: the runtime's pool (`splash/kv/pool.py`) and the core's sizes/capacity/manifests ask this.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from splash.core.config import ModelConfig
+from splash.core.config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
+
+if TYPE_CHECKING:
+    from splash.core.layouts import Layout
 
 
 @dataclass(frozen=True)
@@ -34,18 +50,30 @@ class Store:
     layers: tuple[int, ...]
     per: str = "token"  # "token": paged with the latent; "request": one fixed slot per request
     heads: bool = False  # a head axis (sharded with head-sharded projections); per-token stores have none
+    head_count: int = 0  # heads along that axis (KDA: linear_num_heads); width divides evenly by it
+    dtype: str = "kv"  # "kv": the KV dtype; "state": the recurrent-state dtype; "act": the activations'
 
     @property
     def values_per_token(self) -> int:
         """Values one token adds to this store over all its layers (0 for per-request stores)."""
         return self.width * len(self.layers) if self.per == "token" else 0
 
+    @property
+    def head_width(self) -> int:
+        """Values one head holds per layer (the whole width for a head-free store)."""
+        return self.width // self.head_count if self.heads and self.head_count else self.width
+
 
 def stores(cfg: ModelConfig) -> tuple[Store, ...]:
     """The stores a request of model `cfg` has, the latent first."""
-    out = [Store("latent", cfg.latent_dim, tuple(range(cfg.num_hidden_layers)))]
+    out = [Store("latent", cfg.latent_dim, cfg.mla_layers)]
     if cfg.is_sparse:
         out.append(Store("index_k", cfg.index_head_dim, cfg.indexer_layers))
+    if cfg.is_hybrid:
+        H, d, K = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
+        kda = tuple(cfg.kda_layers or ())
+        out.append(Store("kda_state", H * d * d, kda, "request", True, H, "state"))
+        out.append(Store("kda_conv", 3 * H * d * max(K - 1, 0), kda, "request", True, H, "act"))
     return tuple(out)
 
 
@@ -58,3 +86,71 @@ def values_per_token(cfg: ModelConfig) -> int:
     """KV values one token takes over all layers and per-token stores (latent + indexer keys)."""
     return sum(s.values_per_token for s in token_stores(cfg))
 
+
+
+def request_stores(cfg: ModelConfig) -> tuple[Store, ...]:
+    """The per-request (fixed-size) stores: a KDA layer's recurrent and conv states; () unless hybrid."""
+    return tuple(s for s in stores(cfg) if s.per == "request")
+
+
+# ---- dtypes and bytes of the per-request stores ------------------------------------------------------
+def state_dtype(dtype: str, state: str | None = None) -> str:
+    """The recurrent state's dtype: `state` if given, else float32 (vLLM and FLA keep KDA's state in
+    float32 even for bf16 models), float64 for a float64 model."""
+    if state is not None:
+        return normalize_dtype(state)
+    return "fp64" if normalize_dtype(dtype) == "fp64" else "fp32"
+
+
+def act_dtype(dtype: str) -> str:
+    """The activations' dtype of a model whose weights are `dtype` (the conv states hold activations):
+    the weight dtype, but bf16 for fp8 weights (FP8 checkpoints compute in bf16)."""
+    dt = normalize_dtype(dtype)
+    return "bf16" if dt == "fp8" else dt
+
+
+def store_request_bytes(store: Store, dtype: str, state: str | None = None) -> float:
+    """Bytes one request holds in `store` in one of its layers (all heads) for weights of `dtype`."""
+    if store.per != "request":
+        raise ConfigError(f"store {store.name!r} is per token, not per request")
+    dt = state_dtype(dtype, state) if store.dtype == "state" else act_dtype(dtype)
+    return store.width * dtype_bytes(dt)
+
+
+def request_state_bytes(cfg: ModelConfig, dtype: str = "bf16", state: str | None = None) -> float:
+    """z: bytes of one request's per-request state over every layer (KDA recurrent + conv states; 0 for
+    a pure MLA model). Constant in its context."""
+    return sum(store_request_bytes(s, dtype, state) * len(s.layers) for s in request_stores(cfg))
+
+
+def layer_state_bytes(cfg: ModelConfig, dtype: str = "bf16", state: str | None = None) -> float:
+    """One request's per-request state in one KDA layer, all heads (every KDA layer alike)."""
+    return sum(store_request_bytes(s, dtype, state) for s in request_stores(cfg))
+
+
+# ---- placement of the per-request stores ----------------------------------------------------------------
+def state_share(store: Store, layout: Layout, rank: int, ranks: int, owner: int) -> range | None:
+    """The heads of `store` that `rank` holds for a request owned by `owner` in `layout` (None: none).
+
+    The placement rule (`Layout.state_placement`): head-sharded -> the rank's head slice (all heads at
+    T = 1), owner -> every head on the owner only, replicated -> every head on every rank. A head-free
+    per-request store counts as one head."""
+    if store.per != "request":
+        raise ConfigError(f"store {store.name!r} is per token: its pages follow Layout.page_ranks")
+    heads = store.head_count if store.heads and store.head_count else 1
+    kind = layout.state_placement.value
+    if kind == "head-sharded":
+        return head_slice(heads, rank, ranks) if ranks > 1 and store.heads else range(heads)
+    if kind == "owner":
+        return range(heads) if rank == owner else None
+    return range(heads)
+
+
+def state_fraction(layout: Layout, rank: int, ranks: int, owner: int) -> float:
+    """g: the share of one request's per-request state `rank` holds (1/T, 1 or 0 on a non-owner, 1)."""
+    kind = layout.state_placement.value
+    if kind == "head-sharded":
+        return 1.0 / ranks
+    if kind == "owner":
+        return 1.0 if rank == owner else 0.0
+    return 1.0

@@ -60,7 +60,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                  switch_mode: str = "overlapped", theta: str | None = None, switch_margin: float = 0.05,
                  min_dwell_steps: int = 8, long_prefill_token_threshold: int = 0,
                  attention_form: str | None = None, serving: bool = False,
-                 enable_prefix_caching: bool | None = None) -> Any:
+                 enable_prefix_caching: bool | None = None, num_state_slots: int | None = None) -> Any:
     """Load `model` ('tiny' or a checkpoint directory) on T ranks and build the LLMEngine (rank 0).
 
     T = 1 runs in this process. T > 1 starts the rank group (rank 0 here, this node's other ranks as
@@ -75,6 +75,8 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     SPLASH_ATTN_FORM, else auto). `enable_prefix_caching`: share full prompt pages by content
     (splash/kv/prefix.py); None (the default) turns it on, as both peers do, except for models whose
     requests keep per-request state a shared prefix cannot carry (KDA hybrids: `prefix_cache_default`).
+    `num_state_slots` (KDA hybrids): requests whose recurrent state a rank holds at once (default
+    max_num_seqs); the scheduler admits no more, and the slots come out of the memory budget.
     """
     if layout is not None and layout not in (*LAYOUTS, "auto"):
         raise ConfigError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
@@ -100,7 +102,12 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     path = resolve_model_path(model)
     cfg = ModelConfig.from_hf(path)
     if world > 1:
+        if cfg.is_hybrid:
+            raise ConfigError(f"{cfg.name}: KDA hybrids run at T=1 for now (got {world} ranks); multi-rank "
+                              "layouts of KDA layers are not implemented yet")
         cfg.check_ranks(world)  # refuse before starting any process
+    if num_state_slots is not None and (not isinstance(num_state_slots, int) or num_state_slots < 1):
+        raise ConfigError(f"num_state_slots must be a positive integer, got {num_state_slots!r}")
     dev = parse_device(device)
     max_model_len = int(max_model_len or cfg.max_position_embeddings)
     if max_model_len > cfg.max_position_embeddings:  # (vLLM refuses; benchmarks here may want it)
@@ -129,12 +136,14 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
                       num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                       device_type=dev.type, seed=seed, expert_parallel=expert_parallel,
-                      switching=auto or bool(schedule), attention_form=attention_form)
+                      switching=auto or bool(schedule), attention_form=attention_form,
+                      num_state_slots=num_state_slots)
     if world == 1:
         state = load_rank(spec, local_grid(dev))
         runner: Any = state.runner
         facts = [{"pages": state.pages, "weight_bytes": state.weight_bytes,
-                  "reserve_bytes": state.reserve_bytes}]
+                  "reserve_bytes": state.reserve_bytes, "slots": state.slots,
+                  "state_bytes": state.state_bytes}]
     else:
         group = rank_group or RankGroup.join(launch, device=dev.type, threads=threads,
                                              timeout_s=collective_timeout_s or DEFAULT_TIMEOUT_S)
@@ -150,6 +159,10 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     alloc = KVAllocator([f["pages"] for f in facts], page_size, world=world, layout=layout)
     if prefix_cache_default(cfg, enable_prefix_caching):
         alloc.enable_prefix_cache()
+    if facts[0].get("slots"):  # KDA hybrids: a state slot per admitted request (splash/kv/state.py)
+        from splash.kv.state import SlotAllocator
+
+        alloc.slots = SlotAllocator(int(facts[0]["slots"]))
     tok = _load_tokenizer(path)
     eos = set(cfg.eos_token_ids)
     tok_eos = getattr(tok, "eos_token_id", None)
@@ -164,7 +177,8 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
             # every per-token store a page holds (the latent; a DSA model's indexer keys), bytes per token
             "kv_bytes_per_token": {s.name: s.values_per_token * elem for s in token_stores(cfg)},
             "nnodes": launch.nnodes, "weight_bytes_per_rank": [f["weight_bytes"] for f in facts],
-            "kv_reserve_bytes": facts[0]["reserve_bytes"]}
+            "kv_reserve_bytes": facts[0]["reserve_bytes"],
+            "state_bytes_per_rank": [f.get("state_bytes", 0) for f in facts]}
     engine = LLMEngine(runner, alloc, sched, tokenizer=tok, eos_token_ids=sorted(eos),
                        vocab_size=cfg.vocab_size, model_name=name, info=info)
     engine.checkpoint_path = os.path.abspath(path)  # what a memory resume without backup re-reads

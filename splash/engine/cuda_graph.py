@@ -56,6 +56,10 @@ def for_runner(runner: Any) -> DecodeGraphs | None:
         return None
     if getattr(runner.model.cfg, "is_sparse", False):
         return None
+    # KDA hybrids (not yet): a decode step gathers and scatters its requests' state slots by index, and
+    # the StateStep's row/slot tensors are built per step; capturing it needs static slot buffers too.
+    if getattr(runner.model.cfg, "is_hybrid", False):
+        return None
     return DecodeGraphs(runner.model, runner.pool, runner.layout)
 
 

@@ -346,6 +346,9 @@ class LLMEngine(RLControl):
             "kv_pool_tokens": self.kv_pool_tokens,
             "kv_distinct_tokens": self.kv_pool_tokens,
             "kv_pool_tokens_per_rank": [t * a.page_size for t in total],
+            # KDA hybrids: state slots (one per admitted request; 0 / 0 without per-request state)
+            "state_slots_used": a.slots.num_used if a.slots is not None else 0,
+            "state_slots_total": a.slots.num_slots if a.slots is not None else 0,
             "max_request_tokens": self.max_request_tokens,
             "page_size": a.page_size,
             "layout": a.layout,

@@ -44,6 +44,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     pages: list[list[int]] = field(default_factory=list)  # pages[r][j], see docs/runtime.md
     owner: int = 0
+    slot: int = -1  # KDA models: its state slot while admitted (splash/kv/state.py), else -1
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

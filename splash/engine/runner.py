@@ -46,8 +46,10 @@ class ModelRunner:
         self.stats: dict[str, Any] = {}
         self.step_rows: OrderedDict[int, int] = OrderedDict()  # step -> rows N (recent steps only)
         self.tables = RankTables()  # this rank's page tables of the live requests (from step messages)
+        self.state: Any = None  # a KDA hybrid's StatePool (splash/kv/state.py): its requests' slots
         self._encoder: wire.PlanEncoder | None = None
         self.graphs: Any = None  # CUDA graphs of decode steps (splash/engine/cuda_graph.py), CUDA only
+        # (CUDA graphs skip KDA hybrids for now: for_runner returns None for them)
         if self.device.type == "cuda":
             from splash.engine.cuda_graph import for_runner
 
@@ -83,7 +85,7 @@ class ModelRunner:
 
         return ForwardContext.build(plan.seqs, kv=self.pool, layout=layout, comm=self.comm, rank=self.rank,
                                     world=self.world, device=self.device, stats=self.stats,
-                                    tables=self.tables if plan.delta is not None else None)
+                                    tables=self.tables if plan.delta is not None else None, state=self.state)
 
     def input_ids(self, plan: StepPlan) -> torch.Tensor:
         from splash.model.context import to_device

@@ -11,7 +11,9 @@ preempts the most recently admitted one not yet scheduled this step (its pages a
 back to the front of the queue, to be recomputed from prompt + generated tokens). Then queued sequences
 are admitted while the budget, the `max_num_seqs` bound and the real per-rank free pages allow (a
 queued sequence is admitted only if the pool could hold every token it already has, so its own
-prefill never preempts anyone).
+prefill never preempts anyone). A KDA model's sequence also needs a state slot (`alloc.slots`): taken
+at admission (no free slot: it stays queued), given back with its pages at finish, abort or preemption
+(a preempted sequence recomputes its state from its tokens, from a zeroed slot, when readmitted).
 
 Under DP/DOP each sequence is owned by one rank, chosen at admission: among the ranks whose free pages
 hold the sequence now, the one with the least *projected* KV - the pages its running sequences will
@@ -145,6 +147,9 @@ class Scheduler:
             self.dropped.append(seq.seq_id)
         self.alloc.release(seq.pages)
         seq.cached_blocks = []
+        if seq.slot >= 0 and self.alloc.slots is not None:
+            self.alloc.slots.free(seq.slot)
+        seq.slot = -1
 
     def _preempt(self, seq: Sequence) -> None:
         self.uncharge(seq)
@@ -324,7 +329,12 @@ class Scheduler:
                 owner, blocks = (None, []) if got is None else got
             if owner is None:
                 break  # no rank can hold it yet: keep it (and everyone behind it) queued
+            slots = self.alloc.slots
+            if slots is not None and slots.num_free == 0:
+                break  # every state slot is held (KDA): queued until a running sequence leaves
             self.waiting.popleft()
+            if slots is not None:
+                seq.slot = slots.alloc()
             if cache is not None:
                 cache.take(blocks)
                 cache.queries += seq.num_tokens
@@ -356,7 +366,7 @@ class Scheduler:
             # `pages` is the sequence's live table, not a copy (rank 0 reads it while the step runs;
             # copying every table every step was O(pages)): later steps grow it, a release empties it.
             slices.append(SeqSlice(req_id=seq.seq_id, start=start, num_new=k, owner=seq.owner,
-                                   pages=seq.pages, sample=start + k == seq.num_tokens))
+                                   pages=seq.pages, sample=start + k == seq.num_tokens, slot=seq.slot))
         dropped: list[int] = []
         if slices:  # a plan without rows never runs: its drops wait for the next one
             dropped, self.dropped = self.dropped, []

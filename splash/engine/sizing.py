@@ -71,11 +71,12 @@ def reserve_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: 
 
 def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: int, reserve: int,
              memory_per_rank: int | str | None, num_kv_pages: int | None, max_num_seqs: int,
-             max_model_len: int, device: torch.device, keep_free: int = 0) -> int:
+             max_model_len: int, device: torch.device, keep_free: int = 0, state_bytes: int = 0) -> int:
     """Pages of one rank's KV pool: an explicit count, what the budget leaves, or a default.
 
     `keep_free`: bytes the default (unbudgeted) pool leaves unused beyond its usual share, e.g. for the
-    projection replicas a live switch into DP/CP gathers."""
+    projection replicas a live switch into DP/CP gathers. `state_bytes`: a KDA hybrid's state slots
+    (splash/kv/state.py), taken from the same budget before the pages."""
     from splash.kv.pool import KVPool
 
     if num_kv_pages is not None:
@@ -85,17 +86,20 @@ def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: i
     per_page = KVPool.bytes_per_page(cfg, page_size, kv_dtype)
     if memory_per_rank is not None:
         budget = parse_bytes(memory_per_rank)
-        kv = budget - weights - reserve
+        kv = budget - weights - reserve - state_bytes
         if kv < per_page:
+            state = f", the state slots {state_bytes / 2**20:.2f} MiB" if state_bytes else ""
             raise ConfigError(f"--memory-per-rank {memory_per_rank} leaves no room for the KV cache: this "
                               f"rank's weights take {weights / 2**20:.2f} MiB, the step workspace "
-                              f"{reserve / 2**20:.2f} MiB, and one page needs {per_page} bytes; raise it")
+                              f"{reserve / 2**20:.2f} MiB{state}, and one page needs {per_page} bytes; "
+                              "raise it")
         return int(kv // per_page)
     # Default: enough for a full batch at full context, capped by a share of what the device has.
     want = max_num_seqs * -(-max_model_len // page_size) * per_page
     cap = int(available_bytes(device) * (0.85 if device.type == "cuda" else 0.2)) - keep_free
     if device.type != "cuda":
         cap = min(cap, 128 * 2**20)  # CPU demos and tests: plenty, and quick to allocate
+    cap -= state_bytes
     if cap < per_page:
         also = ""
         if keep_free:

@@ -41,6 +41,9 @@ class EngineSpec:
     # check that they fit: no budget, no Eq 5/6 pages).
     switching: bool = False
     attention_form: str = "auto"  # "auto" | "absorbed" | "mha": chunk forms (splash/attention/mha.py)
+    # KDA hybrids: requests whose state a rank holds at once (splash/kv/state.py); None: max_num_seqs.
+    # The slots come out of the same memory budget as the KV pages (sizing.kv_pages).
+    num_state_slots: int | None = None
 
 
 @dataclass
@@ -51,6 +54,8 @@ class RankState:
     pages: int
     weight_bytes: int
     reserve_bytes: int
+    slots: int = 0  # KDA state slots (0: the model keeps no per-request state)
+    state_bytes: int = 0  # what they take
 
 
 def rank_device(spec: EngineSpec, grid: Any) -> torch.device:
@@ -67,6 +72,7 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
     from splash.engine.runner import ModelRunner
     from splash.engine.sizing import kv_pages, reserve_bytes, weight_bytes
     from splash.kv.pool import KVPool
+    from splash.kv.state import StatePool
     from splash.model import load_model, resolve_dtype, resolve_model_path
 
     if spec.seed is not None:
@@ -103,12 +109,23 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
             keep_free = replica_bytes(net, spec.world)  # (only the default-sized pool uses it)
         else:
             pool_weights -= replica_bytes(net, spec.world)  # (only a budgeted pool uses weights)
+    slots, state_bytes = 0, 0
+    if cfg.is_hybrid:  # one state slot per request the rank may hold at once, from the same budget
+        slots = int(spec.num_state_slots or spec.max_num_seqs)
+        if slots < 1:
+            raise ConfigError(f"num_state_slots must be >= 1, got {slots}")
+        heads = len(next(la.self_attn for la in net.layers if la.kind == "kda").heads)
+        state_bytes = slots * StatePool.bytes_per_slot(cfg, tdtype, heads)
     pages = kv_pages(cfg, tdtype, spec.page_size, pool_weights, reserve, spec.memory_per_rank,
-                     spec.num_kv_pages, spec.max_num_seqs, max_model_len, dev, keep_free=keep_free)
+                     spec.num_kv_pages, spec.max_num_seqs, max_model_len, dev, keep_free=keep_free,
+                     state_bytes=state_bytes)
     pool = KVPool.for_model(cfg, pages, spec.page_size, tdtype, dev)
     runner = ModelRunner(net, pool, layout, grid.comm, grid.rank, spec.world)
+    if slots:
+        runner.state = StatePool.for_model(cfg, slots, tdtype, dev, heads=heads)
     runner.switch_comm = getattr(grid, "switch", None)  # layout-switch transfers (splash/engine/switching.py)
-    return RankState(runner=runner, pages=pages, weight_bytes=weights, reserve_bytes=reserve)
+    return RankState(runner=runner, pages=pages, weight_bytes=weights, reserve_bytes=reserve, slots=slots,
+                     state_bytes=state_bytes)
 
 
 def model_name(model: str) -> str:

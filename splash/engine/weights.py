@@ -156,6 +156,8 @@ def _release(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
     if "kv_cache" in a["tags"] and "kv_cache" not in held:
         pool = runner.pool
         held["kv_cache"] = pool.release()
+        if getattr(runner, "state", None) is not None:  # a KDA hybrid's state slots go with the KV
+            held["state"] = runner.state.release()
     if "weights" in a["tags"] and "weights" not in held:
         keep = a.get("backup", True)
         on_host = keep and runner.device.type != "cpu"  # an accelerator's weights wait in host memory
@@ -190,6 +192,8 @@ def _resume(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
             shutil.rmtree(saved["dir"], ignore_errors=True)
     if "kv_cache" in a["tags"] and "kv_cache" in held:
         runner.pool.restore(held.pop("kv_cache"))
+        if "state" in held:
+            runner.state.restore(held.pop("state"))
 
 
 _OPS = {"disk": _stage_disk, "tensors": _stage_tensors, "dist": _stage_dist, "init_group": _init_group,

@@ -5,7 +5,8 @@ Rank 0 used to pickle the whole `StepPlan` every step, every slice carrying ever
 context. Now every rank keeps its own tables (`RankTables`) and rank 0's `PlanEncoder` sends per step:
 
 - per slice: req_id (int64), start (int32), owner (uint8), and num_new / sample only when some slice
-  is not a one-row sampled decode (a flag says they are omitted);
+  is not a one-row sampled decode (a flag says they are omitted); a KDA model's state slot (int32)
+  when any slice has one (a flag says so);
 - input_ids (int32);
 - the requests ranks must forget (finished, aborted, preempted since the last message; int64);
 - for the slices whose table grew: the slice index, how many pages, and the new local page ids of
@@ -39,6 +40,7 @@ _COUNTS = struct.Struct("<IIIIII")  # slices B, rows N, drops, grown slices, new
 _HEADER = _HEAD.size + _COUNTS.size  # 40: the arrays that follow start 8-aligned
 _ONE_ROW = 1  # flag: every slice has num_new == 1 (the num_new array is omitted)
 _ALL_SAMPLE = 2  # flag: every slice samples (the sample array is omitted)
+_SLOTS = 4  # flag: the slices carry state slots (KDA models; else the slot array is omitted, slots -1)
 
 
 @dataclass
@@ -112,7 +114,8 @@ class PlanEncoder:
         B, N = len(seqs), len(plan.input_ids)
         one_row = N == B and all(s.num_new == 1 for s in seqs)
         all_sample = all(s.sample for s in seqs)
-        flags = (_ONE_ROW if one_row else 0) | (_ALL_SAMPLE if all_sample else 0)
+        slots = any(s.slot >= 0 for s in seqs)
+        flags = (_ONE_ROW if one_row else 0) | (_ALL_SAMPLE if all_sample else 0) | (_SLOTS if slots else 0)
         kind = STEP_KINDS.index(plan.kind) if plan.kind in STEP_KINDS else 255
         grow_pages = np.concatenate(grow, axis=1) if grow else np.zeros((T, 0), np.int32)
         rep_pages = np.concatenate(rep, axis=1) if rep else np.zeros((T, 0), np.int32)
@@ -126,6 +129,7 @@ class PlanEncoder:
             # int32
             np.fromiter((s.start for s in seqs), np.int32, B).tobytes(),
             b"" if one_row else np.fromiter((s.num_new for s in seqs), np.int32, B).tobytes(),
+            np.fromiter((s.slot for s in seqs), np.int32, B).tobytes() if slots else b"",
             np.asarray(plan.input_ids, dtype=np.int32).tobytes(),
             np.asarray(grow_idx, dtype=np.int32).tobytes(),
             np.fromiter((g.shape[1] for g in grow), np.int32, len(grow)).tobytes(),
@@ -193,6 +197,7 @@ def decode(msg: bytes | tuple[bytes, str, Any]) -> StepPlan:
     rep_ids = take(np.int64, nr)
     start = take(np.int32, B)
     num_new = None if flags & _ONE_ROW else take(np.int32, B)
+    slot = take(np.int32, B) if flags & _SLOTS else None
     input_ids = take(np.int32, N)
     grow_idx = take(np.int32, ng)
     grow_count = take(np.int32, ng)
@@ -204,7 +209,9 @@ def decode(msg: bytes | tuple[bytes, str, Any]) -> StepPlan:
     ids, starts, owners = req.tolist(), start.tolist(), owner.tolist()
     nums = [1] * B if num_new is None else num_new.tolist()
     samples = [True] * B if sample is None else [bool(x) for x in sample.tolist()]
-    seqs = [SeqSlice(r, s, n, o, [], sm) for r, s, n, o, sm in zip(ids, starts, nums, owners, samples)]
+    slots = [-1] * B if slot is None else slot.tolist()
+    seqs = [SeqSlice(r, s, n, o, [], sm, sl)
+            for r, s, n, o, sm, sl in zip(ids, starts, nums, owners, samples, slots)]
     if kind is None:
         kind = STEP_KINDS[kcode] if kcode < len(STEP_KINDS) else "forward"
     delta = TableDelta(drops, req[grow_idx], grow_count, grow_pages, rep_ids, rep_len, rep_pages)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from splash.attention.registry import LayoutRow, row
 from splash.kv.prefix import PrefixCache
+from splash.kv.state import SlotAllocator
 
 
 class OutOfPages(RuntimeError):
@@ -124,6 +125,8 @@ class KVAllocator:
         self.layout = layout  # validates the name
         self.ranks = [PageAllocator(n) for n in counts]
         self.cache: PrefixCache | None = None  # the prefix cache, when on (`enable_prefix_cache`)
+        # KDA models: the state slots of the ranks (one index per request, every KDA layer), else None
+        self.slots: SlotAllocator | None = None
 
     def enable_prefix_cache(self) -> PrefixCache:
         """Share full prompt pages by content (splash/kv/prefix.py); unreferenced cached pages count as

@@ -1,7 +1,9 @@
 """The built-in models: PRESETS["tiny"] (tests, demos) and PRESETS["small"] (benchmarks with DeepSeek-V3's
 real MLA dims) written as real Hugging Face checkpoints, and their DeepSeek Sparse Attention variants
 PRESETS["tiny-dsa"] (DeepSeek-V3.2, DeepseekV32ForCausalLM), PRESETS["tiny-glm5"] (GLM-5,
-GlmMoeDsaForCausalLM: every other layer shares the previous indexer's top-k) and PRESETS["small-dsa"].
+GlmMoeDsaForCausalLM: every other layer shares the previous indexer's top-k) and PRESETS["small-dsa"], and
+the KDA hybrids PRESETS["tiny-hybrid"] / PRESETS["small-hybrid"] (Kimi-Linear, KimiLinearForCausalLM:
+Kimi's tensor names, `block_sparse_moe` and experts' w1/w2/w3).
 
 Deterministic random weights (a seed), scaled so activations stay O(1) through the layers and the
 logits are neither flat nor one-hot, plus a byte-level BPE tokenizer built here with `tokenizers` from a
@@ -25,9 +27,10 @@ from splash.core.config import PRESETS, ConfigError, ModelConfig
 
 TINY_VERSION = "1"
 # names `--model` takes besides a checkpoint directory
-BUILTIN_MODELS = ("tiny", "small", "tiny-dsa", "tiny-glm5", "small-dsa")
+BUILTIN_MODELS = ("tiny", "small", "tiny-dsa", "tiny-glm5", "small-dsa", "tiny-hybrid", "small-hybrid")
 ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                 "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+                 "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+                 "kimi_linear": "KimiLinearForCausalLM"}
 SPECIALS = {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"}
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -73,7 +76,28 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
                                   for i in range(cfg.num_hidden_layers)])
         if cfg.model_type == "glm_moe_dsa":
             d["indexer_types"] = [cfg.indexer_type(i) for i in range(cfg.num_hidden_layers)]
+    if cfg.model_type == "kimi_linear":
+        return _kimi_config(cfg, d)
     return d
+
+
+def _kimi_config(cfg: ModelConfig, d: dict) -> dict:
+    """Kimi-Linear's config.json (KimiLinearConfig's names: num_experts, moe_renormalize, ...; layers
+    1-based in linear_attn_config, as the hub's checkpoints write them)."""
+    n = cfg.num_hidden_layers
+    out = {k: v for k, v in d.items() if k not in (
+        "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "norm_topk_prob",
+        "topk_method", "scoring_func", "rope_interleave", "rope_parameters", "rope_theta",
+        "max_position_embeddings")}
+    kda = [i + 1 for i in range(n) if cfg.layer_kind(i) == "kda"]
+    out.update(num_experts=cfg.n_routed_experts, num_shared_experts=cfg.n_shared_experts,
+               num_experts_per_token=cfg.num_experts_per_tok, num_expert_group=cfg.n_group,
+               moe_renormalize=cfg.norm_topk_prob, model_max_length=cfg.max_position_embeddings,
+               linear_attn_config={"num_heads": cfg.linear_num_heads, "head_dim": cfg.linear_head_dim,
+                                   "short_conv_kernel_size": cfg.linear_conv_kernel, "kda_layers": kda,
+                                   "full_attn_layers": [i + 1 for i in range(n) if i + 1 not in kda]},
+               mlp_layer_types=["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(n)])
+    return out
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -104,6 +128,18 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         s[f"{a}.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
         s[f"{a}.kv_b_proj.weight"] = (H * dkv, cfg.kv_lora_rank)
         s[f"{a}.o_proj.weight"] = (d, H * cfg.v_head_dim)
+        if cfg.layer_kind(i) == "kda":  # Kimi Delta Attention: its own tensors, no MLA ones
+            for k in [k for k in s if k.startswith(f"{a}.")]:
+                del s[k]
+            H, hd, K = cfg.linear_num_heads, cfg.linear_qkv_dim, cfg.linear_conv_kernel
+            dh = cfg.linear_head_dim
+            for c in "qkv":
+                s[f"{a}.{c}_proj.weight"] = (hd, d)
+                s[f"{a}.{c}_conv1d.weight"] = (hd, 1, K)
+            s.update({f"{a}.f_a_proj.weight": (dh, d), f"{a}.f_b_proj.weight": (hd, dh),
+                      f"{a}.dt_bias": (hd,), f"{a}.A_log": (1, 1, H, 1), f"{a}.b_proj.weight": (H, d),
+                      f"{a}.g_a_proj.weight": (dh, d), f"{a}.g_b_proj.weight": (hd, dh),
+                      f"{a}.o_norm.weight": (dh,), f"{a}.o_proj.weight": (d, hd)})
         if cfg.indexer_type(i) == "full":  # DSA's lightning indexer (a "shared" GLM-5 layer has none)
             x = f"{a}.indexer"
             s[f"{x}.wq_b.weight"] = (cfg.index_n_heads * cfg.index_head_dim, int(cfg.q_lora_rank))
@@ -121,6 +157,10 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 mlp(f"{p}.mlp.shared_experts", cfg.moe_intermediate_size * int(cfg.n_shared_experts))
         else:
             mlp(f"{p}.mlp", cfg.intermediate_size)
+    if cfg.model_type == "kimi_linear":  # Kimi's MoE names
+        from splash.model.loader import checkpoint_name
+
+        return {checkpoint_name(cfg.model_type, k): v for k, v in s.items()}
     return s
 
 
@@ -141,6 +181,12 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
             t = 0.1 * torch.randn(shape, generator=g)
         elif name.endswith("e_score_correction_bias"):
             t = 0.05 * torch.randn(shape, generator=g)
+        elif name.endswith(".A_log"):  # KDA decay rates in [1, 16], as FLA initialises them
+            t = (1.0 + 15.0 * torch.rand(shape, generator=g)).log()
+        elif name.endswith(".dt_bias"):  # softplus^-1 of dt in [1e-3, 1e-1] (log-uniform), FLA's init
+            u = torch.rand(shape, generator=g)
+            dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * u)
+            t = dt + torch.log(-torch.expm1(-dt))
         elif name == "model.embed_tokens.weight":
             t = torch.randn(shape, generator=g)
         else:

@@ -80,6 +80,12 @@ class ServerMetrics:
         self.ranks = Gauge("splash:ranks", "Ranks serving the model (T).", lbl, registry=r).labels(m)
         self._pool = Gauge("splash:kv_pool_tokens_per_rank", "KV pool capacity of each rank, in tokens.",
                            lbl + ["rank"], registry=r)
+        self.slots_used = Gauge("splash:state_slots_used",
+                                "KDA hybrids: request state slots held (one per admitted request).", lbl,
+                                registry=r).labels(m)
+        self.slots_total = Gauge("splash:state_slots_total",
+                                 "KDA hybrids: request state slots per rank (0: no per-request state).", lbl,
+                                 registry=r).labels(m)
         self.distinct = Gauge("splash:kv_distinct_tokens",
                               "Distinct KV tokens the group can hold under the current layout.", lbl,
                               registry=r).labels(m)
@@ -106,6 +112,8 @@ class ServerMetrics:
                             (self.waiting, ("num_waiting", "waiting", "num_requests_waiting")),
                             (self.kv_usage, ("kv_usage", "kv_cache_usage", "kv_cache_usage_perc")),
                             (self.ranks, ("ranks", "world", "tp")),
+                            (self.slots_used, ("state_slots_used",)),
+                            (self.slots_total, ("state_slots_total",)),
                             # The allocator's pool_tokens() already counts distinct tokens of the
                             # group under the current layout (TP: one rank's pool; DP/CP: the sum).
                             (self.distinct, ("kv_distinct_tokens", "kv_pool_tokens"))):
