@@ -21,7 +21,7 @@ import torch
 from splash.attention import mha, paged, sparse
 from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
-from splash.core.layouts import Layout, Ownership
+from splash.core.layouts import Layout, Ownership, StatePlacement
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.kda import KDA
 from splash.model.mla import MLA
@@ -50,13 +50,34 @@ class AttentionLayout(ABC):
     def linear_attention(self, layer_idx: int, kda: KDA, x: torch.Tensor, ctx: ForwardContext
                          ) -> torch.Tensor:
         """-> [N, d]: a KDA layer's output for every row of the step (hybrid models), from the normed
-        rows x [N, d]. Here (one rank) the layer runs over every row and the heads it holds, reading and
-        writing the step's state slots (`ctx.state`). The multi-rank layouts override it: TP head-sharded
-        with o_proj's partial reduced, DP on each request's owner, CP replicated."""
-        if self.core is not None:
-            raise NotImplementedError(f"KDA layers under the {self.name} layout are not implemented yet "
-                                      "(KDA hybrids run at T=1 for now)")
-        return kda.forward(x, ctx)
+        rows x [N, d], reading and writing the requests' state slots. Who computes what follows the
+        core's one rule, `Layout.state_placement`: head-sharded (TP, DOP) -> every rank runs every row
+        for its heads and o_proj's partials are all-reduced; owner (DP) -> each owner runs its requests'
+        rows for all heads and the rows are all-gathered; replicated (CP) -> every rank runs every row
+        for all heads (the same ops on the same inputs: identical on every rank), nothing exchanged."""
+        if self.core is None or ctx.world == 1:
+            return kda.forward(x, ctx)
+        from splash.attention.dp import OwnerRows
+        from splash.attention.tp import check_heads
+
+        check_heads(kda, ctx, self)  # type: ignore[arg-type]
+        kind = self.core.state_placement
+        if kind is StatePlacement.HEAD_SHARDED:
+            return ctx.comm.all_reduce(kda.forward(x, ctx), tag=layer_idx)
+        if kind is StatePlacement.REPLICATED:
+            return kda.forward(x, ctx)
+        cache = self.__dict__.get("_kda_own")
+        if cache is None or cache[0] is not ctx:
+            own = OwnerRows.of(ctx)
+            sub = ctx.state.subset([ctx.seqs[k] for k in own.mine], x.device) if ctx.state else None
+            cache = self.__dict__["_kda_own"] = (ctx, own, sub)
+        _, own, sub = cache
+        rows = own.mine_rows
+        mine = kda.forward(x[rows], ctx, sub) if rows.numel() else x.new_zeros(0, x.shape[1])
+        gathered = ctx.comm.all_gather_var(mine, tag=layer_idx, sizes=own.counts)
+        out = torch.empty_like(gathered)
+        out[own.order] = gathered
+        return out
 
     # Helpers every layout uses -----------------------------------------------------------------------
     @staticmethod

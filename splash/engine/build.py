@@ -102,9 +102,6 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     path = resolve_model_path(model)
     cfg = ModelConfig.from_hf(path)
     if world > 1:
-        if cfg.is_hybrid:
-            raise ConfigError(f"{cfg.name}: KDA hybrids run at T=1 for now (got {world} ranks); multi-rank "
-                              "layouts of KDA layers are not implemented yet")
         cfg.check_ranks(world)  # refuse before starting any process
     if num_state_slots is not None and (not isinstance(num_state_slots, int) or num_state_slots < 1):
         raise ConfigError(f"num_state_slots must be a positive integer, got {num_state_slots!r}")

@@ -28,11 +28,11 @@ def replicas(layout: str) -> bool:
 def replica_bytes(model: Any, world: int) -> int:
     """Bytes of attention projections a rank holds beyond its 1/T head slice when they are replicated
     (what a switch into DP/CP gathers, and a switch into TP/DOP drops)."""
-    heads = sum(t.numel() * t.element_size() for layer in model.layers
-                for t in layer.self_attn.head_tensors().values())
-    held = len(model.layers[0].self_attn.heads) if model.layers else 0
-    total = model.cfg.num_attention_heads
-    full = heads * total // max(1, held)  # every head's blocks, whatever this rank holds now
+    full = 0
+    for layer in model.layers:  # (a hybrid's KDA layers have their own head count)
+        a = layer.self_attn
+        held = sum(t.numel() * t.element_size() for t in a.head_tensors().values())
+        full += held * a.total_heads // max(1, len(a.heads))  # every head's blocks, whatever is held now
     return int(full * (1 - 1 / world))
 
 

@@ -115,7 +115,9 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
         if slots < 1:
             raise ConfigError(f"num_state_slots must be >= 1, got {slots}")
         heads = len(next(la.self_attn for la in net.layers if la.kind == "kda").heads)
-        state_bytes = slots * StatePool.bytes_per_slot(cfg, tdtype, heads)
+        # A live switch into DP/CP holds every head of a slot (Layout.state_placement): budget for it.
+        budget_heads = cfg.linear_num_heads if spec.switching else heads
+        state_bytes = slots * StatePool.bytes_per_slot(cfg, tdtype, budget_heads)
     pages = kv_pages(cfg, tdtype, spec.page_size, pool_weights, reserve, spec.memory_per_rank,
                      spec.num_kv_pages, spec.max_num_seqs, max_model_len, dev, keep_free=keep_free,
                      state_bytes=state_bytes)

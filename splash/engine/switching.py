@@ -284,7 +284,7 @@ class SwitchController(AutoLayout):
         return [LiveRequest(seq.seq_id, context=seq.num_computed, owner=seq.owner,
                             pages=[row[:] for row in seq.pages],
                             tokens=seq.num_computed + rows.get(seq.seq_id, 0),
-                            projected=self._projected(seq))
+                            projected=self._projected(seq), slot=seq.slot)
                 for seq in live]
 
     def _plan_reqs(self, dst: str, reqs: list[LiveRequest], mode: str, dry_run: bool = False,

@@ -67,7 +67,7 @@ def load_reply(state: WorkerState, plan: StepPlan) -> dict[str, Any]:
     state.grid.comm.stats.reset()
     rs = state.rank_state
     return {"pages": rs.pages, "weight_bytes": rs.weight_bytes, "reserve_bytes": rs.reserve_bytes,
-            "device": str(rs.runner.device)}
+            "device": str(rs.runner.device), "slots": rs.slots, "state_bytes": rs.state_bytes}
 
 
 def unload(state: WorkerState) -> None:

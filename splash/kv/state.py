@@ -62,22 +62,37 @@ class SlotAllocator:
 
 
 class StatePool:
-    """One rank's KDA state: recurrent [L_kda, slots, H_held, d, d] and conv [L_kda, slots, 3*H_held*d,
-    K-1], indexed by model layer id through `layer(i)`."""
+    """One rank's KDA state, per KDA layer: recurrent [slots, h, d, d] and conv [slots, 3*h*d, K-1] for
+    the h heads the rank holds in that layer (`layer(i)` by model layer id). A live switch re-heads one
+    layer at a time (`set_layer`): TP/DOP hold H/T heads, DP/CP all H (splash.core.layouts'
+    `state_placement`); the slot index space is the same on every rank (rank 0 hands slots out)."""
 
     def __init__(self, layers: Sequence[int], num_slots: int, heads: int, head_dim: int, conv_kernel: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         if num_slots < 1:
             raise ConfigError(f"a KDA model needs at least one state slot (got {num_slots})")
         self.layers = tuple(layers)
-        self._row = {layer: k for k, layer in enumerate(self.layers)}
-        self.num_slots, self.heads, self.head_dim, self.conv_kernel = num_slots, heads, head_dim, conv_kernel
+        self.num_slots, self.head_dim, self.conv_kernel = num_slots, head_dim, conv_kernel
         self.dtype, self.state_dtype = dtype, core_dtype(dtype)
         self.device = torch.device(device or "cpu")
-        self._shapes = ((len(self.layers), num_slots, heads, head_dim, head_dim),
-                        (len(self.layers), num_slots, 3 * heads * head_dim, conv_kernel - 1))
-        self.recurrent = torch.zeros(self._shapes[0], dtype=self.state_dtype, device=self.device)
-        self.conv = torch.zeros(self._shapes[1], dtype=dtype, device=self.device)
+        self._rec: dict[int, torch.Tensor] = {}
+        self._conv: dict[int, torch.Tensor] = {}
+        self._heads = {i: heads for i in self.layers}
+        for i in self.layers:
+            self._rec[i], self._conv[i] = self._zeros(heads)
+
+    def _zeros(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d, S = self.head_dim, self.num_slots
+        return (torch.zeros(S, heads, d, d, dtype=self.state_dtype, device=self.device),
+                torch.zeros(S, 3 * heads * d, self.conv_kernel - 1, dtype=self.dtype, device=self.device))
+
+    @property
+    def heads(self) -> int:
+        """Heads held in the first KDA layer (every layer alike outside a switching step)."""
+        return self._heads[self.layers[0]] if self.layers else 0
+
+    def layer_heads(self, i: int) -> int:
+        return self._heads[i]
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float32,
@@ -105,32 +120,71 @@ class StatePool:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.recurrent, self.conv]
+        return [t for i in self.layers for t in (self._rec[i], self._conv[i])]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(recurrent [slots, H, d, d], conv [slots, C, K-1]) of model layer i (views)."""
-        k = self._row[i]
-        return self.recurrent[k], self.conv[k]
+        """(recurrent [slots, h, d, d], conv [slots, 3*h*d, K-1]) of model layer i."""
+        return self._rec[i], self._conv[i]
 
     def zero(self, slots: Sequence[int] | torch.Tensor) -> None:
         """Forget the state of `slots` in every layer."""
         idx = slots if isinstance(slots, torch.Tensor) else torch.tensor(list(slots), dtype=torch.long)
         if idx.numel():
             idx = idx.to(self.device)
-            self.recurrent.index_fill_(1, idx, 0)
-            self.conv.index_fill_(1, idx, 0)
+            for t in self.tensors():
+                t.index_fill_(0, idx, 0)
 
-    def release(self) -> tuple[torch.Size, ...]:
+    # ---- blocks of (slot, head): what a layout switch moves -------------------------------------------
+    @property
+    def block_width(self) -> int:
+        """Values of one (slot, head) block in one layer: d*d recurrent + 3*d*(K-1) conv."""
+        d = self.head_dim
+        return d * d + 3 * d * (self.conv_kernel - 1)
+
+    def read_blocks(self, i: int, slots: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """[k, block_width] in the state dtype: blocks (slots[j], local head heads[j]) of layer i (the
+        conv values widen losslessly: the state dtype is float32 or float64)."""
+        rec, conv = self._rec[i], self._conv[i]
+        h, d = self._heads[i], self.head_dim
+        k = len(slots)
+        c = conv.view(conv.shape[0], 3, h, d, -1)[slots, :, heads]  # [k, 3, d, K-1]
+        return torch.cat([rec[slots, heads].reshape(k, d * d),
+                          c.reshape(k, self.block_width - d * d).to(self.state_dtype)], dim=1)
+
+    def set_layer(self, i: int, heads: int, keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                  recv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        """Re-head layer i to `heads` held heads: a fresh zeroed state, then `keep` (slots, old local
+        heads, new local heads) copied from the old one and `recv` (slots, new local heads, blocks
+        [k, block_width]) written; the old tensors are dropped."""
+        rec, conv = self._zeros(heads)
+        d = self.head_dim
+        old_r, old_c = self._rec[i], self._conv[i]
+        cv = conv.view(self.num_slots, 3, heads, d, -1)
+        if keep is not None and keep[0].numel():
+            s, a, b = keep
+            rec[s, b] = old_r[s, a]
+            oc = old_c.view(self.num_slots, 3, self._heads[i], d, -1)
+            cv[s, :, b] = oc[s, :, a]
+        if recv is not None and recv[0].numel():
+            s, b, x = recv
+            k = len(s)
+            rec[s, b] = x[:, : d * d].reshape(k, d, d).to(rec.dtype)
+            cv[s, :, b] = x[:, d * d:].reshape(k, 3, d, -1).to(conv.dtype)
+        self._rec[i], self._conv[i], self._heads[i] = rec, conv, heads
+
+    def release(self) -> tuple[int, ...]:
         """Free the tensors (memory release for RL); `restore` gives zeroed ones back."""
-        shapes = tuple(t.shape for t in self.tensors())
-        self.recurrent = torch.empty(0, dtype=self.state_dtype, device=self.device)
-        self.conv = torch.empty(0, dtype=self.dtype, device=self.device)
-        return shapes
+        held = tuple(self._heads[i] for i in self.layers)
+        for i in self.layers:
+            self._rec[i] = torch.empty(0, dtype=self.state_dtype, device=self.device)
+            self._conv[i] = torch.empty(0, dtype=self.dtype, device=self.device)
+        return held
 
-    def restore(self, shapes: tuple[torch.Size, ...] | None = None) -> None:
-        rec, conv = shapes or self._shapes
-        self.recurrent = torch.zeros(rec, dtype=self.state_dtype, device=self.device)
-        self.conv = torch.zeros(conv, dtype=self.dtype, device=self.device)
+    def restore(self, held: tuple[int, ...] | None = None) -> None:
+        for k, i in enumerate(self.layers):
+            h = self._heads[i] if held is None else held[k]
+            self._rec[i], self._conv[i] = self._zeros(h)
+            self._heads[i] = h
 
     def step(self, seqs: Sequence[Any], device: torch.device | None = None) -> StateStep:
         """The step's view of its slots (`seqs`: the context's SliceCtx, each with `slot`), after zeroing
@@ -141,29 +195,44 @@ class StatePool:
 class StateStep:
     """Which rows of a step read which slot: the decode rows (one row per slice, batched: `dec_rows`,
     `dec_slots`, None when there are none) and the prefill chunks (`prefill`: (rows, slot) per slice,
-    run one by one). Built once per step, shared by every KDA layer."""
+    run one by one). Built once per step, shared by every KDA layer; `subset` gives the view of some of
+    its slices with their rows renumbered (DP: the rows a rank owns)."""
 
     __slots__ = ("pool", "dec_rows", "dec_slots", "prefill")
 
-    def __init__(self, pool: StatePool, seqs: Sequence[Any], device: torch.device) -> None:
+    def __init__(self, pool: StatePool, seqs: Sequence[Any], device: torch.device, zero: bool = True,
+                 rows: Sequence[int] | None = None) -> None:
         self.pool = pool
         dec_r, dec_s, fresh = [], [], []
         self.prefill: list[tuple[slice, int]] = []
-        for s in seqs:
+        at = 0
+        for k, s in enumerate(seqs):
             if s.slot < 0 or s.slot >= pool.num_slots:
                 raise RuntimeError(f"request {s.req_id} has state slot {s.slot} on a pool of "
                                    f"{pool.num_slots} (a KDA model's slice must carry its request's slot)")
+            r0 = s.row_start if rows is None else rows[k]
             if s.start == 0:
                 fresh.append(s.slot)
             if s.num_new == 1:
-                dec_r.append(s.row_start)
+                dec_r.append(r0)
                 dec_s.append(s.slot)
             else:
-                self.prefill.append((s.rows, s.slot))
+                self.prefill.append((slice(r0, r0 + s.num_new), s.slot))
+            at += s.num_new
         if len(set(dec_s)) != len(dec_s):
             raise RuntimeError("two slices of one step share a state slot")
-        pool.zero(fresh)
+        if zero:
+            pool.zero(fresh)
         self.dec_rows = self.dec_slots = None
         if dec_r:
             self.dec_rows = torch.tensor(dec_r, dtype=torch.long).to(device)
             self.dec_slots = torch.tensor(dec_s, dtype=torch.long).to(device)
+
+    def subset(self, seqs: Sequence[Any], device: torch.device) -> StateStep:
+        """The slices `seqs` (a subset of the step's, in order) with rows renumbered from 0, as a rank
+        computing only those rows sees them (their fresh slots were zeroed by the whole step)."""
+        rows, at = [], 0
+        for s in seqs:
+            rows.append(at)
+            at += s.num_new
+        return StateStep(self.pool, seqs, device, zero=False, rows=rows)

@@ -36,6 +36,7 @@ from splash.model import gemm
 from splash.model.loader import CheckpointReader, Span
 
 if TYPE_CHECKING:
+    from splash.kv.state import StateStep
     from splash.model.context import ForwardContext
 
 CHUNK = 64  # tokens per chunk of the chunked form (FLA's and transformers' chunk size)
@@ -44,6 +45,18 @@ CHUNK = 64  # tokens per chunk of the chunked form (FLA's and transformers' chun
 def core_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the delta rule and its state compute in: float64 for a float64 model, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def vector_path(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, vec: int = 64) -> torch.Tensor:
+    """Elementwise float32 `fn` (exp, log, sigmoid) of t through torch's vectorised CPU loop for every
+    element: the loop leaves a tail of fewer than two vectors to scalar code, which rounds differently,
+    so a rank holding few heads (h*d small) would round otherwise than transformers' [S, H*d] pass.
+    Padding the flat tensor to whole `vec`-element blocks makes the result independent of the shape."""
+    n = t.numel()
+    pad = -n % vec
+    if t.device.type != "cpu" or pad == 0:
+        return fn(t)
+    return fn(F.pad(t.reshape(-1), (0, pad)))[:n].view(t.shape)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -239,15 +252,19 @@ class KDA(nn.Module):
         self.o_w = get("o_proj.weight", cols=rows)
 
     # ---- compute --------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """x [N, D] (the normed residual rows of the step) -> [N, D] over held heads (a partial sum of
-        o_proj when heads are sharded). Reads and updates the step's requests' state slots."""
-        st = ctx.state
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: StateStep | None = None) -> torch.Tensor:
+        """x [N, D] (normed residual rows) -> [N, D] over held heads (a partial sum of o_proj when heads
+        are sharded). Reads and updates the requests' state slots: `state` (rows of x), default the
+        step's (`ctx.state`, every row)."""
+        st = ctx.state if state is None else state
         if st is None:
             raise RuntimeError("a KDA layer needs the step's state slots (ForwardContext.state)")
         b, N = self._buffers, x.shape[0]
         h, d, cd = self.num_heads, self.d, self.cdtype
         rec, conv_state = st.pool.layer(self.layer_idx)
+        if rec.shape[1] != h:
+            raise RuntimeError(f"KDA layer {self.layer_idx} holds {h} heads but its state pool "
+                               f"{rec.shape[1]}; a switch left the layer half done")
         mixed = self._conv(gemm.linear(x, b["qkv"]), conv_state, st)
         q, k, v = (t.reshape(N, h, d) for t in mixed.split(h * d, dim=-1))
         g = self.forget_gate(x)
@@ -275,8 +292,8 @@ class KDA(nn.Module):
         b = self._buffers
         f = gemm.linear(gemm.linear(x, b["f_a"]), b["f_b"])
         g = (f.float() + b["dt_bias"].float().view(1, -1)).view(x.shape[0], self.num_heads, self.d)
-        decay = torch.exp(b["A_log"].float()).view(1, -1, 1)
-        sp = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+        decay = vector_path(torch.exp, b["A_log"].float()).view(1, -1, 1)
+        sp = torch.where(g > 20.0, g, vector_path(lambda t: torch.log(1.0 + torch.exp(t)), g))
         return -decay * sp
 
     def gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -288,7 +305,7 @@ class KDA(nn.Module):
             hs = o.to(torch.float32)
             hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + self.eps)
         hs = w.to(torch.float32) * hs
-        return (hs * torch.sigmoid(gate.to(torch.float32))).to(o.dtype)
+        return (hs * vector_path(torch.sigmoid, gate.to(torch.float32))).to(o.dtype)
 
     def _conv(self, mixed: torch.Tensor, conv_state: torch.Tensor, st) -> torch.Tensor:
         """Causal depthwise conv + SiLU of the step's q/k/v rows [N, C], each sequence continuing from its

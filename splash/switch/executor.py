@@ -36,6 +36,9 @@ from splash.switch.plan import SwitchPlan
 
 WEIGHT_KEYS = ("q_b", "w_uk", "w_uv", "o")
 HEAD_DIM = {"q_b": 0, "w_uk": 0, "w_uv": 0, "o": 1}  # the head axis of each block (see MLA.head_tensors)
+# a KDA layer's head blocks in the model dtype (KDA.head_tensors; dt_bias, float32, travels on its own)
+KDA_KEYS = ("qkv", "conv", "f_b", "A_log", "b", "g_b", "o")
+KDA_HEAD_DIM = {"qkv": 1, "conv": 1, "f_b": 0, "A_log": 0, "b": 0, "g_b": 0, "o": 1}
 
 
 def switch_tag(kind: str, layer: int) -> str:
@@ -71,7 +74,7 @@ def _slots(pairs: list[np.ndarray], col: int, page_size: int, device: torch.devi
 
 class SwitchExecutor:
     def __init__(self, plan: SwitchPlan, model: Any, pool: Any, comm: Any, *,
-                 poison_freed: bool = False) -> None:
+                 poison_freed: bool = False, state: Any = None) -> None:
         self.plan, self.model, self.pool, self.comm = plan, model, pool, comm
         self.poison_freed = poison_freed
         me, T = comm.rank, comm.world
@@ -79,16 +82,25 @@ class SwitchExecutor:
             raise ValueError(f"switch plan is for {plan.world} ranks, the communicator has {T}")
         self.rank = me
         self.attn = [layer.self_attn for layer in model.layers]
-        if len(self.attn) != plan.num_layers or pool.num_layers != plan.num_layers:
-            raise ValueError(f"switch plan has {plan.num_layers} layers, the model {len(self.attn)}, "
-                             f"the KV pool {pool.num_layers}")
+        self.kda = frozenset(plan.kda_layers)  # a hybrid's KDA layers: weights + request states, no KV
+        n_mla = plan.num_layers - len(self.kda)
+        if len(self.attn) != plan.num_layers or pool.num_layers != n_mla:
+            raise ValueError(f"switch plan has {plan.num_layers} layers ({n_mla} with KV), the model "
+                             f"{len(self.attn)}, the KV pool {pool.num_layers}")
+        if self.kda and state is None:
+            raise ValueError("a hybrid's switch needs the rank's StatePool (state=...)")
+        self.state = state
         src = range(*plan.src_heads[me])
+        src_k = range(*plan.src_kda_heads[me]) if self.kda else range(0)
         for i, mla in enumerate(self.attn):
-            if mla.heads != src:
+            want = src_k if i in self.kda else src
+            if mla.heads != want:
                 raise RuntimeError(f"rank {me}, layer {i}: holds heads {mla.heads}, the switch "
-                                   f"{plan.src}->{plan.dst} expects {src}; the model is not in the "
+                                   f"{plan.src}->{plan.dst} expects {want}; the model is not in the "
                                    "source layout")
         self.dst_heads = range(*plan.dst_heads[me])
+        if self.kda:
+            self._init_state(plan, me, T, state.device)
         P, dev = plan.page_size, pool.device
         pairs = plan.kv_pairs
         self.send_counts = plan.kv_send_tokens(me)
@@ -103,6 +115,26 @@ class SwitchExecutor:
         self._t0: float | None = None
         self._events: dict[int, tuple[Any, Any]] = {}  # CUDA: layer -> (before its waits, after its install)
         self.result = SwitchResult(freed=[], wait_s=[0.0] * plan.num_layers)
+
+    def _init_state(self, plan: SwitchPlan, me: int, T: int, dev: torch.device) -> None:
+        """This rank's state blocks, every KDA layer alike: what it sends (slot, old local head) to each
+        rank, what it receives (slot, new local head) from each, and what it keeps."""
+        a, b = plan.src_kda_heads[me][0], plan.dst_kda_heads[me][0]
+        self.dst_kda_heads = range(*plan.dst_kda_heads[me])
+        mv = plan.state_moves if plan.state_moves is not None else np.zeros((0, 4), dtype=np.int64)
+
+        def lt(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(dev)
+
+        out = mv[mv[:, 2] == me]  # sorted by receiver (the plan sorts by sender, receiver, slot, head)
+        inn = mv[mv[:, 3] == me]  # sorted by sender
+        self.st_send = (lt(out[:, 0]), lt(out[:, 1] - a))
+        self.st_send_counts = np.bincount(out[:, 3], minlength=T).tolist()
+        self.st_recv = (lt(inn[:, 0]), lt(inn[:, 1] - b))
+        self.st_recv_counts = np.bincount(inn[:, 2], minlength=T).tolist()
+        keep = plan.state_keep[me] if plan.state_keep else np.zeros((0, 2), dtype=np.int64)
+        self.st_keep = (lt(keep[:, 0]), lt(keep[:, 1] - a), lt(keep[:, 1] - b))
+        self.st_moves = len(mv) > 0
 
     # ---- the protocol ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -165,6 +197,8 @@ class SwitchExecutor:
         return torch.cuda.stream(self._stream)
 
     def _launch(self, i: int) -> None:
+        if i in self.kda:
+            return self._launch_kda(i)
         hw = hk = None
         with self._side():
             if self.plan.weight_op == "gather":
@@ -179,8 +213,60 @@ class SwitchExecutor:
         self._launched += 1
         self.result.max_in_flight = max(self.result.max_in_flight, self._launched - self._installed)
 
+    def _launch_kda(self, i: int) -> None:
+        """A KDA layer: its head-sliced weights all-gathered (float32 dt_bias on its own), and the
+        request-state blocks of the plan by one variable all-to-all."""
+        hw = hs = None
+        with self._side():
+            if self.plan.weight_op == "gather":
+                blocks = self.attn[i].head_tensors()
+                flat = torch.cat([blocks[k].reshape(-1) for k in KDA_KEYS])
+                dtb = blocks["dt_bias"].reshape(-1).contiguous()
+                hw = (self.comm.all_gather_async(flat, switch_tag("w", i)),
+                      self.comm.all_gather_async(dtb, switch_tag("w", i)))
+            if self.st_moves:
+                rows = self.state.read_blocks(i, *self.st_send)
+                hs = self.comm.all_to_all_var_async(rows, self.st_send_counts, switch_tag("kv", i),
+                                                    self.st_recv_counts)
+        self._handles[i] = (hw, hs)
+        self._launched += 1
+        self.result.max_in_flight = max(self.result.max_in_flight, self._launched - self._installed)
+
+    def _install_kda(self, i: int, hw: Any, hs: Any) -> None:
+        kda = self.attn[i]
+        if hw is not None:
+            flat, dtb = hw[0].wait(), hw[1].wait()
+            kda.set_heads(self.dst_kda_heads, self._unpack_kda(kda, flat, dtb))
+        elif self.plan.weight_op == "slice":
+            kda.set_heads(self.dst_kda_heads,
+                          {k: v.clone() for k, v in kda.head_tensors(self.dst_kda_heads).items()})
+        received = hs.wait() if hs is not None else None
+        if self._stream is not None and received is not None:
+            received.record_stream(torch.cuda.current_stream(self._stream.device))
+        self.state.set_layer(i, len(self.dst_kda_heads), self.st_keep,
+                             (*self.st_recv, received) if received is not None else None)
+
+    @staticmethod
+    def _unpack_kda(kda: Any, gathered: torch.Tensor, dt_bias: torch.Tensor) -> dict[str, torch.Tensor]:
+        """[T, n] flat KDA head blocks in rank order (+ [T, m] dt_bias) -> full blocks of every head."""
+        own = kda.head_tensors()
+        sizes = [own[k].numel() for k in KDA_KEYS]
+        parts = [row.split(sizes) for row in gathered]
+        out = {k: torch.cat([p[n].view(own[k].shape) for p in parts], dim=KDA_HEAD_DIM[k])
+               for n, k in enumerate(KDA_KEYS)}
+        out["dt_bias"] = torch.cat([r.view(own["dt_bias"].shape) for r in dt_bias], dim=0)
+        return out
+
     def _install(self, i: int) -> None:
         hw, hk = self._handles.pop(i)
+        if i in self.kda:
+            t0 = time.perf_counter()
+            if self._stream is not None:
+                torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            self._install_kda(i, hw, hk)
+            self.result.wait_s[i] = time.perf_counter() - t0
+            self._installed += 1
+            return
         t0 = time.perf_counter()
         before = None
         if self._stream is not None:

@@ -13,6 +13,7 @@ import torch
 
 from splash.attention.base import AttentionLayout
 from splash.model.context import ForwardContext
+from splash.model.kda import KDA
 from splash.model.mla import MLA
 from splash.switch.executor import SwitchExecutor
 
@@ -34,3 +35,11 @@ class SwitchLayout(AttentionLayout):
         self.executor.before_layer(layer_idx)
         self.hook_s += time.perf_counter() - t0
         return self.dst.attention(layer_idx, mla, q_in, latent_new, ctx)
+
+    def linear_attention(self, layer_idx: int, kda: KDA, x: torch.Tensor, ctx: ForwardContext
+                         ) -> torch.Tensor:
+        """A KDA layer (hybrids): its weights and request states arrive first, then the destination runs."""
+        t0 = time.perf_counter()
+        self.executor.before_layer(layer_idx)
+        self.hook_s += time.perf_counter() - t0
+        return self.dst.linear_attention(layer_idx, kda, x, ctx)

@@ -35,6 +35,7 @@ class LiveRequest:
     pages: list[list[int]]  # source page table pages[r][j] (-1 = rank r does not hold page j)
     tokens: int | None = None  # positions the table must cover after this step (default: context)
     projected: int | None = None  # expected final length: balances owners, prices Eq 6 (default: tokens)
+    slot: int = -1  # a KDA hybrid's state slot (its recurrent and conv states move with the switch)
 
     @property
     def end(self) -> int:
@@ -157,6 +158,15 @@ class SwitchPlan:
     allocated: list[list[int]]  # per rank: local pages allocated for the destination (abort frees them)
     batch: list[tuple[int, int, int]]  # (context, owner_src, owner_dst) per request: the manifest's input
     headroom: Headroom = field(repr=False, default=None)  # type: ignore[assignment]
+    # KDA hybrids (else empty): the KDA layers, the KDA heads each rank holds before / after, and the
+    # per-request state blocks every KDA layer moves alike: int64 [k, 4] rows (slot, KDA head, sender,
+    # receiver) sorted by (sender, receiver, slot, head), and per rank the [k, 2] (slot, head) blocks it
+    # keeps; the core's set differences of `held_state` (splash/core/manifest.py).
+    kda_layers: tuple[int, ...] = ()
+    src_kda_heads: list[tuple[int, int]] = field(default_factory=list)
+    dst_kda_heads: list[tuple[int, int]] = field(default_factory=list)
+    state_moves: np.ndarray | None = None
+    state_keep: list[np.ndarray] = field(default_factory=list)
 
     @property
     def moves_kv(self) -> bool:

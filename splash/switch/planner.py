@@ -31,7 +31,7 @@ import numpy.ma  # noqa: F401  (np.unique's first call imports it: 10-40 ms, on 
 from splash.attention.registry import row
 from splash.core.config import ModelConfig, normalize_dtype
 from splash.core.layouts import Layout
-from splash.core.manifest import KVPages, Manifest, switch_manifest
+from splash.core.manifest import KVPages, Manifest, held_state, switch_manifest
 from splash.core.sizes import AttentionSizes
 from splash.engine.plan import LAYOUTS
 from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks
@@ -111,6 +111,10 @@ class SwitchPlanner:
             raise ValueError(f"already running {src}; a switch needs a different destination")
         if mode not in MODES:
             raise ValueError(f"unknown switch mode {mode!r}; choose one of {', '.join(MODES)}")
+        if self.cfg.is_hybrid and any(req.slot < 0 for req in live):
+            bad = [req.req_id for req in live if req.slot < 0]
+            raise ValueError(f"requests {bad[:5]} hold pages but no state slot; a KDA model's live "
+                             "requests each need one")
         cols = self.columns(live) if cols is None else cols
         free = self.alloc.num_free
         owners = self._choose_owners(src, dst, live, cols, free)
@@ -165,15 +169,17 @@ class SwitchPlanner:
                 self.alloc.ranks[r].free(allocated[r])
             raise
         H = self.cfg.num_attention_heads
-        w = man.weights
 
         def floats(v: Sequence[float]) -> list[float]:
             return [float(x) for x in v]
 
         # each layer's own KV bytes: a GLM-5 "shared" layer carries no indexer keys
-        layers = [LayerSwitch(lm.layer, w.primitive, lm.kv.primitive, floats(w.send_bytes),
-                              floats(lm.kv.send_bytes), floats(w.recv_bytes), floats(lm.kv.recv_bytes))
-                  for lm in man.layers]
+        # (a hybrid's KDA layer: its KDA weights, and its request states in the KV columns)
+        layers = []
+        for lm in man.layers:
+            lw, kv = lm.weights, (lm.state if lm.state is not None else lm.kv)
+            layers.append(LayerSwitch(lm.layer, lw.primitive, kv.primitive, floats(lw.send_bytes),
+                                      floats(kv.send_bytes), floats(lw.recv_bytes), floats(kv.recv_bytes)))
         plan = SwitchPlan(
             plan_id=next(_ids), src=src, dst=dst, world=T, page_size=P, num_layers=L, num_heads=H, mode=mode,
             weight_op=weight_op, src_heads=[head_range(src, r, T, H) for r in range(T)],
@@ -181,8 +187,33 @@ class SwitchPlanner:
             tables=_split(table, live, cols.off),
             owners={req.req_id: o for req, o in zip(live, owners)}, frees=frees, allocated=allocated,
             batch=batch, headroom=room)
+        if self.cfg.is_hybrid:
+            self._add_state(plan, man, live)
         self.pending[plan.plan_id] = plan
         return plan
+
+    def _add_state(self, plan: SwitchPlan, man: Manifest, live: Sequence[LiveRequest]) -> None:
+        """A hybrid's KDA part of the plan: KDA head ranges and the state blocks of the manifest
+        (request index -> the request's slot), sorted for the executor's all-to-all."""
+        T, src, dst = self.world, plan.src, plan.dst
+        Hk = self.cfg.linear_num_heads
+        slots = np.array([req.slot for req in live], dtype=np.int64)
+        mv = man.state_blocks().moves
+        if len(mv):
+            mv = np.stack([slots[mv[:, 0]], mv[:, 1], mv[:, 2], mv[:, 3]], axis=1)
+            mv = mv[np.lexsort((mv[:, 1], mv[:, 0], mv[:, 3], mv[:, 2]))]
+        oa = np.array([r.owner_src for r in man.requests], dtype=np.int64)
+        ob = np.array([r.dst_owner for r in man.requests], dtype=np.int64)
+        kept = held_state(Layout(src), oa, T, Hk) & held_state(Layout(dst), ob, T, Hk)
+        keep = []
+        for r in range(T):
+            i, h = np.nonzero(kept[r])
+            keep.append(np.stack([slots[i], h], axis=1).astype(np.int64))
+        plan.kda_layers = tuple(self.cfg.kda_layers or ())
+        plan.src_kda_heads = [head_range(src, r, T, Hk) for r in range(T)]
+        plan.dst_kda_heads = [head_range(dst, r, T, Hk) for r in range(T)]
+        plan.state_moves = mv.astype(np.int64)
+        plan.state_keep = keep
 
     def commit(self, plan: SwitchPlan, freed: Sequence[int] | None = None) -> None:
         """After the switching step: retire the source pages; `dst` becomes the running layout.

@@ -32,7 +32,7 @@ def run_switch_step(runner: Any, plan: StepPlan) -> torch.Tensor:
     """Run a "switch" plan on this rank -> hidden states [N, d] of every row (as a forward step)."""
     sw = plan.payload
     comm = getattr(runner, "switch_comm", None) or runner.comm
-    ex = SwitchExecutor(sw, runner.model, runner.pool, comm)
+    ex = SwitchExecutor(sw, runner.model, runner.pool, comm, state=getattr(runner, "state", None))
     dst = make_layout(sw.dst)
     layout = SwitchLayout(ex, dst)
     t0 = time.perf_counter()
