@@ -38,7 +38,7 @@ def live_batch(rng: random.Random, alloc: KVAllocator, src: str) -> tuple[list[S
             alloc.grow(table, ctx + rng.choice([0, new]), owner)
         except OutOfPages:
             break
-        live.append(SimpleNamespace(seq_id=i, num_computed=ctx, num_tokens=ctx + new, owner=owner,
+        live.append(SimpleNamespace(seq_id=i, num_computed=ctx, num_tokens=ctx + new, owner=owner, slot=-1,
                                     pages=table, params=SimpleNamespace(max_tokens=rng.randint(1, 60)),
                                     prompt_token_ids=[0] * prompt))
         rows[i] = new
@@ -97,7 +97,7 @@ def test_owners_refusal_names_the_pages_left():
     for i in range(3):
         table = alloc.empty_table()
         alloc.grow(table, 2, 0)
-        live.append(SimpleNamespace(seq_id=i, num_computed=2, num_tokens=2, owner=0, pages=table,
+        live.append(SimpleNamespace(seq_id=i, num_computed=2, num_tokens=2, owner=0, pages=table, slot=-1,
                                     params=SimpleNamespace(max_tokens=None), prompt_token_ids=[0, 0]))
     assert alloc.num_free == [1, 1] and not ctl.fits("dp", live)
     refusal = ctl._plan("dp", SimpleNamespace(seqs=[]), live, "overlapped")

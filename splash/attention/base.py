@@ -21,6 +21,7 @@ import torch
 from splash.attention import mha, paged, sparse
 from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
+from splash.attention.rows import OwnerRows, check_heads
 from splash.core.layouts import Layout, Ownership, StatePlacement
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.kda import KDA
@@ -57,10 +58,7 @@ class AttentionLayout(ABC):
         for all heads (the same ops on the same inputs: identical on every rank), nothing exchanged."""
         if self.core is None or ctx.world == 1:
             return kda.forward(x, ctx)
-        from splash.attention.dp import OwnerRows
-        from splash.attention.tp import check_heads
-
-        check_heads(kda, ctx, self)  # type: ignore[arg-type]
+        check_heads(kda, ctx, self)
         kind = self.core.state_placement
         if kind is StatePlacement.HEAD_SHARDED:
             return ctx.comm.all_reduce(kda.forward(x, ctx), tag=layer_idx)

@@ -17,7 +17,7 @@ import torch
 from splash.attention import sparse
 from splash.attention.base import AttentionLayout
 from splash.attention.kernel import merge
-from splash.attention.tp import check_heads
+from splash.attention.rows import check_heads
 from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA

@@ -25,9 +25,8 @@ import torch
 
 from splash.attention import mha
 from splash.attention.base import AttentionLayout
-from splash.attention.dp import OwnerRows, OwnerRowsCache
 from splash.attention.mha import FormSplit
-from splash.attention.tp import check_heads
+from splash.attention.rows import OwnerRows, OwnerRowsCache, check_heads
 from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA

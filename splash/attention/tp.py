@@ -9,19 +9,10 @@ from __future__ import annotations
 import torch
 
 from splash.attention.base import AttentionLayout
+from splash.attention.rows import check_heads
 from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
-
-
-def check_heads(mla: MLA, ctx: ForwardContext, layout: AttentionLayout) -> None:
-    """Refuse an MLA holding the wrong heads for this layout (a switch left half done, or a bug)."""
-    world, rank, core = ctx.world, ctx.rank, layout.core
-    want = core.heads(rank, world, mla.total_heads) if core is not None else range(mla.total_heads)
-    if mla.heads != want:
-        raise RuntimeError(f"{layout.name}: rank {rank} of {world} must hold heads {want}, its MLA holds "
-                           f"{mla.heads}; build the model with attn_sharded={layout.shards_projections} or "
-                           "switch first")
 
 
 class TPLayout(AttentionLayout):

@@ -56,6 +56,9 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                         "SGLang; off for KDA hybrids, whose per-request state a cached prefix cannot give)")
     p.add_argument("--disable-radix-cache", dest="enable_prefix_caching", action="store_false",
                    help="SGLang's name for --no-enable-prefix-caching")
+    p.add_argument("--num-state-slots", type=int, default=None, metavar="N",
+                   help="KDA hybrids: requests whose recurrent state a rank holds at once (default "
+                        "--max-num-seqs); the scheduler admits no more, the slots come out of the KV budget")
 
 
 def add_mixing_args(p: argparse.ArgumentParser) -> None:
@@ -81,6 +84,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "long_prefill_token_threshold": args.long_prefill_token_threshold,
             "attention_form": args.attention_form,
             "enable_prefix_caching": getattr(args, "enable_prefix_caching", None),
+            "num_state_slots": getattr(args, "num_state_slots", None),
             **switch_kwargs(args)}
 
 

@@ -21,7 +21,7 @@ from splash.dist.launch import add_launch_args
 ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "memory_per_rank",
                   "num_kv_pages", "tp", "layout", "device", "nnodes", "node_rank", "dist_init_addr",
                   "collective_timeout_s", "long_prefill_token_threshold", "attention_form",
-                  "enable_prefix_caching")
+                  "enable_prefix_caching", "num_state_slots")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

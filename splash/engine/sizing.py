@@ -99,7 +99,8 @@ def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: i
     cap = int(available_bytes(device) * (0.85 if device.type == "cuda" else 0.2)) - keep_free
     if device.type != "cuda":
         cap = min(cap, 128 * 2**20)  # CPU demos and tests: plenty, and quick to allocate
-    cap -= state_bytes
+    if device.type == "cuda":  # (a CPU's default pool stays as it is: the slots come on top of it)
+        cap -= state_bytes
     if cap < per_page:
         also = ""
         if keep_free:

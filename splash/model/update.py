@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from splash.model.loader import Span, span_index
+from splash.model.loader import Span, checkpoint_name, internal_name, span_index
 
 FLOAT_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}
@@ -101,8 +101,12 @@ def full_shapes(model: Any) -> dict[str, tuple[int, ...]]:
         out[f"{p}.input_layernorm.weight"] = (d,)
         out[f"{p}.post_attention_layernorm.weight"] = (d,)
         a = layer.self_attn
-        h, dq, dkv = a.total_heads, a.d_nope + a.d_rope, a.d_nope + a.d_v
         s = f"{p}.self_attn"
+        if getattr(layer, "kind", "mla") == "kda":  # a hybrid's KDA layer: its own tensors
+            out.update(a.full_shapes(s))
+            _mlp_block_shapes(out, layer, f"{p}.mlp", d)
+            continue
+        h, dq, dkv = a.total_heads, a.d_nope + a.d_rope, a.d_nope + a.d_v
         if a.q_lora:
             out[f"{s}.q_a_proj.weight"] = (a.q_lora, d)
             out[f"{s}.q_a_layernorm.weight"] = (a.q_lora,)
@@ -124,23 +128,29 @@ def full_shapes(model: Any) -> dict[str, tuple[int, ...]]:
             out.update({f"{s}.indexer.wq_b.weight": tuple(ix.wq_b.shape), f"{s}.indexer.wk.weight": (hd, d),
                         f"{s}.indexer.k_norm.weight": (hd,), f"{s}.indexer.k_norm.bias": (hd,),
                         f"{s}.indexer.weights_proj.weight": (ix.n_heads, d)})
-        m, mp = layer.mlp, f"{p}.mlp"
-        if layer.is_moe:
-            e, inter = m.e, m.inter
-            out[f"{mp}.gate.weight"] = (e, d)
-            if m.gate.v3:
-                out[f"{mp}.gate.e_score_correction_bias"] = (e,)
-            out[f"{mp}.experts.gate_up_proj"] = (e, 2 * inter, d)
-            out[f"{mp}.experts.down_proj"] = (e, d, inter)
-            for j in range(e):
-                out[f"{mp}.experts.{j}.gate_proj.weight"] = (inter, d)
-                out[f"{mp}.experts.{j}.up_proj.weight"] = (inter, d)
-                out[f"{mp}.experts.{j}.down_proj.weight"] = (d, inter)
-            if m.shared is not None:
-                _mlp_shapes(out, f"{mp}.shared_experts", m.shared.inter, d)
-        else:
-            _mlp_shapes(out, mp, m.inter, d)
+        _mlp_block_shapes(out, layer, f"{p}.mlp", d)
+    if cfg.model_type == "kimi_linear":  # the checkpoint's names (block_sparse_moe, experts' w1/w2/w3)
+        return {checkpoint_name(cfg.model_type, k): v for k, v in out.items()}
     return out
+
+
+def _mlp_block_shapes(out: dict[str, tuple[int, ...]], layer: Any, mp: str, d: int) -> None:
+    m = layer.mlp
+    if layer.is_moe:
+        e, inter = m.e, m.inter
+        out[f"{mp}.gate.weight"] = (e, d)
+        if m.gate.v3:
+            out[f"{mp}.gate.e_score_correction_bias"] = (e,)
+        out[f"{mp}.experts.gate_up_proj"] = (e, 2 * inter, d)
+        out[f"{mp}.experts.down_proj"] = (e, d, inter)
+        for j in range(e):
+            out[f"{mp}.experts.{j}.gate_proj.weight"] = (inter, d)
+            out[f"{mp}.experts.{j}.up_proj.weight"] = (inter, d)
+            out[f"{mp}.experts.{j}.down_proj.weight"] = (d, inter)
+        if m.shared is not None:
+            _mlp_shapes(out, f"{mp}.shared_experts", m.shared.inter, d)
+    else:
+        _mlp_shapes(out, mp, m.inter, d)
 
 
 def _mlp_shapes(out: dict[str, tuple[int, ...]], prefix: str, inter: int, d: int) -> None:
@@ -164,6 +174,7 @@ def required_names(model: Any, stacked_experts: bool) -> set[str]:
 def targets(model: Any, name: str) -> list[Target]:
     """This rank's targets of checkpoint tensor `name` (empty when it holds none of it, e.g. another
     rank's expert). The spans are those the modules' `load` reads, from the live modules' shares."""
+    name = internal_name(model.cfg.model_type, name)  # (Kimi-Linear's MoE names -> splash's)
     if name == "model.embed_tokens.weight":
         return [Target(model.embed, rows=_span(model.embed_rows, model.vocab_size))]
     if name == "lm_head.weight":
@@ -181,6 +192,9 @@ def targets(model: Any, name: str) -> list[Target]:
         names = {"wq_b.weight": "wq_b", "wk.weight": "wk", "k_norm.weight": "k_norm_w",
                  "k_norm.bias": "k_norm_b", "weights_proj.weight": "weights_proj"}
         return [Target(layer.indexer._buffers[names[rest.removeprefix("self_attn.indexer.")]])]
+    if rest.startswith("self_attn.") and getattr(layer, "kind", "mla") == "kda":
+        return [Target(v, rows=r, cols=c, post=post) for v, r, c, post in
+                layer.self_attn.targets(rest.removeprefix("self_attn."))]
     if rest.startswith("self_attn."):
         return _attn_targets(layer.self_attn, rest.removeprefix("self_attn."))
     if rest.startswith("mlp."):

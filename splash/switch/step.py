@@ -35,11 +35,14 @@ def run_switch_step(runner: Any, plan: StepPlan) -> torch.Tensor:
     ex = SwitchExecutor(sw, runner.model, runner.pool, comm, state=getattr(runner, "state", None))
     dst = make_layout(sw.dst)
     layout = SwitchLayout(ex, dst)
+    # The context first (the step message has already replaced this rank's tables by the destination's):
+    # building it zeroes the state slots of requests that start this step (KDA hybrids), and that must
+    # happen before any layer's state blocks are read for sending.
+    ctx = runner.context(plan, layout) if plan.seqs else None
     t0 = time.perf_counter()
     ex.start()
     start_s = time.perf_counter() - t0
-    if plan.seqs:  # (the step message has already replaced this rank's tables by the destination's)
-        ctx = runner.context(plan, layout)
+    if ctx is not None:
         hidden = runner.model(runner.input_ids(plan), ctx.positions, ctx)
     else:
         hidden = torch.zeros(0, runner.model.cfg.hidden_size, dtype=runner.pool.dtype, device=runner.device)
