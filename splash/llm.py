@@ -69,6 +69,15 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.llm_engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's name; SGLang's /flush_cache): a benchmark repeating the same
+        prompts would otherwise time cached prefills. False (nothing flushed) while requests hold KV."""
+        try:
+            self.llm_engine.flush_cache()
+        except ValueError:
+            return False
+        return True
+
     # ---- RL: weight updates, sleep / wake-up (vLLM's names), pause (splash/engine/rl.py) -------------
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         """Load every weight from checkpoint `model_path` into the live layout on every rank (all or

@@ -129,3 +129,21 @@ def test_bench_offline_runs_and_compares_with_transformers(ckpt, capsys):
     doc = json.loads(out.strip().splitlines()[-1])
     assert doc["batch"] == 3 and doc["splash"]["output_tokens_per_s"] > 0 and doc["hf"]["seconds"] > 0
     assert doc["speedup"] > 0 and doc["greedy_agreement"] == 1.0
+
+
+def test_bench_offline_times_prefill_not_the_prefix_cache(ckpt):
+    """The timed runs repeat the warm-up's prompts: with the prefix cache on (the default) they would be
+    cached prefills. The bench flushes before each timed run, so no prompt token is ever a hit."""
+    from splash.bench.offline import run_splash
+    from splash.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "offline", "--model", ckpt, "--dtype", "float32",
+                                      "--batch", "2", "--input-len", "40", "--output-len", "2",
+                                      "--repeat", "2", "--page-size", "4"])
+    _, _, _, eng = run_splash(args)
+    try:
+        st = eng.stats()
+        assert st["prefix_cache_queries"] > 0, "the cache was not on: the check proves nothing"
+        assert st["prefix_cache_hits"] == 0, st["prefix_cache_hits"]
+    finally:
+        eng.shutdown()

@@ -4,6 +4,7 @@ A batch of random-token prompts (fixed input length, seeded) is generated greedi
 --output-len tokens (`ignore_eos`). With --compare-hf, transformers' `generate` runs the same
 checkpoint, dtype, batch and greedy decoding in the same process, and the ratio is reported.
 Both sides get one short warm-up run, then --repeat timed runs; the fastest of each side counts.
+The prefix cache is flushed before each timed run: the same prompts again would be cached prefills.
 With --peer vllm, vLLM's CPU engine runs the same prompts instead, per batch shape (bench/offline_peer.py).
 """
 
@@ -67,6 +68,7 @@ def run_splash(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     dt = float("inf")
     for _ in range(args.repeat):
+        llm.reset_prefix_cache()  # every timed run prefills its prompts (the warm-up's pages are cached)
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         dt = min(dt, time.perf_counter() - t0)

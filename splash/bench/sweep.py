@@ -77,6 +77,7 @@ def run_point(eng: Any, prompts: list[list[int]], output_len: int) -> dict[str, 
     from splash.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    eng.flush_cache()  # points and repeats share seeded prompts: time prefill, not cached pages
     pre0, steps0 = eng.scheduler.num_preemptions, eng.steps
     max_running = 0
     t0 = time.perf_counter()

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from splash.model.context import ForwardContext
 
 CHUNK = 64  # tokens per chunk of the chunked form (FLA's and transformers' chunk size)
+SUB = 4  # rows of a sub-block of a steeply decaying chunk, whose channel products are summed explicitly
+_SPAN = {torch.float32: 80.0, torch.float64: 1000.0}  # decay span a chunk may factor about its midpoint
 
 
 def core_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -59,43 +61,129 @@ def vector_path(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, vec
     return fn(F.pad(t.reshape(-1), (0, pad)))[:n].view(t.shape)
 
 
+def conv_acc(dtype: torch.dtype) -> torch.dtype:
+    """What the short convolution accumulates in: float32 for 16-bit activations, else their dtype."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def causal_taps(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv without padding, time-major: x [.., L, C], w [C, K] -> [.., L - K + 1, C],
+    y[t, c] = sum_k w[c, k] x[t + k, c], tap by tap in x's dtype (the caller casts to `conv_acc`).
+    K shifted multiply-adds over whole rows: torch's grouped conv1d runs one small GEMM per channel
+    group on CPU for 16-bit inputs (thousands of calls a layer), and channel-major needs transposes."""
+    K = w.shape[-1]
+    n = x.shape[-2] - K + 1
+    wt = w.to(x.dtype).t()  # [K, C]
+    y = x[..., 0:n, :] * wt[0]
+    for j in range(1, K):
+        y.addcmul_(x[..., j:j + n, :], wt[j])  # in place: no fresh [n, C] buffer (page faults) per tap
+    return y
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (FLA's l2norm, as transformers writes it)."""
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def _pair_block(left: torch.Tensor, k: torch.Tensor, Gi: torch.Tensor, Gj: torch.Tensor,
+                diagonal: bool) -> torch.Tensor:
+    """sum_d left_i k_j exp(G_i - G_j) over a diagonal block (rows i and keys j the same sub-block,
+    j <= i, or j < i when not `diagonal`), explicit per channel: [.., s, d] x [.., s, d] -> [.., s, s]."""
+    s = Gi.shape[-2]
+    keep = torch.tril(torch.ones(s, s, dtype=torch.bool, device=Gi.device), diagonal=0 if diagonal else -1)
+    diff = (Gi[..., :, None, :] - Gj[..., None, :, :]).masked_fill(~keep[:, :, None], float("-inf"))
+    return (left[..., :, None, :] * k[..., None, :, :] * vector_path(torch.exp, diff)).sum(dim=-1)
+
+
+def _decayed_products(q: torch.Tensor, kb: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For blocks [P, c, d] of c rows: (A, QK) [P, c, c] with A_ij = sum_d kb_i k_j exp(G_i - G_j) for
+    j < i and QK_ij = sum_d q_i k_j exp(G_i - G_j) for j <= i (zero above).
+
+    A block whose decay spans little (G_0 - G_last <= `_SPAN[dtype]` in every channel; G falls, g <= 0)
+    factors the decay about the midpoint m of its range, exp(G_i - G_j) = exp(G_i - m) exp(m - G_j),
+    both factors within exp(+-span/2) (finite, normal): two matmuls. A block whose decay spans more
+    splits into sub-blocks of `sub` rows: keys of sub-block J against later rows factor at J's last row
+    r (exp(G_i - G_r) exp(G_r - G_j), both <= 1), the diagonal sub-blocks are summed per channel. The
+    choice is per block (one head's chunk), so it does not depend on which heads a rank holds."""
+    P, c, _ = k.shape
+    A, QK = q.new_zeros(P, c, c), q.new_zeros(P, c, c)
+    span = (G[:, 0] - G[:, -1]).amax(dim=-1)
+    fast = span <= _SPAN.get(G.dtype, 80.0)
+    if bool(fast.all()):
+        sel = None
+    else:
+        sel, slow = fast.nonzero()[:, 0], (~fast).nonzero()[:, 0]
+    if sel is None or sel.numel():
+        qf, kbf, kf, Gf = (t if sel is None else t[sel] for t in (q, kb, k, G))
+        mid = (Gf[:, :1] + Gf[:, -1:]) * 0.5
+        lead = vector_path(torch.exp, Gf - mid)
+        right = (kf * vector_path(torch.exp, mid - Gf)).transpose(-1, -2)
+        a = ((kbf * lead) @ right).tril(-1)
+        qk = ((qf * lead) @ right).tril(0)
+        if sel is None:
+            return a, qk
+        A[sel], QK[sel] = a, qk
+    qs, kbs, ks, Gs = (t[slow] for t in (q, kb, k, G))
+    As, QKs = A[slow], QK[slow]
+    for j0 in range(0, c, sub):
+        j1 = min(c, j0 + sub)
+        Gj, kj = Gs[:, j0:j1], ks[:, j0:j1]
+        As[:, j0:j1, j0:j1] = _pair_block(kbs[:, j0:j1], kj, Gj, Gj, diagonal=False)
+        QKs[:, j0:j1, j0:j1] = _pair_block(qs[:, j0:j1], kj, Gj, Gj, diagonal=True)
+        if j1 < c:
+            ref = Gs[:, j1 - 1:j1]
+            right = (kj * vector_path(torch.exp, ref - Gj)).transpose(-1, -2)  # [P, d, s]
+            lead = vector_path(torch.exp, Gs[:, j1:] - ref)                    # [P, c - j1, d]
+            As[:, j1:, j0:j1] = (kbs[:, j1:] * lead) @ right
+            QKs[:, j1:, j0:j1] = (qs[:, j1:] * lead) @ right
+    A[slow], QK[slow] = As, QKs
+    return A, QK
+
+
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                       state: torch.Tensor, chunk: int = CHUNK, sub: int = SUB
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's rows: q, k, v, g [h, n, d] (q scaled and normed, k normed), beta [h, n], state
     [h, d_k, d_v] (the state before the first row) -> (o [h, n, d_v], state after the last row).
 
     Per chunk of c rows with G = cumsum(g) inside it, decay(i, j) = exp(G_i - G_j) (j <= i, <= 1):
     T = (I + strict_lower(beta_i k_i . k_j decay))^-1, W = T (beta k exp(G)), U = T (beta v), then
     v_new = U - W S, o = (q exp(G)) S + causal(q_i . k_j decay) v_new and
-    S = exp(G_last) S + (k exp(G_last - G))^T v_new: the delta rule's recurrence, row for row."""
+    S = exp(G_last) S + (k exp(G_last - G))^T v_new: the delta rule's recurrence, row for row.
+
+    Every chunk's intra-chunk part is computed at once (`_decayed_products`, the triangular solve);
+    only the state is carried chunk to chunk. Padding rows (k = v = beta = 0, g = 0) change nothing:
+    they add zeros and leave G, hence the state's decay, as it was."""
     h, n, dk = k.shape
-    out = v.new_empty(h, n, v.shape[-1])
-    for c0 in range(0, n, chunk):
-        c1 = min(n, c0 + chunk)
-        c = c1 - c0
-        qc, kc, vc, bc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1, None]
-        G = g[:, c0:c1].cumsum(dim=1)
-        upper = torch.triu(torch.ones(c, c, dtype=torch.bool, device=q.device), diagonal=1)
-        decay = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(upper[:, :, None], float("-inf")).exp()
-        kb = kc * bc
-        a = (kb[:, :, None, :] * kc[:, None, :, :] * decay).sum(dim=-1)  # [h, c, c]
-        eye = torch.eye(c, dtype=q.dtype, device=q.device)
-        lower = a.masked_fill(~torch.tril(torch.ones_like(upper), diagonal=-1), 0) + eye
-        t = torch.linalg.solve_triangular(lower, eye.expand(h, c, c), upper=False, unitriangular=True)
-        eg = G.exp()
-        w = t @ (kb * eg)
-        u = t @ (vc * bc)
-        v_new = u - w @ state
-        qk = (qc[:, :, None, :] * kc[:, None, :, :] * decay).sum(dim=-1).masked_fill(upper, 0)
-        out[:, c0:c1] = (qc * eg) @ state + qk @ v_new
-        last = G[:, -1:]  # [h, 1, d]
-        state = state * last.transpose(1, 2).exp() + (kc * (last - G).exp()).transpose(1, 2) @ v_new
-    return out, state
+    dv = v.shape[-1]
+    c = min(chunk, n)
+    nc = -(-n // c)
+    pad = nc * c - n
+    if pad:
+        q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    q, k, v, g = (t.reshape(h * nc, c, t.shape[-1]) for t in (q, k, v, g))
+    beta = beta.reshape(h * nc, c, 1)
+    G = g.cumsum(dim=1)
+    kb = k * beta
+    A, QK = _decayed_products(q, kb, k, G, sub)
+    eye = torch.eye(c, dtype=q.dtype, device=q.device)
+    t = torch.linalg.solve_triangular(A + eye, eye.expand(h * nc, c, c), upper=False, unitriangular=True)
+    eg = vector_path(torch.exp, G)
+    w = (t @ (kb * eg)).view(h, nc, c, dk)
+    u = (t @ (v * beta)).view(h, nc, c, dv)
+    qe = (q * eg).view(h, nc, c, dk)
+    QK = QK.view(h, nc, c, c)
+    last = G[:, -1:]                                                                    # [h*nc, 1, d]
+    kd = (k * vector_path(torch.exp, last - G)).transpose(-1, -2).reshape(h, nc, dk, c)
+    decay = vector_path(torch.exp, last).transpose(-1, -2).reshape(h, nc, dk, 1)
+    out = v.new_empty(h, nc, c, dv)
+    for i in range(nc):
+        v_new = u[:, i] - w[:, i] @ state
+        out[:, i] = qe[:, i] @ state + QK[:, i] @ v_new
+        state = state * decay[:, i] + kd[:, i] @ v_new
+    return out.reshape(h, nc * c, dv)[:, :n], state
 
 
 def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -311,16 +399,16 @@ class KDA(nn.Module):
         """Causal depthwise conv + SiLU of the step's q/k/v rows [N, C], each sequence continuing from its
         slot's window (conv_state [slots, C, K-1]), which is then advanced."""
         w = self._buffers["conv"]  # [C, K]
+        acc = conv_acc(mixed.dtype)
         out = torch.empty_like(mixed)
         if st.dec_rows is not None:
             r, s = st.dec_rows, st.dec_slots
-            win = torch.cat([conv_state[s], mixed[r][:, :, None].to(conv_state.dtype)], dim=-1)  # [B, C, K]
-            out[r] = (win * w).sum(dim=-1).to(mixed.dtype)
-            conv_state[s] = win[:, :, 1:]
-        C = mixed.shape[1]
+            win = torch.cat([conv_state[s].to(acc), mixed[r][:, :, None].to(acc)], dim=-1)  # [B, C, K]
+            out[r] = causal_taps(win.transpose(1, 2), w)[:, 0].to(mixed.dtype)
+            conv_state[s] = win[:, :, 1:].to(conv_state.dtype)
+        keep = self.K - 1
         for rows, slot in st.prefill:
-            full = torch.cat([conv_state[slot], mixed[rows].transpose(0, 1).to(conv_state.dtype)], dim=-1)
-            y = F.conv1d(full[None], w[:, None, :], groups=C)[0]  # [C, n]
-            out[rows] = y.transpose(0, 1).to(mixed.dtype)
-            conv_state[slot] = full[:, full.shape[1] - (self.K - 1):]
+            full = torch.cat([conv_state[slot].t().to(acc), mixed[rows].to(acc)])  # [K-1+n, C]
+            out[rows] = causal_taps(full, w).to(mixed.dtype)
+            conv_state[slot] = full[full.shape[0] - keep:].t().to(conv_state.dtype)
         return F.silu(out)
