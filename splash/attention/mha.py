@@ -142,7 +142,7 @@ def decompress_t(mla: MLA, latents: list[torch.Tensor]) -> torch.Tensor:
     h, _, d_c = w_uk.shape
     w = torch.cat([w_uk, w_uv.transpose(1, 2)], dim=1).view(-1, d_c)
     flat = latents[0] if len(latents) == 1 else torch.cat(latents)
-    return torch.mm(w, flat[:, :d_c].t()).view(h, -1, flat.shape[0])
+    return gemm.matmul(w, flat[:, :d_c].t()).view(h, -1, flat.shape[0])  # float32 detour for bf16 on AVX2
 
 
 def _attend_t(c: Chunk, kvt: torch.Tensor, dn: int, d_c: int, scale: float, lse: bool

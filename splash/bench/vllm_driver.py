@@ -32,7 +32,9 @@ def run(job: dict) -> dict:
                                 ignore_eos=True)
         best, outs = float("inf"), []
         for _ in range(int(job.get("repeat", 1))):
-            llm.reset_prefix_cache()  # where its cache is on, time prefill as splash's side does
+            reset = getattr(llm, "reset_prefix_cache", None)  # where its cache is on, time prefill as
+            if reset is not None:                             # splash's side does (older vLLM: no cache)
+                reset()
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             best = min(best, time.perf_counter() - t)
