@@ -35,3 +35,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["T2", "T4"])
+def group(request):
+    """T = 2 and T = 4 gloo ranks, one per test module that asks (a module may define its own)."""
+    from splash.engine.group import RankGroup
+
+    g = RankGroup.start(request.param, device="cpu", timeout_s=60.0, threads=1)
+    yield g
+    g.close()

@@ -15,10 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_dsa import build_dsa_checkpoint, hf_dsa_reference, hf_greedy
-from test_engine_switch import accounting_errors, close, greedy, run
+from test_engine_switch import close, greedy, run, serve_aborting
 
 from splash.engine.build import build_engine
-from splash.engine.group import RankGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -47,13 +46,6 @@ def ckpt(request, tmp_path_factory):
     assert not errors, errors[:5]
     assert toks == ref, "the single-rank engine disagrees with transformers"
     return path, ref, logits
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["T2", "T4"])
-def group(request):
-    g = RankGroup.start(request.param, device="cpu", timeout_s=60.0, threads=1)
-    yield g
-    g.close()
 
 
 def test_one_rank_preemption_matches_transformers(ckpt):
@@ -122,16 +114,7 @@ def test_abort_preemption_and_indexer_weight_update_under_switches(group, ckpt, 
     eng = build_engine(model=path, layout="dop", rank_group=group, num_kv_pages=7,
                        switch_schedule="3:cp,6:dp,9:dop", **ENGINE)
     try:
-        for i, p in enumerate(PROMPTS):
-            eng.add_request(str(i), prompt_token_ids=p, params=greedy())
-        done, errors = {}, []
-        while eng.has_unfinished():
-            if eng.steps == 4:
-                done[1] = eng.abort("1").outputs[0]
-            for o in eng.step():
-                if o.finished:
-                    done[int(o.request_id)] = o.outputs[0]
-            errors += [f"step {eng.steps}: {e}" for e in accounting_errors(eng)]
+        done, errors = serve_aborting(eng, PROMPTS, greedy())
         st = eng.stats()
         # (the tight pool refuses some of the switches: at least one must happen)
         assert eng.scheduler.num_preemptions > 0 and st["num_switches"] >= 1, st

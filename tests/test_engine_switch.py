@@ -21,7 +21,6 @@ from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
 from splash.core.config import ConfigError
 from splash.engine.build import build_engine
-from splash.engine.group import RankGroup
 from splash.engine.sampling import SamplingParams
 from splash.engine.switch_options import parse_schedule
 from splash.kv.allocator import page_ranks
@@ -52,13 +51,6 @@ def ckpt(tmp_path_factory):
         eng.shutdown()
     assert toks == ref, "the single-rank engine disagrees with transformers"
     return path, ref, logits
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["T2", "T4"])
-def group(request):
-    g = RankGroup.start(request.param, device="cpu", timeout_s=60.0, threads=1)
-    yield g
-    g.close()
 
 
 def greedy(new: int = NEW) -> SamplingParams:
@@ -103,6 +95,22 @@ def accounting_errors(eng) -> list[str]:
     if local is not None and local.layout.name != alloc.layout:
         errs.append(f"runner runs {local.layout.name}, allocator {alloc.layout}")
     return errs
+
+
+def serve_aborting(eng, prompts, params, abort_step: int = 4, abort_id: int = 1):
+    """Serve `prompts` (request ids 0..), aborting request `abort_id` at step `abort_step`:
+    ({request id: final CompletionOutput}, per-step accounting errors)."""
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), prompt_token_ids=p, params=params)
+    done, errors = {}, []
+    while eng.has_unfinished():
+        if eng.steps == abort_step:
+            done[abort_id] = eng.abort(str(abort_id)).outputs[0]
+        for o in eng.step():
+            if o.finished:
+                done[int(o.request_id)] = o.outputs[0]
+        errors += [f"step {eng.steps}: {e}" for e in accounting_errors(eng)]
+    return done, errors
 
 
 def run(eng, prompts, new=NEW):

@@ -16,7 +16,6 @@ import statistics
 import pytest
 
 from splash.engine.build import build_engine
-from splash.engine.group import RankGroup
 from splash.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
@@ -38,13 +37,6 @@ def reference():
         return run(eng, PROMPTS)[0]
     finally:
         eng.shutdown()
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["T2", "T4"])
-def group(request):
-    g = RankGroup.start(request.param, device="cpu", timeout_s=60.0, threads=1)
-    yield g
-    g.close()
 
 
 def table_errors(eng) -> list[str]:

@@ -15,10 +15,9 @@ import pytest
 import torch
 from helpers_ckpt import hf_greedy
 from helpers_kda import build_kimi, kda_core_float64, kimi_reference
-from test_engine_switch import ALL12, CIRCUIT, accounting_errors, close, run
+from test_engine_switch import ALL12, CIRCUIT, close, run, serve_aborting
 
 from splash.engine.build import build_engine
-from splash.engine.group import RankGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -43,13 +42,6 @@ def ckpt(tmp_path_factory):
         eng.shutdown()
     assert toks == ref, "the single-rank engine disagrees with transformers"
     return path, ref, logits
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["T2", "T4"])
-def group(request):
-    g = RankGroup.start(request.param, device="cpu", timeout_s=60.0, threads=1)
-    yield g
-    g.close()
 
 
 def served(eng, prompts=PROMPTS):
@@ -155,16 +147,7 @@ def test_preemption_abort_and_weight_update_under_switches(group, ckpt, tmp_path
     eng = build_engine(model=path, layout="dop", rank_group=group, num_kv_pages=7,
                        switch_schedule=sched, **ENGINE)
     try:
-        for i, p in enumerate(PROMPTS):
-            eng.add_request(str(i), prompt_token_ids=p, params=_greedy())
-        done, errors = {}, []
-        while eng.has_unfinished():
-            if eng.steps == 4:
-                done[1] = eng.abort("1").outputs[0]
-            for o in eng.step():
-                if o.finished:
-                    done[int(o.request_id)] = o.outputs[0]
-            errors += [f"step {eng.steps}: {e}" for e in accounting_errors(eng)]
+        done, errors = serve_aborting(eng, PROMPTS, _greedy())
         st = eng.stats()
         assert eng.scheduler.num_preemptions > 0 and st["num_switches"] >= 1, st
         assert done[1].finish_reason == "abort"

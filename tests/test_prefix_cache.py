@@ -18,7 +18,6 @@ from helpers_dsa import build_dsa_checkpoint, hf_dsa_reference
 from test_engine_switch import accounting_errors
 
 from splash.engine.build import build_engine
-from splash.engine.group import RankGroup
 from splash.engine.sampling import SamplingParams
 from splash.kv.allocator import KVAllocator
 from splash.kv.prefix import PrefixCache
@@ -178,13 +177,6 @@ def test_weight_update_invalidates(v3, tmp_path):
         eng.shutdown()
     assert not errors, errors[:5]
     assert [done[f"0-{i}"].outputs[0].token_ids for i in range(5)] == ref_b
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["T2", "T4"])
-def group(request):
-    g = RankGroup.start(request.param, device="cpu", timeout_s=60.0, threads=1)
-    yield g
-    g.close()
 
 
 def test_every_layout(group, v3):

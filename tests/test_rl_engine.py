@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 
 from splash.dist.launch import free_port
 from splash.engine.build import build_engine
-from splash.engine.group import RankGroup
 from splash.engine.sampling import SamplingParams
 from splash.model.update import WeightUpdateError
 
@@ -38,13 +37,6 @@ def ckpts(tmp_path_factory):
     ra, rb = reference(a, PROMPTS, NEW), reference(b, PROMPTS, NEW)
     assert ra[0] != rb[0], "the two checkpoints must generate differently for the test to mean anything"
     return {"A": (a, ra), "B": (b, rb)}
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["T2", "T4"])
-def group(request):
-    g = RankGroup.start(request.param, device="cpu", timeout_s=60.0, threads=1)
-    yield g
-    g.close()
 
 
 def greedy(**kw) -> SamplingParams:

@@ -95,49 +95,54 @@ def _pair_block(left: torch.Tensor, k: torch.Tensor, Gi: torch.Tensor, Gj: torch
     return (left[..., :, None, :] * k[..., None, :, :] * vector_path(torch.exp, diff)).sum(dim=-1)
 
 
+def _factored_products(q: torch.Tensor, kb: torch.Tensor, k: torch.Tensor, G: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_decayed_products` of blocks whose decay spans little: exp(G_i - G_j) = exp(G_i - m) exp(m - G_j)
+    about the midpoint m of the block's range, both factors within exp(+-span/2): two matmuls."""
+    mid = (G[:, :1] + G[:, -1:]) * 0.5
+    lead = vector_path(torch.exp, G - mid)
+    right = (k * vector_path(torch.exp, mid - G)).transpose(-1, -2)
+    return ((kb * lead) @ right).tril(-1), ((q * lead) @ right).tril(0)
+
+
+def _sub_blocked_products(q: torch.Tensor, kb: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_decayed_products` of steeply decaying blocks, by sub-blocks of `sub` rows: keys of sub-block J
+    against later rows factor at J's last row r (exp(G_i - G_r) exp(G_r - G_j), both <= 1), the
+    diagonal sub-blocks are summed per channel."""
+    P, c, _ = k.shape
+    A, QK = q.new_zeros(P, c, c), q.new_zeros(P, c, c)
+    for j0 in range(0, c, sub):
+        j1 = min(c, j0 + sub)
+        Gj, kj = G[:, j0:j1], k[:, j0:j1]
+        A[:, j0:j1, j0:j1] = _pair_block(kb[:, j0:j1], kj, Gj, Gj, diagonal=False)
+        QK[:, j0:j1, j0:j1] = _pair_block(q[:, j0:j1], kj, Gj, Gj, diagonal=True)
+        if j1 < c:
+            ref = G[:, j1 - 1:j1]
+            right = (kj * vector_path(torch.exp, ref - Gj)).transpose(-1, -2)  # [P, d, s]
+            lead = vector_path(torch.exp, G[:, j1:] - ref)                     # [P, c - j1, d]
+            A[:, j1:, j0:j1] = (kb[:, j1:] * lead) @ right
+            QK[:, j1:, j0:j1] = (q[:, j1:] * lead) @ right
+    return A, QK
+
+
 def _decayed_products(q: torch.Tensor, kb: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """For blocks [P, c, d] of c rows: (A, QK) [P, c, c] with A_ij = sum_d kb_i k_j exp(G_i - G_j) for
     j < i and QK_ij = sum_d q_i k_j exp(G_i - G_j) for j <= i (zero above).
 
     A block whose decay spans little (G_0 - G_last <= `_SPAN[dtype]` in every channel; G falls, g <= 0)
-    factors the decay about the midpoint m of its range, exp(G_i - G_j) = exp(G_i - m) exp(m - G_j),
-    both factors within exp(+-span/2) (finite, normal): two matmuls. A block whose decay spans more
-    splits into sub-blocks of `sub` rows: keys of sub-block J against later rows factor at J's last row
-    r (exp(G_i - G_r) exp(G_r - G_j), both <= 1), the diagonal sub-blocks are summed per channel. The
-    choice is per block (one head's chunk), so it does not depend on which heads a rank holds."""
+    takes `_factored_products`, one that spans more `_sub_blocked_products` (no exp overflows either
+    way). The choice is per block (one head's chunk), so it does not depend on which heads a rank holds."""
+    fast = (G[:, 0] - G[:, -1]).amax(dim=-1) <= _SPAN.get(G.dtype, 80.0)
+    if bool(fast.all()):
+        return _factored_products(q, kb, k, G)
     P, c, _ = k.shape
     A, QK = q.new_zeros(P, c, c), q.new_zeros(P, c, c)
-    span = (G[:, 0] - G[:, -1]).amax(dim=-1)
-    fast = span <= _SPAN.get(G.dtype, 80.0)
-    if bool(fast.all()):
-        sel = None
-    else:
-        sel, slow = fast.nonzero()[:, 0], (~fast).nonzero()[:, 0]
-    if sel is None or sel.numel():
-        qf, kbf, kf, Gf = (t if sel is None else t[sel] for t in (q, kb, k, G))
-        mid = (Gf[:, :1] + Gf[:, -1:]) * 0.5
-        lead = vector_path(torch.exp, Gf - mid)
-        right = (kf * vector_path(torch.exp, mid - Gf)).transpose(-1, -2)
-        a = ((kbf * lead) @ right).tril(-1)
-        qk = ((qf * lead) @ right).tril(0)
-        if sel is None:
-            return a, qk
-        A[sel], QK[sel] = a, qk
-    qs, kbs, ks, Gs = (t[slow] for t in (q, kb, k, G))
-    As, QKs = A[slow], QK[slow]
-    for j0 in range(0, c, sub):
-        j1 = min(c, j0 + sub)
-        Gj, kj = Gs[:, j0:j1], ks[:, j0:j1]
-        As[:, j0:j1, j0:j1] = _pair_block(kbs[:, j0:j1], kj, Gj, Gj, diagonal=False)
-        QKs[:, j0:j1, j0:j1] = _pair_block(qs[:, j0:j1], kj, Gj, Gj, diagonal=True)
-        if j1 < c:
-            ref = Gs[:, j1 - 1:j1]
-            right = (kj * vector_path(torch.exp, ref - Gj)).transpose(-1, -2)  # [P, d, s]
-            lead = vector_path(torch.exp, Gs[:, j1:] - ref)                    # [P, c - j1, d]
-            As[:, j1:, j0:j1] = (kbs[:, j1:] * lead) @ right
-            QKs[:, j1:, j0:j1] = (qs[:, j1:] * lead) @ right
-    A[slow], QK[slow] = As, QKs
+    for idx, steep in ((fast.nonzero()[:, 0], False), ((~fast).nonzero()[:, 0], True)):
+        if idx.numel():
+            blocks = (q[idx], kb[idx], k[idx], G[idx])
+            A[idx], QK[idx] = _sub_blocked_products(*blocks, sub) if steep else _factored_products(*blocks)
     return A, QK
 
 

@@ -102,7 +102,7 @@ def full_shapes(model: Any) -> dict[str, tuple[int, ...]]:
         out[f"{p}.post_attention_layernorm.weight"] = (d,)
         a = layer.self_attn
         s = f"{p}.self_attn"
-        if getattr(layer, "kind", "mla") == "kda":  # a hybrid's KDA layer: its own tensors
+        if layer.kind == "kda":  # a hybrid's KDA layer: its own tensors
             out.update(a.full_shapes(s))
             _mlp_block_shapes(out, layer, f"{p}.mlp", d)
             continue
@@ -192,7 +192,7 @@ def targets(model: Any, name: str) -> list[Target]:
         names = {"wq_b.weight": "wq_b", "wk.weight": "wk", "k_norm.weight": "k_norm_w",
                  "k_norm.bias": "k_norm_b", "weights_proj.weight": "weights_proj"}
         return [Target(layer.indexer._buffers[names[rest.removeprefix("self_attn.indexer.")]])]
-    if rest.startswith("self_attn.") and getattr(layer, "kind", "mla") == "kda":
+    if rest.startswith("self_attn.") and layer.kind == "kda":
         return [Target(v, rows=r, cols=c, post=post) for v, r, c, post in
                 layer.self_attn.targets(rest.removeprefix("self_attn."))]
     if rest.startswith("self_attn."):
