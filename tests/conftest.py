@@ -3,7 +3,13 @@ so CI stays CPU-only."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Every engine the suite builds proves its KV books after each step and control operation
+# (splash/kv/books.py): a bookkeeping error fails the step that makes it.
+os.environ.setdefault("SPLASH_CHECK_BOOKS", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -49,6 +49,19 @@ def kimi_reference(path: str | os.PathLike[str]):
                                                 attn_implementation="sdpa").eval()
 
 
+def _source(module: Any, name: str) -> str:
+    """The source of a module-level function without its decorators (newer transformers wrap the KDA
+    core in a hub-kernel object that `inspect` cannot read)."""
+    import ast
+
+    text = inspect.getsource(module)
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            node.decorator_list = []
+            return ast.unparse(node)
+    raise LookupError(f"{name} is not defined in {module.__name__}")
+
+
 @contextlib.contextmanager
 def kda_core_float64() -> Iterator[None]:
     """transformers' two KDA core functions computing in float64 (their source, float32 -> float64)."""
@@ -57,7 +70,7 @@ def kda_core_float64() -> Iterator[None]:
     saved = {n: getattr(m, n) for n in CORE}
     try:
         for n in CORE:
-            src = inspect.getsource(saved[n]).replace("torch.float32", "torch.float64")
+            src = _source(m, n).replace("torch.float32", "torch.float64")
             src = src.replace(".float()", ".double()")
             assert "float32" not in src and ".float()" not in src
             exec(compile(src, m.__file__, "exec"), m.__dict__)  # noqa: S102 - the reference's own code

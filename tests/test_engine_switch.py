@@ -23,7 +23,6 @@ from splash.core.config import ConfigError
 from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
 from splash.engine.switch_options import parse_schedule
-from splash.kv.allocator import page_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -58,42 +57,13 @@ def greedy(new: int = NEW) -> SamplingParams:
 
 
 def accounting_errors(eng) -> list[str]:
-    """Every used page of every rank is in exactly one live table, a prefix-cache block (then in as many
-    tables as the block has references: a shared page), or withheld for replicas; tables follow the
-    running layout's placement, and rank 0's runner runs the allocator's layout."""
-    alloc, sw = eng.allocator, eng.switcher
-    cache = alloc.cache
-    seqs = [s for s in eng.scheduler.running if s.pages]
-    errs = []
-    for r, a in enumerate(alloc.ranks):
-        count: dict[int, int] = {}
-        for s in seqs:
-            for p in s.pages[r]:
-                if p >= 0:
-                    count[p] = count.get(p, 0) + 1
-        held = set(count)
-        blocks = {} if cache is None else {p: cache.block_of(r, p) for p in range(a.num_pages)}
-        cached = {p for p, b in blocks.items() if b is not None}
-        kept = set(sw.withheld[r]) if sw is not None else set()
-        used = {p for p, u in enumerate(a._used) if u}
-        shared = [p for p, n in count.items() if n > 1 and (blocks.get(p) is None or blocks[p].refs != n)]
-        if shared or held & kept or cached & kept:
-            errs.append(f"rank {r}: a page is in two places {sorted(shared)[:4]}")
-        if used != held | cached | kept:
-            errs.append(f"rank {r}: leaked {sorted(used - held - cached - kept)}, "
-                        f"unallocated {sorted((held | cached) - used)}")
-        if a.num_free + len(used) != len(a._used):
-            errs.append(f"rank {r}: free list and used marks disagree")
-    for s in seqs:
-        for j in range(len(s.pages[0])):
-            want = set(page_ranks(alloc.layout, j, s.owner, alloc.world))
-            got = {r for r in range(alloc.world) if s.pages[r][j] >= 0}
-            if want != got:
-                errs.append(f"seq {s.seq_id} page {j}: held by {sorted(got)}, "
-                            f"{alloc.layout} says {sorted(want)}")
+    """The engine's books (splash/kv/books.py: every used page of every rank is in exactly one live
+    table, a prefix-cache block with as many holders as references, or withheld for replicas; tables
+    follow the running layout's placement), and rank 0's runner runs the allocator's layout."""
+    errs = eng.scheduler.book_errors()
     local = getattr(eng.runner, "local", None)
-    if local is not None and local.layout.name != alloc.layout:
-        errs.append(f"runner runs {local.layout.name}, allocator {alloc.layout}")
+    if local is not None and local.layout.name != eng.allocator.layout:
+        errs.append(f"runner runs {local.layout.name}, allocator {eng.allocator.layout}")
     return errs
 
 

@@ -179,6 +179,68 @@ def test_weight_update_invalidates(v3, tmp_path):
     assert [done[f"0-{i}"].outputs[0].token_ids for i in range(5)] == ref_b
 
 
+def test_weight_update_with_requests_in_flight(group, v3, tmp_path):
+    """The RL loop's move (issue: a soak double-freed pages): a GRPO group of 4 samples sharing prefix
+    pages, and other prompts, are mid-decode when the weights change. They keep their pages and finish
+    (their earlier rows were computed with the old weights, as SGLang's partial rollouts); the cache
+    forgets every page at once, so requests after the update answer exactly as the new weights do
+    (transformers'); shared pages are freed once, by their last holder; the books balance after every
+    step (the suite's debug check), at T = 1 and at T = 2 with live switches landing on the steps right
+    after each update; once idle and flushed, the pool is empty."""
+    from safetensors.torch import load_file
+
+    if group.world != 2:
+        pytest.skip("once, at T = 2")
+    path, ref, _ = v3
+    other = build_checkpoint(tmp_path / "b", "v3", seed=9)
+    hf = hf_reference(other)
+    ref_b = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    weights = {"a": load_file(f"{path}/model.safetensors"), "b": load_file(f"{other}/model.safetensors")}
+    for world in (1, 2):
+        kw = {} if world == 1 else dict(rank_group=group, layout="dp")
+        eng = build_engine(model=path, num_kv_pages=64, enable_prefix_caching=True, **kw, **ENGINE)
+        try:
+            long = SamplingParams(temperature=0.0, max_tokens=3 * NEW, ignore_eos=True, n=4)
+            eng.add_request("group", prompt_token_ids=PROMPTS[0], params=long)
+            eng.add_request("solo", prompt_token_ids=PROMPTS[2], params=greedy())
+            outs, errors, updates = {}, [], 0
+            switches = iter(["tp", "cp", "dop"])
+
+            def update(name: str) -> None:
+                eng.update_weights_from_tensors(weights[name])
+                if world == 2:  # a live switch lands on the very next step
+                    eng.switcher.request(next(switches))
+
+            while "group" not in outs:
+                if updates == 0 and eng.allocator.cache.shared_blocks() > 0:  # mid-flight, sharing
+                    update("b")
+                    updates, since = 1, 0
+                elif updates == 1 and since == 4:  # two more in a row, still mid-flight
+                    update("a")
+                    update("b")
+                    updates = 2
+                outs.update({o.request_id: o for o in eng.step() if o.finished})
+                errors += accounting_errors(eng)
+                since = since + 1 if updates else 0
+            assert updates == 2, "the group finished before the updates"
+            for i, p in enumerate(PROMPTS):
+                eng.add_request(f"after-{i}", prompt_token_ids=p, params=greedy())
+            while eng.has_unfinished():
+                outs.update({o.request_id: o for o in eng.step() if o.finished})
+                errors += accounting_errors(eng)
+            assert not errors, (world, errors[:3])
+            assert all(c.finish_reason == "length" and len(c.token_ids) == 3 * NEW
+                       for c in outs["group"].outputs)
+            for i in range(len(PROMPTS)):
+                assert outs[f"after-{i}"].outputs[0].token_ids == ref_b[i], (world, i)
+            if world == 2:
+                assert sum(e.refused is None for e in eng.switcher.events) >= 2
+            eng.flush_cache()
+            assert [a.num_free for a in eng.allocator.ranks] == [a.num_pages for a in eng.allocator.ranks]
+        finally:
+            eng.shutdown()
+
+
 def test_every_layout(group, v3):
     path, ref, ref_logits = v3
     layouts = ("tp", "dp", "cp", "dop") if group.world == 2 else ("dp", "cp")

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from splash.engine.llm_engine import LLMEngine
+from splash.engine.llm_engine import LLMEngine, StepFailed
 from splash.engine.outputs import RequestOutput
 from splash.engine.sampling import SamplingParams
 
@@ -361,12 +361,22 @@ class AsyncEngine:
         with self._stats_lock:
             self._stats = s
 
-    def _fail_all(self, err: BaseException) -> None:
+    def _fail_all(self, err: BaseException) -> bool:
+        """End every request with `err`; False if the cleanup itself failed (the engine is unsound)."""
+        ok = True
         try:
             self.engine.abort_all()
         except Exception:  # bookkeeping after a failure must not mask the failure
             log.exception("engine cleanup after an error failed")
+            ok = False
         self._deliver_all([(rid, err) for rid in list(self._streams)])
+        return ok
+
+    def _declare_dead(self, why: str) -> None:
+        """Nothing can step any more: stop the loop, so health says so (later calls: EngineDeadError)."""
+        log.error("the engine cannot recover (%s); it stops", why)
+        self._dead = EngineDeadError(f"the engine stopped after a failure it cannot recover from ({why}); "
+                                     f"restart the server")
 
     def _gather_burst(self) -> bool:
         """An idle engine woken by a request takes in the rest of its burst before stepping: requests
@@ -408,16 +418,23 @@ class AsyncEngine:
                 if outs:
                     self._deliver_all([(out.request_id, out) for out in outs])
                 self._refresh_stats()
+            except StepFailed as e:  # the step's requests were aborted and the books checked
+                err = EngineError(str(e))
+                self._deliver_all([(o.request_id, err) for o in e.failed])
+                if e.fatal:
+                    self._fail_all(err)
+                    self._declare_dead(str(e))
+                    running = False
+                self._refresh_stats()
             except Exception as e:
-                log.exception("engine step failed")
-                self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+                log.exception("engine failed outside a step")
+                ok = self._fail_all(EngineError(f"engine failed: {type(e).__name__}: {e}"))
                 self._refresh_stats()
                 dead = self.engine.failure()
-                if dead is not None:  # nothing can step any more: stop, so health says so
-                    why = (str(dead).splitlines() or [type(dead).__name__])[0]  # (then a traceback)
-                    log.error("the engine cannot recover (%s); it stops", why)  # later calls: EngineDeadError
-                    self._dead = EngineDeadError(f"the engine stopped after a failure it cannot recover from "
-                                                 f"({why}); restart the server")
+                if dead is not None or not ok:  # nothing can step any more: stop, so health says so
+                    why = (str(dead).splitlines() or [type(dead).__name__])[0] if dead is not None else \
+                        "the cleanup after the failure failed"
+                    self._declare_dead(why)
                     running = False
         self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
         while True:  # answer aborts still queued: their callers wait on the futures

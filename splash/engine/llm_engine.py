@@ -6,7 +6,9 @@ append tokens, detokenize, check stops -> free the pages of whatever finished.
 
 from __future__ import annotations
 
+import logging
 import numbers
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -24,6 +26,20 @@ from splash.engine.sampler import Sampler, SampleRow
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Scheduler, SchedulerConfig
 from splash.kv.allocator import KVAllocator
+from splash.kv.books import BooksError
+
+log = logging.getLogger("splash.engine")
+
+
+class StepFailed(RuntimeError):
+    """A step failed. The requests it ran were aborted (`failed`: their final snapshots) and the books
+    were checked; the other requests go on. `fatal`: the engine cannot step any more (its ranks failed,
+    or the books did not balance after the cleanup): every request was aborted."""
+
+    def __init__(self, message: str, failed: list[RequestOutput], fatal: bool) -> None:
+        super().__init__(message)
+        self.failed = failed
+        self.fatal = fatal
 
 
 class StepRunner(Protocol):
@@ -66,6 +82,10 @@ class LLMEngine(RLControl):
         # into the scheduled step, commits it after the step ran.
         self.switcher: Any = None
         self._closed = False
+        self._broken: str | None = None  # why no step can run any more (a failed step left it unsound)
+        # Prove the books after every step and control operation (splash/kv/books.py): a bookkeeping
+        # error then fails the step that makes it. The test suite and `splash bench soak` turn it on.
+        self.check_books = os.environ.get("SPLASH_CHECK_BOOKS", "0") not in ("", "0")
         self._rl_init()  # pause, weight updates, memory release (splash/engine/rl.py)
         self._routing: Any = None  # RoutingRecorder, made when a request first asks for routed experts
 
@@ -99,9 +119,20 @@ class LLMEngine(RLControl):
         return {"ranks": ranks, "rows": rows}
 
     def failure(self) -> BaseException | None:
-        """Why no step can run any more (the rank group failed or was shut down), or None."""
+        """Why no step can run any more (the rank group failed or was shut down, or a failed step left
+        the books unsound), or None."""
+        if self._broken is not None:
+            return RuntimeError(self._broken)
         probe = getattr(self.runner, "failure", None)
         return probe() if probe is not None else None
+
+    def audit(self, where: str) -> None:
+        """With `check_books` on: raise BooksError unless every page and slot is accounted for."""
+        if self.check_books and self._broken is None:  # (a broken engine was told already)
+            errs = self.scheduler.book_errors()
+            if errs:
+                self._broken = f"KV books do not balance after {where}: " + "; ".join(errs)
+                raise BooksError(self._broken)
 
     def shutdown(self) -> None:
         """Abort what runs and stop the ranks (T > 1); idempotent, also done at interpreter exit."""
@@ -182,7 +213,9 @@ class LLMEngine(RLControl):
         return req.output()
 
     def abort_all(self) -> list[RequestOutput]:
-        return [o for rid in list(self.requests) if (o := self.abort(rid)) is not None]
+        outs = self.abort_all_unchecked()
+        self.audit("abort all")
+        return outs
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -190,11 +223,87 @@ class LLMEngine(RLControl):
     # ---- the step ------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduling step; return snapshots of the requests that changed (with
-        `final_only`, only of those that finished: offline callers skip building the rest)."""
-        changed: dict[str, Request] = {}
+        `final_only`, only of those that finished: offline callers skip building the rest).
+
+        A step that fails raises StepFailed after its requests were aborted and the books checked."""
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
         if self._held:  # paused or memory released: requests wait (splash/engine/rl.py)
             return []
-        st = self.scheduler.schedule()
+        st = None
+        try:
+            st = self.scheduler.schedule()
+            outs = self._run_step(st, final_only)
+            self.audit(f"step {self.steps}")
+        except Exception as e:
+            raise self._recover(st, e) from e
+        return outs
+
+    def _recover(self, st: Any, err: Exception) -> StepFailed:
+        """After a failed step: give back a switch that never ran, abort the step's requests (all of
+        them if the step never got planned), tell the ranks again to forget what the failed message
+        may not have carried, and prove the books. Unsound books or failed ranks: abort everything and
+        mark the engine broken (no later step runs; a server then reports unhealthy and exits)."""
+        why = f"{type(err).__name__}: {err}"
+        log.error("step failed: %s", why, exc_info=err)
+        unsound = None
+        if self.switcher is not None:
+            if st is not None and st.executed and self.switcher.pending is not None:
+                unsound = "a switch ran on the ranks but could not be committed on rank 0"
+            else:
+                self.switcher.abort_pending()  # (a switch that never ran: its destination pages back)
+        sched = self.scheduler
+        sched.finished_by_scheduler.clear()
+        if st is not None:
+            sched.dropped = [*st.plan.dropped, *sched.dropped]  # (ids the ranks already forgot are skipped)
+            rids = list(dict.fromkeys(seq.group.request_id for seq in st.seqs))
+        else:
+            rids = list(self.requests)
+        failed, errs = self._abort_each(rids)
+        if not errs:
+            try:
+                errs = sched.book_errors()
+            except Exception as e:  # noqa: BLE001 - a check that cannot run proves nothing
+                errs = [f"the books could not be checked: {type(e).__name__}: {e}"]
+        if unsound is not None:
+            errs.insert(0, unsound)
+        dead = self.failure()
+        if not errs and dead is None:
+            return StepFailed(f"engine step failed: {why}", failed, fatal=False)
+        failed += self._abort_each(list(self.requests))[0]
+        reason = "; ".join(errs[:3]) if errs else (str(dead).splitlines() or [type(dead).__name__])[0]
+        self._broken = f"the engine cannot step after a failed step ({why}): {reason}"
+        log.error("%s", self._broken)
+        return StepFailed(self._broken, failed, fatal=True)
+
+    def _abort_each(self, rids: list[str]) -> tuple[list[RequestOutput], list[str]]:
+        """Abort each request; one whose pages cannot be given back (unsound books) is still ended and
+        dropped, and the error said. -> (final snapshots, errors)."""
+        outs, errs = [], []
+        for rid in rids:
+            req = self.requests.get(rid)
+            try:
+                out = self.abort(rid)
+            except Exception as e:  # noqa: BLE001 - the books are unsound; end the request anyway
+                errs.append(f"aborting {rid!r} failed: {type(e).__name__}: {e}")
+                self.requests.pop(rid, None)
+                if req is None:
+                    continue
+                for seq in req.seqs:
+                    if not seq.status.done:
+                        seq.finish("abort")
+                out = req.output()
+            if out is not None:
+                outs.append(out)
+        return outs, errs
+
+    def abort_all_unchecked(self) -> list[RequestOutput]:
+        """Abort every request without proving the books afterwards (cleanup after a failure)."""
+        return [o for rid in list(self.requests) if (o := self.abort(rid)) is not None]
+
+    def _run_step(self, st: Any, final_only: bool) -> list[RequestOutput]:
+        """The scheduled step `st`: run it on every rank, sample, append, finish."""
+        changed: dict[str, Request] = {}
         for seq in self.scheduler.finished_by_scheduler:
             self._seq_finished(seq, changed)
         self.scheduler.finished_by_scheduler.clear()
@@ -212,16 +321,12 @@ class LLMEngine(RLControl):
         prompt_rows = prompt_logprobs.rows_of(st.seqs, st.plan.seqs)  # None unless a request asked
         if prompt_rows is not None:
             st.plan.row_logprobs = prompt_rows[0]
-        try:
-            logits = self.runner.execute(st.plan)
-        except BaseException:
-            if self.switcher is not None:
-                self.switcher.abort_pending()
-            raise
-        if prompt_rows is not None:
-            prompt_logprobs.keep(*prompt_rows)
+        logits = self.runner.execute(st.plan)
+        st.executed = True
         if self.switcher is not None:
             self.switcher.after_execute(st)
+        if prompt_rows is not None:
+            prompt_logprobs.keep(*prompt_rows)
         if routing is not None:
             self._keep_routing(routing, st)
         if self.logits_hook is not None:

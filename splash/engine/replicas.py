@@ -43,22 +43,14 @@ def replica_pages(model: Any, world: int, page_bytes: int) -> int:
 
 def withhold(alloc: KVAllocator, pages: Sequence[int]) -> list[list[int]]:
     """Take `pages[r]` pages out of rank r's pool (replica weights live there now); returns their ids.
-
-    They stay marked used but leave `num_pages`, so capacity, `num_used` and the planner's
-    "every used page belongs to a live request" check all see a smaller pool."""
-    out = []
-    for a, n in zip(alloc.ranks, pages):
-        ids = a.alloc(n) if n else []
-        a.num_pages -= len(ids)
-        out.append(ids)
-    return out
+    The allocators keep the books (`PageAllocator.withhold`)."""
+    return [a.withhold(n) for a, n in zip(alloc.ranks, pages)]
 
 
-def give_back(alloc: KVAllocator, held: list[list[int]]) -> None:
+def give_back(alloc: KVAllocator) -> None:
     """Undo `withhold`."""
-    for a, ids in zip(alloc.ranks, held):
-        a.num_pages += len(ids)
-        a.free(ids)
+    for a in alloc.ranks:
+        a.give_back()
 
 
 class ReplicaPages:
@@ -111,5 +103,5 @@ class ReplicaPages:
         if replicas(dst) and not replicas(src) and any(self.weight_pages):
             self.withheld = withhold(self.alloc, self.weight_pages)
         elif not replicas(dst) and replicas(src) and any(len(w) for w in self.withheld):
-            give_back(self.alloc, self.withheld)
+            give_back(self.alloc)
             self.withheld = [[] for _ in range(self.alloc.world)]

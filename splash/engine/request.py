@@ -60,6 +60,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)
     cached_blocks: list[Any] = field(default_factory=list)
     num_cached_tokens: int = 0
+    cache_epoch: int = 0  # the prefix cache's epoch at admission: it registers pages only in that one
 
     def keep_routing(self, start: int, ids: Any) -> None:
         """Routed experts of positions start.. (a recompute after preemption replaces later ones)."""

@@ -6,9 +6,11 @@ steps the engine (the AsyncEngine posts them to its engine thread). Names follow
 
 While the engine is *held* - paused, or memory released - `step()` runs nothing: queued and retracted
 requests wait, new ones queue behind them, and everything resumes on `continue_generation()` /
-`resume_memory_occupation()`. splash keeps no prefix cache, so the only KV an update could leave
-stale belongs to requests still live: `pause_generation("retract")` first makes them recompute on
-the new weights, `"in_place"` keeps their KV (SGLang's partial-rollout behaviour).
+`resume_memory_occupation()`. A weight update applies between two steps: the prefix cache forgets
+every page at once (no later request hits KV of the old weights; pages still held by live requests
+are freed once, by their last holder), and live requests keep their KV and continue (SGLang's
+partial rollouts); `pause_generation("retract")` first makes them recompute on the new weights
+instead. docs/runtime.md "Events and the books" gives the rule of every event in one table.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class RLControl:
-    """Mixin of LLMEngine: needs `scheduler`, `requests`, `runner`, `allocator`, `abort_all`."""
+    """Mixin of LLMEngine: needs `scheduler`, `requests`, `runner`, `allocator`, `abort_all`, `audit`."""
 
     weight_version: str = "default"
     checkpoint_path: str | None = None  # the checkpoint last loaded from disk (start or update)
     _held: set[str]
     _released: set[str]
+
+    def audit(self, where: str) -> None: ...  # LLMEngine's: prove the books (splash/kv/books.py)
 
     def _rl_init(self, checkpoint_path: str | None = None) -> None:
         self._held = set()
@@ -74,6 +78,7 @@ class RLControl:
             return self.abort_all()
         if mode == "retract":
             self.retract_running()
+        self.audit(f"pause ({mode})")
         return []
 
     def continue_generation(self) -> None:
@@ -97,6 +102,7 @@ class RLControl:
             raise ValueError(f"cache not flushed: {live} running requests hold KV; wait for them, abort them "
                              f"or pause with mode abort or retract")
         self.allocator.invalidate_cache()
+        self.audit("flush_cache")
 
     # ---- weights --------------------------------------------------------------------------------
     def _check_weights_live(self) -> None:
@@ -107,8 +113,9 @@ class RLControl:
         self.num_weight_updates += 1
         self.weight_version = str(version) if version is not None else str(self.num_weight_updates)
         # Cached prefixes hold the old weights' KV: never match them again (SGLang flushes too); KV of
-        # live requests is theirs (see the module docstring).
+        # live requests is theirs (see the module docstring), pages they share freed by the last one.
         self.allocator.invalidate_cache()
+        self.audit("a weight update")
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         """Load every weight from a checkpoint directory into the live layout on every rank (all or
@@ -181,6 +188,7 @@ class RLControl:
         self._held.add("released")
         self._released |= set(tags)
         self._run(WeightOp("release", {"tags": tags, "backup": backup}))
+        self.audit("memory release")
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Give back what `release_memory_occupation` freed (weights as they were when released)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from splash.engine.plan import SeqSlice, StepPlan
 from splash.engine.request import SeqStatus, Sequence
 from splash.kv.allocator import KVAllocator, balanced_owners, pages_for
+from splash.kv.books import Holder, book_errors
 from splash.kv.prefix import Block, PrefixCache
 
 # A request goes to the rank holding its longest cached prefix (DP/DOP) unless that rank's projected
@@ -89,6 +90,7 @@ class ScheduledStep:
 
     plan: StepPlan
     seqs: list[Sequence]
+    executed: bool = False  # the ranks ran the plan (a failure after this cannot be undone on them)
 
     @property
     def empty(self) -> bool:
@@ -248,9 +250,14 @@ class Scheduler:
         return keys[:n]
 
     def _register(self, seq: Sequence, upto: int) -> None:
-        """Offer `seq`'s pages [len(seq.cached_blocks), upto) to the prefix cache (their keys known)."""
+        """Offer `seq`'s pages [len(seq.cached_blocks), upto) to the prefix cache (their keys known).
+        A sequence admitted before the cache was invalidated (a weight update) offers nothing: its
+        new pages attend to KV of the old weights, so they stay private."""
         cache = self.alloc.cache
         assert cache is not None
+        if seq.cache_epoch != cache.epoch:
+            seq.cached_blocks += [None] * (upto - len(seq.cached_blocks))
+            return
         keys = self._keys(seq, cache, upto)
         while len(seq.cached_blocks) < upto:
             j = len(seq.cached_blocks)
@@ -271,6 +278,35 @@ class Scheduler:
                 return s
         others = any(any(p >= 0 for r in short for p in s.pages[r]) for s in self.running if s is not seq)
         return seq if others else None
+
+    # ---- the books ------------------------------------------------------------------------------
+    def holders(self) -> dict[int, Holder]:
+        """Every queued or running sequence's holdings, for the books (splash/kv/books.py)."""
+        return {s.seq_id: Holder(s.pages, s.owner, s.slot, s.cached_blocks)
+                for s in (*self.running, *self.waiting)}
+
+    def book_errors(self) -> list[str]:
+        """What disagrees in the allocator's books, or in the scheduler's own: a queued sequence holds
+        nothing, a running one is charged once, and the owners' projected pages add up."""
+        errs = book_errors(self.alloc, self.holders())
+        for s in self.waiting:
+            if any(s.pages) or s.slot >= 0 or s.seq_id in self._charged:
+                errs.append(f"queued seq {s.seq_id} holds pages, a slot or a charge")
+        for s in self.running:
+            c = self._charged.get(s.seq_id)
+            if c is None or c[0] != s.owner:
+                errs.append(f"running seq {s.seq_id} is not charged to its owner {s.owner}")
+            if self.alloc.slots is not None and s.slot < 0:
+                errs.append(f"running seq {s.seq_id} has no state slot")
+        if len({s.seq_id for s in self.running} | {s.seq_id for s in self.waiting}) \
+                != len(self.running) + len(self.waiting):
+            errs.append("a sequence is both queued and running, or listed twice")
+        load = [0] * self.alloc.world
+        for owner, n in self._charged.values():
+            load[owner] += n
+        if load != self.projected:
+            errs.append(f"projected pages per owner {self.projected} != the charges {load}")
+        return errs
 
     # ---- the step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
@@ -344,6 +380,7 @@ class Scheduler:
                 for r in range(self.alloc.world):
                     seq.pages[r].extend(b.column[r] for b in blocks)
                 seq.cached_blocks = list(blocks)
+                seq.cache_epoch = cache.epoch
                 seq.num_computed = len(blocks) * self.alloc.page_size
                 seq.num_cached_tokens = seq.num_computed
             k = self.cfg.chunk(seq.num_tokens - seq.num_computed, budget)

@@ -315,7 +315,7 @@ class SwitchController(AutoLayout):
                 self._switch_back = verdict if verdict.switch_back else None
                 (log.info if verdict.switch_back or verdict.unblocked else log.debug)(
                     "step %d: regret guard: %s", st.plan.step, verdict.reason)
-        sw, self.pending = self.pending, None
+        sw = self.pending
         if sw is None:
             return
         runner = getattr(self.engine.runner, "local", self.engine.runner)
@@ -331,6 +331,7 @@ class SwitchController(AutoLayout):
             seq.pages = [pages[:] for pages in table]
             self.sched.set_owner(seq, sw.owners[rid])
         self.replicas.switched(src, sw.dst)
+        self.pending = None  # committed (until here a failure leaves it pending: the engine is unsound)
         ev = self._pending_event
         self._pending_event = None
         if ev is not None:

@@ -80,22 +80,25 @@ class PlanEncoder:
         self.last_size = 0
 
     def encode(self, plan: StepPlan) -> bytes | tuple[bytes, str, Any]:
+        # `known` changes only once the message is built: a plan that fails to encode leaves it as the
+        # ranks have it (the engine re-sends its drops with the next plan).
         T, known = self.world, self.known
         seqs = plan.seqs
-        drops = [r for r in plan.dropped if known.pop(r, None) is not None]
+        drops = [r for r in dict.fromkeys(plan.dropped) if r in known]
+        gone = set(drops)
+        now: dict[int, int] = {}  # req_id -> pages the ranks will hold after this message
         rep_ids: list[int] = []
         rep: list[np.ndarray] = []
         if plan.tables is not None:  # a switch: every live request's new table, once
             keep = plan.tables
-            stale = [r for r in known if r not in keep]
-            for r in stale:
-                del known[r]
+            stale = [r for r in known if r not in keep and r not in gone]
+            gone.update(stale)
             drops += stale
             for rid, tbl in keep.items():
                 a = np.asarray(tbl, dtype=np.int32).reshape(T, -1)
                 rep_ids.append(rid)
                 rep.append(a)
-                known[rid] = a.shape[1]
+                now[rid] = a.shape[1]
         grow_idx: list[int] = []
         grow: list[np.ndarray] = []
         for k, s in enumerate(seqs):
@@ -103,11 +106,12 @@ class PlanEncoder:
             if len(pages) != T:
                 raise ValueError(f"slice of request {s.req_id}: page tables for {len(pages)} ranks, "
                                  f"expected {T}")
-            n, have = len(pages[0]), known.get(s.req_id, 0)
+            have = now.get(s.req_id, 0 if s.req_id in gone else known.get(s.req_id, 0))
+            n = len(pages[0])
             if n > have:
                 grow_idx.append(k)
                 grow.append(np.asarray([row[have:] for row in pages], dtype=np.int32).reshape(T, n - have))
-                known[s.req_id] = n
+                now[s.req_id] = n
             elif n < have:
                 raise RuntimeError(f"request {s.req_id}: its table shrank from {have} to {n} pages without "
                                    "being dropped (scheduler bookkeeping bug)")
@@ -141,6 +145,9 @@ class PlanEncoder:
             b"" if all_sample else np.fromiter((s.sample for s in seqs), np.uint8, B).tobytes(),
         ]
         data = b"".join(parts)
+        for r in gone:
+            known.pop(r, None)
+        known.update(now)
         msg: bytes | tuple[bytes, str, Any] = data
         if plan.kind != "forward" or plan.payload is not None:
             msg = (data, plan.kind, plan.payload)

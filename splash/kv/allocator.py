@@ -77,9 +77,10 @@ class PageAllocator:
     def __init__(self, num_pages: int) -> None:
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
-        self.num_pages = num_pages
+        self.num_pages = num_pages  # pages requests may hold (the pool less what is withheld)
         self._free = list(range(num_pages - 1, -1, -1))
         self._used = [False] * num_pages
+        self.withheld: list[int] = []  # pages lent to something other than requests (projection replicas)
 
     @property
     def num_free(self) -> int:
@@ -105,6 +106,20 @@ class PageAllocator:
                 raise RuntimeError(f"page {p} freed twice (allocator bookkeeping bug)")
             self._used[p] = False
             self._free.append(p)
+
+    def withhold(self, n: int) -> list[int]:
+        """Take `n` pages out of the pool for something else (replica weights live there now): they stay
+        marked used but leave `num_pages`, so capacity and `num_used` see a smaller pool."""
+        ids = self.alloc(n) if n else []
+        self.num_pages -= len(ids)
+        self.withheld += ids
+        return ids
+
+    def give_back(self) -> None:
+        """Undo every `withhold`."""
+        ids, self.withheld = self.withheld, []
+        self.num_pages += len(ids)
+        self.free(ids)
 
 
 class KVAllocator:

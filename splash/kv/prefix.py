@@ -18,8 +18,11 @@ Rules (the one place they are written):
 - a block holds its pages while any table does; at zero it stays cached and evictable (LRU, deepest
   page first), and `free` / `grow` of the allocator take evictable pages when the free list runs short;
 - a block not ready when its last holder leaves is dropped (its KV was never completed);
-- `invalidate` (a weight update) forgets every block: held pages become their holders' private pages,
-  evictable ones are freed, so a stale page is never matched;
+- `invalidate` (a weight update, a memory release) takes every block out of the index at once, so a
+  page computed with the old weights is never matched again: unreferenced blocks are freed there and
+  then, held ones stay *stale* (still reference-counted, never matched, never evictable) and their
+  pages go back exactly once, when their last holder lets go. A sequence admitted before the
+  invalidation registers no further pages (`epoch`): what it computes next attends to old-weight KV;
 - a layout switch drops the unreferenced blocks first (their pages freed, not moved: cached history
   nobody holds is not worth a transfer on the switching step) and moves every held block once, with
   its holders (`moved`): keys, reference counts and readiness survive the switch.
@@ -42,6 +45,7 @@ class Block:
     column: tuple[int, ...]  # local page per rank, -1 where not placed
     refs: int = 0
     ready: bool = False
+    indexed: bool = True  # in the index (matchable); False: stale, kept only for its holders
 
 
 class PrefixCache:
@@ -49,9 +53,11 @@ class PrefixCache:
 
     def __init__(self, page_size: int, world: int) -> None:
         self.page_size, self.world = page_size, world
-        self.blocks: dict[bytes, Block] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # refs == 0, oldest first
-        self._page: list[dict[int, bytes]] = [{} for _ in range(world)]  # rank -> local page -> key
+        self.blocks: dict[bytes, Block] = {}  # the index: what `match` can find
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # indexed, refs == 0, oldest first
+        # rank -> local page -> the block holding it (indexed or stale): every page a block owns
+        self._page: list[dict[int, Block]] = [{} for _ in range(world)]
+        self.epoch = 0  # invalidations so far; a sequence registers pages only in its admission's epoch
         self._evictable = [0] * world  # pages per rank held by blocks in the LRU
         self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of those, tokens found (vLLM's prefix_cache_hits)
@@ -113,12 +119,20 @@ class PrefixCache:
         self.blocks[key] = b
         for r, p in enumerate(b.column):
             if p >= 0:
-                self._page[r][p] = key
+                self._page[r][p] = b
         return b
 
     def block_of(self, rank: int, page: int) -> Block | None:
-        key = self._page[rank].get(page)
-        return None if key is None else self.blocks[key]
+        """The block (indexed or stale) holding local page `page` of `rank`, or None (a private page)."""
+        return self._page[rank].get(page)
+
+    def live_blocks(self) -> list[Block]:
+        """Every block that still owns pages: the index's, and stale ones some table still holds."""
+        seen: dict[int, Block] = {id(b): b for b in self.blocks.values()}  # (the index's order first)
+        for pages in self._page:
+            for b in pages.values():
+                seen.setdefault(id(b), b)
+        return list(seen.values())
 
     def release_column(self, column: Sequence[int]) -> bool:
         """A table lets go of a column; True if a block held it (its pages are then not the table's to
@@ -128,15 +142,19 @@ class PrefixCache:
                 b = self.block_of(r, p)
                 if b is None:
                     return False
+                if b.refs <= 0:
+                    raise RuntimeError(f"block at page {p} of rank {r} released more often than taken "
+                                       f"(prefix-cache bookkeeping bug)")
                 b.refs -= 1
                 if b.refs == 0:
-                    if b.ready:
+                    if b.ready and b.indexed:
                         self._lru[b.key] = None
                         for q, x in enumerate(b.column):
                             self._evictable[q] += x >= 0
                     else:
+                        # never completed, or stale: the pages go back with the last holder's others
                         self._forget(b)
-                        return False  # never completed: the pages go back with the table's others
+                        return False
                 return True
         return True
 
@@ -146,7 +164,8 @@ class PrefixCache:
         return list(self._evictable)
 
     def _unlist(self, b: Block) -> None:
-        if self._lru.pop(b.key, 0) is None:
+        """Take `b` off the LRU if it is there (a stale block may share its key with a new one)."""
+        if self.blocks.get(b.key) is b and self._lru.pop(b.key, 0) is None:
             for r, p in enumerate(b.column):
                 self._evictable[r] -= p >= 0
 
@@ -173,43 +192,52 @@ class PrefixCache:
         return self.evict([1 << 62] * self.world)
 
     def invalidate(self) -> list[list[int]]:
-        """Forget every block (weights changed): evictable pages are returned for freeing, held ones
-        become their holders' private pages."""
+        """Take every block out of the index (weights changed): evictable pages are returned for
+        freeing; held blocks turn stale, freed once by their last holder (`release_column`)."""
         freed = self.flush()
         for b in list(self.blocks.values()):
-            self._forget(b)
+            b.indexed = False
+        self.blocks.clear()
+        self.epoch += 1
         return freed
 
     def moved(self, columns: dict[tuple[int, ...], tuple[int, ...]]) -> None:
         """A layout switch committed: each block's pages now sit at `columns[old column]` (its holders'
         destination pages). Keys, references and readiness survive; a block no live table holds was
-        evicted before the switch, and one missing from `columns` is forgotten (never matched again)."""
-        for b in list(self.blocks.values()):
-            new = columns.get(b.column)
+        evicted before the switch (`flush`), and stale blocks move with their holders too: a block
+        missing from `columns` would lose track of its pages, a bookkeeping bug (raised, nothing changed)."""
+        moving = self.live_blocks()
+        lost = next((b for b in moving if b.column not in columns), None)
+        if lost is not None:
+            raise RuntimeError(f"a switch lost the pages {lost.column} of a prefix block held by {lost.refs} "
+                               f"table(s) (unreferenced blocks are flushed before a switch; bookkeeping bug)")
+        for b in moving:
+            new = columns[b.column]
+            indexed = b.indexed
             self._forget(b)
-            if new is None:
-                continue
-            b.column = new
-            self.blocks[b.key] = b
-            if b.refs == 0:
-                self._lru[b.key] = None
-                for r, p in enumerate(new):
-                    self._evictable[r] += p >= 0
+            b.column, b.indexed = new, indexed
+            if indexed:
+                self.blocks[b.key] = b
+                if b.refs == 0:
+                    self._lru[b.key] = None
+                    for r, p in enumerate(new):
+                        self._evictable[r] += p >= 0
             for r, p in enumerate(new):
                 if p >= 0:
-                    self._page[r][p] = b.key
+                    self._page[r][p] = b
 
     def _forget(self, b: Block) -> None:
-        self.blocks.pop(b.key, None)
         self._unlist(b)
+        if self.blocks.get(b.key) is b:
+            del self.blocks[b.key]
         for r, p in enumerate(b.column):
-            if p >= 0 and self._page[r].get(p) == b.key:
+            if p >= 0 and self._page[r].get(p) is b:
                 del self._page[r][p]
 
     # ---- introspection ------------------------------------------------------------------------------
     def shared_blocks(self) -> int:
-        """Blocks held by two or more live tables."""
-        return sum(b.refs >= 2 for b in self.blocks.values())
+        """Blocks held by two or more live tables (stale ones included)."""
+        return sum(b.refs >= 2 for b in self.live_blocks())
 
     def stats(self) -> dict[str, object]:
         return {"prefix_cache_blocks": len(self.blocks), "prefix_cache_evictable_blocks": len(self._lru),
