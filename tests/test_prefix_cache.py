@@ -206,7 +206,7 @@ def test_weight_update_with_requests_in_flight(group, v3, tmp_path):
             outs, errors, updates = {}, [], 0
             switches = iter(["tp", "cp", "dop"])
 
-            def update(name: str) -> None:
+            def update(name: str, eng=eng, world=world, switches=switches) -> None:
                 eng.update_weights_from_tensors(weights[name])
                 if world == 2:  # a live switch lands on the very next step
                     eng.switcher.request(next(switches))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCH_MODULES = ("offline", "serve", "sweep", "switch", "rollout")
+BENCH_MODULES = ("offline", "serve", "sweep", "switch", "rollout", "soak")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, sweep, switch, rollout")
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, sweep, switch, rollout, soak")
     kinds = p.add_subparsers(dest="bench_kind", metavar="KIND")
     for name in BENCH_MODULES:
         try:

@@ -123,6 +123,9 @@ class LLMEngine(RLControl):
         the books unsound), or None."""
         if self._broken is not None:
             return RuntimeError(self._broken)
+        return self._ranks_failure()
+
+    def _ranks_failure(self) -> BaseException | None:
         probe = getattr(self.runner, "failure", None)
         return probe() if probe is not None else None
 
@@ -236,14 +239,18 @@ class LLMEngine(RLControl):
             outs = self._run_step(st, final_only)
             self.audit(f"step {self.steps}")
         except Exception as e:
-            raise self._recover(st, e) from e
+            out = self._recover(st, e)
+            if out is e:
+                raise
+            raise out from e
         return outs
 
-    def _recover(self, st: Any, err: Exception) -> StepFailed:
+    def _recover(self, st: Any, err: Exception) -> Exception:
         """After a failed step: give back a switch that never ran, abort the step's requests (all of
         them if the step never got planned), tell the ranks again to forget what the failed message
         may not have carried, and prove the books. Unsound books or failed ranks: abort everything and
-        mark the engine broken (no later step runs; a server then reports unhealthy and exits)."""
+        mark the engine broken (no later step runs; a server then reports unhealthy and exits). Returns
+        what to raise: StepFailed, or the rank group's own error once it has failed."""
         why = f"{type(err).__name__}: {err}"
         log.error("step failed: %s", why, exc_info=err)
         unsound = None
@@ -267,12 +274,13 @@ class LLMEngine(RLControl):
                 errs = [f"the books could not be checked: {type(e).__name__}: {e}"]
         if unsound is not None:
             errs.insert(0, unsound)
-        dead = self.failure()
-        if not errs and dead is None:
+        if self._ranks_failure() is not None:  # the rank group failed: its own error says why (and says it
+            self._abort_each(list(self.requests))  # again at every later step)
+            return err
+        if not errs:
             return StepFailed(f"engine step failed: {why}", failed, fatal=False)
         failed += self._abort_each(list(self.requests))[0]
-        reason = "; ".join(errs[:3]) if errs else (str(dead).splitlines() or [type(dead).__name__])[0]
-        self._broken = f"the engine cannot step after a failed step ({why}): {reason}"
+        self._broken = f"the engine cannot step after a failed step ({why}): " + "; ".join(errs[:3])
         log.error("%s", self._broken)
         return StepFailed(self._broken, failed, fatal=True)
 
