@@ -40,7 +40,7 @@ def sync() -> None:
 
 def cpu_graphs(eng):
     """DEV=cpu: the static-buffer forward the graphs would capture, run eagerly (plumbing check)."""
-    from splash.engine.cuda_graph import DecodeGraphs
+    from splash.worker.cuda_graph import DecodeGraphs
 
     r = eng.runner
     r.graphs = DecodeGraphs(r.model, r.pool, r.layout, sizes=(1, 2, 4, 8, 16, 32), capture=False)
@@ -270,7 +270,7 @@ def count_syncs(eng) -> None:
     where = collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in ws
                                 if "synchroniz" in str(w.message))
     inside = {k: v for k, v in where.items()
-              if k.startswith(("splash/model/", "splash/attention/", "splash/engine/runner.py"))}
+              if k.startswith(("splash/model/", "splash/attention/", "splash/worker/runner.py"))}
     verdict("no host sync in the eager decode step's context build and forward (pinned copies, Triton "
             "kernel, dense MoE)", not inside,
             f"inside the model: {inside}; all syncs of the step: {dict(where)}")

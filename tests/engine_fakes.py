@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.engine.plan import StepPlan
+from splash.step.plan import StepPlan
 
 VOCAB = 138
 EOS = 1

@@ -146,8 +146,8 @@ class SimpleRunner:
 
     def step(self, work: list[tuple[Seq, int]]) -> torch.Tensor:
         """Run `num_new` new tokens of each seq (from seq.ids[cached:]); return last-row logits [B, V]."""
-        from splash.engine.plan import SeqSlice
         from splash.model.context import ForwardContext
+        from splash.step.plan import SeqSlice
 
         slices, ids = [], []
         for s, n in work:
@@ -167,8 +167,8 @@ class SimpleRunner:
 
     def all_logits(self, seq: Seq, n: int) -> torch.Tensor:
         """Logits of every row of one chunk (for prefill comparisons)."""
-        from splash.engine.plan import SeqSlice
         from splash.model.context import ForwardContext
+        from splash.step.plan import SeqSlice
 
         need = -(-(seq.cached + n) // self.P)
         while len(seq.pages) < need:

@@ -7,7 +7,7 @@ import pytest
 
 from splash.bench.phases import analyse, bucket, lines, split
 from splash.bench.rollout import QUICK, Workload, changes
-from splash.engine.auto_layout import LayoutDecision
+from splash.switch.auto import LayoutDecision
 
 
 def timeline(wide: list[float], tail: list[tuple[float, int, int]]) -> list[dict]:

@@ -26,10 +26,10 @@ from splash.core.config import PRESETS
 from splash.engine.llm_engine import LLMEngine, StepFailed
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import SchedulerConfig
-from splash.engine.switching import SwitchController
 from splash.engine.weights import WeightOp
 from splash.kv.allocator import KVAllocator
 from splash.kv.books import BooksError, Holder, book_errors
+from splash.switch.controller import SwitchController
 
 P = 4
 

@@ -11,13 +11,6 @@ from splash.calibration.fidelity import evaluate, format_summary, format_table, 
 from splash.calibration.fit import Observation, fit_theta, nnls
 from splash.calibration.grid import GridPoint, default_grid, parse_points, quick_grid, split_holdout
 from splash.calibration.measure import Timing, pages_needed
-from splash.calibration.prior import (
-    CPU_MEASURED,
-    CPU_MEASURED_COMM,
-    RUNTIME_COLLECTIVES,
-    load_or_default_theta,
-    runtime_prior,
-)
 from splash.core.config import PRESETS, ConfigError
 from splash.core.costmodel import (
     FIT_PARAMS,
@@ -29,6 +22,13 @@ from splash.core.costmodel import (
     with_params,
 )
 from splash.core.layouts import LAYOUTS, Layout
+from splash.core.prior import (
+    CPU_MEASURED,
+    CPU_MEASURED_COMM,
+    RUNTIME_COLLECTIVES,
+    load_or_default_theta,
+    runtime_prior,
+)
 from splash.core.sizes import AttentionSizes
 
 SIZES = AttentionSizes(PRESETS["tiny"], "fp32", "fp32")

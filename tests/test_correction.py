@@ -45,8 +45,8 @@ def test_settled_answers_as_measured_does():
 
 def _clock():
     """A StepFeedback on a synthetic clock (every step 'takes' its price): (feedback, plan maker)."""
-    from splash.engine.feedback import StepFeedback
-    from splash.engine.plan import SeqSlice, StepPlan
+    from splash.step.plan import SeqSlice, StepPlan
+    from splash.switch.feedback import StepFeedback
 
     fb = StepFeedback(SIZES, _theta(), None, ("tp", "dop"), 0.05,
                       lambda plan, live: Batch.make([64] * len(plan.seqs), 1, None, ranks=2),
@@ -61,7 +61,7 @@ def _clock():
 def test_step_clock_samples_a_settled_kind_once_in_stride_and_every_step_under_watch():
     """A kind of step the layout has not measured is sampled every step until it is (a verdict waits
     on it); then once in STRIDE steps; while the guard watches a switch, every step again."""
-    from splash.engine.feedback import SAMPLE_GAP, STRIDE
+    from splash.switch.feedback import SAMPLE_GAP, STRIDE
 
     fb, plan = _clock()
 
@@ -332,7 +332,7 @@ def test_recheck_keeps_the_block_when_the_source_is_faster_and_ends_on_other_mov
 
 
 def test_theta_profile_names(tmp_path, monkeypatch):
-    from splash.calibration.prior import is_profile_name, load_or_default_theta
+    from splash.core.prior import is_profile_name, load_or_default_theta
 
     cfg = PRESETS["tiny"]
     th, src = load_or_default_theta("h200", 2, cfg, "fp32")
@@ -367,8 +367,8 @@ def test_switch_back_and_correction_metrics():
 def test_switch_exposed_histogram_counts_as_switches_come():
     """The controller keeps bucket counts (not every switch's time); the Prometheus histogram built
     from them is cumulative per `le` bound, +Inf counting all, with the sum of the times."""
-    from splash.engine.switching import EXPOSED_BUCKETS, ExposedHistogram
     from splash.server.switch_metrics import SwitchCollector
+    from splash.switch.controller import EXPOSED_BUCKETS, ExposedHistogram
 
     h = ExposedHistogram()
     for t in (0.0004, 0.001, 0.003, 20.0):

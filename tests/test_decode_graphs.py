@@ -1,7 +1,7 @@
 """The CUDA-only parts of the decode step, checked on CPU where their logic allows it (the GPU itself is
 checked by tests/cuda_check.sh): the attention-kernel choice (splash/attention/paged.py), the MoE's
 sync-free dense form (MoE._dense, what CUDA decode steps and graphs run), and the padded static-buffer
-forward the CUDA graphs capture (splash/engine/cuda_graph.py with capture=False: the same buffers,
+forward the CUDA graphs capture (splash/worker/cuda_graph.py with capture=False: the same buffers,
 padding and context, run eagerly), which must give transformers' greedy tokens in float64 and the plain
 engine's logits within 1e-9.
 """
@@ -15,8 +15,8 @@ from test_engine_dist import ENGINE, NEW, PROMPTS, run
 from test_fast_paths import TINY, _moe
 
 from splash.attention import native, paged
-from splash.engine import cuda_graph
 from splash.engine.build import build_engine
+from splash.worker import cuda_graph
 
 
 def test_kernel_choice(monkeypatch) -> None:

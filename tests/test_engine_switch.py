@@ -1,4 +1,4 @@
-"""Live layout switches through the ENGINE (splash/engine/switching.py) on T = 2 and T = 4 gloo ranks.
+"""Live layout switches through the ENGINE (splash/switch/controller.py) on T = 2 and T = 4 gloo ranks.
 
 A tiny float64 DeepSeek-V3 checkpoint (transformers-made) serves a batch of unequal prompts with
 chunked prefill (8 rows per step) while a forced schedule switches the layout at consecutive steps
@@ -22,7 +22,7 @@ from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 from splash.core.config import ConfigError
 from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
-from splash.engine.switch_options import parse_schedule
+from splash.switch.options import parse_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 

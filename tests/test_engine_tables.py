@@ -1,4 +1,4 @@
-"""Every rank's own page tables through the ENGINE on T = 2 and T = 4 gloo ranks (splash/engine/wire.py).
+"""Every rank's own page tables through the ENGINE on T = 2 and T = 4 gloo ranks (splash/step/wire.py).
 
 Steps carry only deltas, so after every step each rank's stored tables must equal rank 0's full
 tables (`Sequence.pages[r]`) of every running request, and hold nothing else but requests whose drop

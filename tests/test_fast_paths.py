@@ -25,11 +25,11 @@ import splash.attention.batched as batched_mod
 import splash.model.context as context_mod
 from splash.attention.local import BatchedLocalLayout, LocalLayout
 from splash.core.config import PRESETS
-from splash.engine.plan import SeqSlice
 from splash.model.context import ForwardContext
 from splash.model.layers import RMSNorm
 from splash.model.moe import MoE
 from splash.model.rope import Rotary
+from splash.step.plan import SeqSlice
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)

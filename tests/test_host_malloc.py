@@ -1,4 +1,4 @@
-"""splash/engine/host_malloc.py: CPU ranks keep freed activation blocks for reuse (no page faults on the
+"""splash/worker/host_malloc.py: CPU ranks keep freed activation blocks for reuse (no page faults on the
 next step), can be told not to, and give the memory back on request. In a fresh process each: malloc's
 state depends on what the process did before."""
 
@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from splash.engine import host_malloc
+from splash.worker import host_malloc
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or host_malloc._libc() is None,
                                 reason="glibc only")
 
 _PROBE = """
 import json, resource, torch
-from splash.engine import host_malloc
+from splash.worker import host_malloc
 
 def rss_mib():
     with open("/proc/self/statm") as f:
@@ -59,7 +59,7 @@ def test_opt_out():
 def test_freeze_heap_moves_live_objects_out_of_the_collector_and_thaw_undoes_it():
     import gc
 
-    from splash.engine.host_malloc import freeze_heap, thaw_heap
+    from splash.worker.host_malloc import freeze_heap, thaw_heap
 
     try:
         freeze_heap()

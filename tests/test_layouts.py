@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from splash.core.capacity import footprint
 from splash.core.config import PRESETS, ConfigError
 from splash.core.layouts import (
     LAYOUTS,
@@ -13,7 +14,6 @@ from splash.core.layouts import (
     Placement,
     balanced_footprint,
     busiest_rank_load,
-    footprint,
     kv_pages_per_rank,
     kv_tokens_per_rank,
     longest_balanced_context,

@@ -18,11 +18,11 @@ from splash.attention.registry import NAMES, make_layout
 from splash.core.config import ModelConfig
 from splash.core.costmodel import eq4_bytes
 from splash.dist.comm import LocalCommunicator
-from splash.engine.plan import SeqSlice
 from splash.kv.pool import KVPool
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 from splash.model.rope import Rotary
+from splash.step.plan import SeqSlice
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -24,11 +24,11 @@ from splash.attention.registry import NAMES, make_layout
 from splash.core.config import ConfigError, ModelConfig
 from splash.core.layouts import Ownership
 from splash.dist.comm import LocalCommunicator
-from splash.engine.plan import SeqSlice
 from splash.kv.pool import KVPool
 from splash.model import DeepseekForCausalLM, load_model
 from splash.model.context import ForwardContext
 from splash.model.shard import even_range
+from splash.step.plan import SeqSlice
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(300)

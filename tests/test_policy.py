@@ -152,8 +152,8 @@ def test_engine_auto_weighs_admission_first_and_skips_unchanged_batches():
     or empties, or RECHECK steps pass."""
     from types import SimpleNamespace
 
-    from splash.engine.auto_layout import GAP, RECHECK
-    from splash.engine.switching import SwitchController
+    from splash.switch.auto import GAP, RECHECK
+    from splash.switch.controller import SwitchController
 
     priced = []
     distinct = {"tp": 1000, "dp": 900, "cp": 900, "dop": 2000}

@@ -456,7 +456,7 @@ def test_auto_prices_a_cached_prefix_as_free_prefill(group, v3, monkeypatch):
     if group.world != 2:
         pytest.skip("once, at T = 2")
     path, ref, _ = v3
-    from splash.engine.auto_layout import AutoLayout
+    from splash.switch.auto import AutoLayout
 
     priced: list[tuple[int, int]] = []
     orig = AutoLayout._batch

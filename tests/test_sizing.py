@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from splash.core.config import PRESETS, ConfigError
-from splash.engine import sizing
 from splash.kv.pool import KVPool
+from splash.worker import sizing
 
 CFG = PRESETS["tiny"]
 PER_PAGE = KVPool.bytes_per_page(CFG, 16, torch.float32)

@@ -25,10 +25,10 @@ from splash.attention.registry import make_layout
 from splash.core.config import ModelConfig
 from splash.core.manifest import switch_manifest
 from splash.dist.comm import LocalCommunicator
-from splash.engine.plan import LAYOUTS, SeqSlice, StepPlan
 from splash.kv.allocator import KVAllocator, page_ranks
 from splash.kv.pool import KVPool
 from splash.model.context import ForwardContext
+from splash.step.plan import LAYOUTS, SeqSlice, StepPlan
 from splash.switch import LiveRequest, SwitchExecutor, SwitchLayout, SwitchPlan, SwitchPlanner, SwitchRefusal
 from splash.switch.executor import WEIGHT_KEYS
 

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from splash.core.config import PRESETS
-from splash.engine.switching import SwitchController
 from splash.kv.allocator import KVAllocator, OutOfPages
+from splash.switch.controller import SwitchController
 from splash.switch.plan import SwitchRefusal
 
 LAYOUTS = ("tp", "dp", "cp", "dop")
@@ -132,7 +132,7 @@ def test_stranded_counts_queued_requests_and_only_lost_reach():
 def test_holds_pages_reads_every_row_whatever_the_owner_hint():
     """`holds_pages` looks at the owner's row first (the common case), but a page anywhere counts and
     a wrong or out-of-range hint changes nothing."""
-    from splash.engine.switching import holds_pages
+    from splash.switch.controller import holds_pages
 
     cases = [([[-1, -1], [-1, 3]], True), ([[-1, 5, -1], [-1, -1, -1]], True), ([[4], [-1]], True),
              ([[-1, -1], [-1, -1]], False), ([[], []], False)]

@@ -1,4 +1,4 @@
-"""Step messages as deltas (splash/engine/wire.py) and the ranks' own tables (splash/engine/tables.py).
+"""Step messages as deltas (splash/step/wire.py) and the ranks' own tables (splash/step/tables.py).
 
 No ranks here: rank 0's allocator grows and frees tables as the scheduler would (prefill chunks,
 decode, preemption, finishing, a switch replacing every table), each plan goes through encode ->
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from splash.attention.local import LocalLayout
-from splash.engine import wire
-from splash.engine.plan import SeqSlice, StepPlan
-from splash.engine.tables import RankTables
 from splash.kv.allocator import KVAllocator
 from splash.model.context import ForwardContext
+from splash.step import wire
+from splash.step.plan import SeqSlice, StepPlan
+from splash.step.tables import RankTables
 
 P = 4
 

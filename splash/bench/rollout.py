@@ -35,7 +35,7 @@ import numpy as np
 
 from splash.bench.report import report
 from splash.core.layouts import Layout
-from splash.engine.plan import LAYOUTS
+from splash.step.plan import LAYOUTS
 
 RUNS = (*LAYOUTS, "auto")
 
@@ -170,8 +170,8 @@ def final_tokens(eng: Any) -> int:
 def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prompts: list[list[int]],
             outs: list[int], bar: Any = None) -> dict[str, Any]:
     from splash.engine.build import build_engine
-    from splash.engine.host_malloc import freeze_heap, thaw_heap
     from splash.engine.sampling import SamplingParams
+    from splash.worker.host_malloc import freeze_heap, thaw_heap
 
     eng = build_engine(args.model, dtype=args.dtype, tp=args.tp, layout=layout, rank_group=group,
                        memory_per_rank=memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,

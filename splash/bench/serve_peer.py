@@ -26,7 +26,7 @@ METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean T
 def add_peer_args(p: argparse.ArgumentParser) -> None:
     from splash.bench.peer import PEERS
     from splash.commands.argtypes import output_file, positive_float, positive_int
-    from splash.engine.plan import LAYOUTS
+    from splash.step.plan import LAYOUTS
 
     p.add_argument("--peer", choices=PEERS, default=None,
                    help="start `splash serve` and this peer's server (vllm: vLLM's OpenAI server from "

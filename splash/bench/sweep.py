@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from splash.bench.report import report
-from splash.engine.plan import LAYOUTS
+from splash.step.plan import LAYOUTS
 
 
 def _int_list(text: str) -> list[int]:

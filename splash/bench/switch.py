@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from splash.bench.report import report
-from splash.engine.plan import LAYOUTS
+from splash.step.plan import LAYOUTS
 
 DIRECTIONS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
 

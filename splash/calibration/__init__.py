@@ -6,7 +6,7 @@ Importing the package pulls no torch; only `measure` / `calibrate` start ranks.
 """
 
 from splash.calibration.grid import GridPoint, default_grid, parse_points, quick_grid, split_holdout
-from splash.calibration.prior import load_or_default_theta, runtime_prior
+from splash.core.prior import load_or_default_theta, runtime_prior
 
 __all__ = ["GridPoint", "default_grid", "load_or_default_theta", "parse_points", "quick_grid",
            "runtime_prior", "split_holdout"]

@@ -87,7 +87,7 @@ def build_plan(point: GridPoint, layout: str, alloc: Any, rng: np.random.Generat
     Requests are numbered from `first_id`: ranks keep tables by request id, so a new plan's requests
     need new ids, and `dropped` names the released ones the ranks may forget."""
     from splash.core.layouts import round_robin_owners
-    from splash.engine.plan import SeqSlice, StepPlan
+    from splash.step.plan import SeqSlice, StepPlan
 
     owners = round_robin_owners(point.B, alloc.world)
     tables, seqs = [], []

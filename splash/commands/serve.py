@@ -112,8 +112,8 @@ def build_engine(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from splash.engine.host_malloc import freeze_heap
     from splash.server.app import create_app
+    from splash.worker.host_malloc import freeze_heap
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.port < 0 or args.port > 65535:

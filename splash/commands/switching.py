@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from splash.commands.argtypes import ranged
-from splash.engine.plan import LAYOUTS
+from splash.step.plan import LAYOUTS
 
 _fraction = ranged(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 _count = ranged(int, lambda v: v >= 0, "a non-negative integer")

@@ -18,6 +18,7 @@ no context), the token pool with no request, and the requests of a given context
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
@@ -29,8 +30,11 @@ from splash.core.layouts import (
     Layout,
     Ownership,
     StatePlacement,
+    check_batch,
     kv_histories_busiest,
+    kv_tokens_per_rank,
     state_histories_busiest,
+    state_requests_per_rank,
 )
 from splash.core.sizes import GIB, KIB, AttentionSizes
 
@@ -38,6 +42,19 @@ PAPER_SEED = 20260922
 PAPER_COHORTS = 200_000
 PAPER_RESIDENCY = 0.99
 K = 1024  # the paper's "1k": limits and crossovers are reported in units of 1024 tokens
+
+
+def footprint(layout: Layout, sizes: AttentionSizes, contexts: Sequence[int],
+              owners: Sequence[int] | None, ranks: int, page_size: int | None = None) -> np.ndarray:
+    """Eq 1 for any batch: per-rank bytes of attention weights + KV + per-request state ([T] float
+    array): M(l) = W(l) + B*k*s*f_l + B*z*g_l. A DSA model's indexer projections count whole on every
+    rank, its indexer keys in k; a hybrid's KDA projections shard like MLA's, its states by g."""
+    s, o = check_batch(contexts, owners, ranks)
+    kv = kv_tokens_per_rank(layout, s, o, ranks, page_size) * sizes.k
+    w = np.array([sizes.attention_weight_bytes(layout.sharded, ranks, r) for r in range(ranks)])
+    if sizes.z:
+        return w + kv + state_requests_per_rank(layout, o, ranks) * sizes.z
+    return w + kv
 
 
 def pool_tokens(layout: Layout, memory_bytes: float, w_a: float, k: float, ranks: int,

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from splash.core.config import ConfigError, head_slice
-from splash.core.sizes import AttentionSizes
 
 
 class Placement(enum.Enum):
@@ -138,7 +137,7 @@ def round_robin_owners(n: int, ranks: int) -> list[int]:
     return [i % ranks for i in range(n)]
 
 
-def _check(contexts: Sequence[int], owners: Sequence[int] | None,
+def check_batch(contexts: Sequence[int], owners: Sequence[int] | None,
            ranks: int) -> tuple[np.ndarray, np.ndarray]:
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
@@ -169,7 +168,7 @@ def position_shard_tokens(contexts: np.ndarray, ranks: int, page_size: int | Non
 def kv_tokens_per_rank(layout: Layout, contexts: Sequence[int], owners: Sequence[int] | None,
                        ranks: int, page_size: int | None = None) -> np.ndarray:
     """Context tokens of latent KV each rank stores in `layout` ([T] int array)."""
-    s, o = _check(contexts, owners, ranks)
+    s, o = check_batch(contexts, owners, ranks)
     own = layout.ownership
     if own is Ownership.REPLICATED:
         return np.full(ranks, int(s.sum()), dtype=np.int64)
@@ -181,7 +180,7 @@ def kv_tokens_per_rank(layout: Layout, contexts: Sequence[int], owners: Sequence
 def kv_pages_per_rank(layout: Layout, contexts: Sequence[int], owners: Sequence[int] | None,
                       ranks: int, page_size: int) -> np.ndarray:
     """Pages each rank must allocate (a partly filled last page still costs a page)."""
-    s, o = _check(contexts, owners, ranks)
+    s, o = check_batch(contexts, owners, ranks)
     n = -(-s // page_size)
     own = layout.ownership
     if own is Ownership.REPLICATED:
@@ -202,19 +201,6 @@ def state_requests_per_rank(layout: Layout, owners: Sequence[int] | np.ndarray, 
     if kind is StatePlacement.OWNER:
         return np.bincount(o, minlength=ranks).astype(np.float64)
     return np.full(ranks, float(len(o)))
-
-
-def footprint(layout: Layout, sizes: AttentionSizes, contexts: Sequence[int],
-              owners: Sequence[int] | None, ranks: int, page_size: int | None = None) -> np.ndarray:
-    """Eq 1 for any batch: per-rank bytes of attention weights + KV + per-request state ([T] float
-    array): M(l) = W(l) + B*k*s*f_l + B*z*g_l. A DSA model's indexer projections count whole on every
-    rank, its indexer keys in k; a hybrid's KDA projections shard like MLA's, its states by g."""
-    s, o = _check(contexts, owners, ranks)
-    kv = kv_tokens_per_rank(layout, s, o, ranks, page_size) * sizes.k
-    w = np.array([sizes.attention_weight_bytes(layout.sharded, ranks, r) for r in range(ranks)])
-    if sizes.z:
-        return w + kv + state_requests_per_rank(layout, o, ranks) * sizes.z
-    return w + kv
 
 
 def balanced_footprint(layout: Layout, w_a: float, k: float, batch: int, context: float,

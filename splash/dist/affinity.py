@@ -3,8 +3,9 @@
 Ranks that share a node's cores float between them (free for the kernel to move onto each other's
 core); measured on the 2-core machine at T=2 (`bench rollout`, invocations alternating bound and
 unbound), binding each rank to its own core made fixed DOP 7% faster (18 runs each), fixed TP 10%
-(10 each) and auto 9% (8 each), and DOP's run-to-run spread 12.8% -> 9.5%. So when the node's ranks times their threads fit the cores this process may use, each
-local rank gets its own disjoint slice of them (vLLM's CPU engine binds its threads likewise). When
+(10 each) and auto 9% (8 each), and DOP's run-to-run spread 12.8% -> 9.5%. So when the node's ranks
+times their threads fit the cores this process may use, each local rank gets its own disjoint slice
+of them (vLLM's CPU engine binds its threads likewise). When
 they do not fit (e.g. T=4 on 2 cores) nothing is bound. `SPLASH_CPU_BIND=off` turns binding off.
 """
 
@@ -21,7 +22,8 @@ ON, OFF = ("auto", "on", "1", ""), ("off", "0", "none")
 log = logging.getLogger("splash.dist")
 
 
-def plan(local_ranks: int, threads: int, allowed: Iterable[int] | None = None) -> list[tuple[int, ...]] | None:
+def plan(local_ranks: int, threads: int, allowed: Iterable[int] | None = None
+         ) -> list[tuple[int, ...]] | None:
     """Cores for each local rank (by position in the node's rank list), or None: binding is off, there
     is one rank (it may use every core), or the ranks' threads would not each get a core of their own."""
     mode = os.environ.get(ENV, "auto").strip().lower()

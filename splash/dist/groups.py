@@ -66,8 +66,9 @@ def check_devices(ranks_here: int, backend: str) -> None:
     found = torch.cuda.device_count()
     if ranks_here > found:
         raise ConfigError(f"{ranks_here} ranks on this node need {ranks_here} CUDA devices (NCCL runs one "
-                          f"rank per device), but {found} {'is' if found == 1 else 'are'} visible; run at most "
-                          f"{found} ranks per node (--tp, or --nnodes to spread them) or use --device cpu (gloo)")
+                          f"rank per device), but {found} {'is' if found == 1 else 'are'} visible; run at "
+                          f"most {found} ranks per node (--tp, or --nnodes to spread them) or use --device "
+                          f"cpu (gloo)")
 
 
 @dataclass

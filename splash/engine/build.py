@@ -20,14 +20,14 @@ from splash.dist.launch import resolve_launch
 from splash.engine.group import RankGroup
 from splash.engine.group_runner import GroupRunner
 from splash.engine.llm_engine import LLMEngine
-from splash.engine.plan import LAYOUTS
 from splash.engine.scheduler import SchedulerConfig, default_max_num_seqs, default_token_budget
-from splash.engine.sizing import parse_bytes
-from splash.engine.spec import EngineSpec, load_rank, model_name
-from splash.engine.switch_options import resolve_layout
-from splash.engine.switching import attach_switching
 from splash.kv.allocator import KVAllocator
 from splash.model import resolve_model_path
+from splash.step.plan import LAYOUTS
+from splash.switch.controller import attach_switching
+from splash.switch.options import resolve_layout
+from splash.worker.load import EngineSpec, load_rank, model_name
+from splash.worker.sizing import parse_bytes
 
 log = logging.getLogger("splash.engine")
 
@@ -68,7 +68,7 @@ def build_engine(model: str = "tiny", dtype: str | torch.dtype | None = None, ma
     onto `rank_group` (a RankGroup that outlives the engine, e.g. a benchmark reusing its ranks).
     `collective_timeout_s` bounds every data-plane collective (a hung rank fails the engine then).
     `layout`: "tp" | "dp" | "cp" | "dop", or "auto" (the default when T > 1: the layout policy switches
-    live, see splash/engine/switching.py); `switch_schedule` "STEP:LAYOUT,..." forces switches;
+    live, see splash/switch/controller.py); `switch_schedule` "STEP:LAYOUT,..." forces switches;
     `switch_mode` "overlapped" | "blocking"; `theta` a calibrated theta JSON for "auto".
     `long_prefill_token_threshold` caps one prompt's chunk per step (0: only the step budget does);
     `attention_form` "auto" | "absorbed" | "mha" (splash/attention/mha.py; auto picks per chunk; None:

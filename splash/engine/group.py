@@ -28,8 +28,8 @@ from typing import Any
 from splash.dist import affinity
 from splash.dist.groups import DEFAULT_TIMEOUT_S, check_devices, init_distributed, pick_backend
 from splash.dist.launch import LaunchSpec, WorkerError, WorkerGroup, resolve_launch, start_workers
-from splash.engine.plan import StepPlan, control_plan
-from splash.engine.worker import (
+from splash.step.plan import StepPlan, control_plan
+from splash.worker.loop import (
     WorkerState,
     load_reply,
     set_data_timeout,
@@ -179,7 +179,7 @@ class RankGroup:
 
     # ---- messages ------------------------------------------------------------------------------------
     def send(self, plan: StepPlan | bytes | tuple) -> None:
-        """Broadcast a control plan or a step message (splash/engine/wire.py) to every rank (after
+        """Broadcast a control plan or a step message (splash/step/wire.py) to every rank (after
         checking they are alive)."""
         self.check()
         self.grid.comm.broadcast_object(plan, src=0)

@@ -8,16 +8,16 @@ from typing import Any
 import torch
 
 from splash.dist.launch import WorkerError
-from splash.engine import wire
 from splash.engine.group import GroupFailed
-from splash.engine.plan import StepPlan
-from splash.engine.runner import ModelRunner, decoded
+from splash.step import wire
+from splash.step.plan import StepPlan
+from splash.worker.runner import ModelRunner, decoded
 
 
 class GroupRunner:
     """Rank 0's runner on T ranks: each plan goes to every rank, then rank 0 runs its own share.
 
-    The step is SPMD: the workers run the same forward on their shard (splash/engine/worker.py); only
+    The step is SPMD: the workers run the same forward on their shard (splash/worker/loop.py); only
     rank 0 computes logits, since the LM head is replicated. Any failure marks the group failed (see
     RankGroup.guarded) and every later step raises at once.
     """

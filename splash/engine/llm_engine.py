@@ -18,7 +18,6 @@ import torch
 from splash.engine import prompt_logprobs
 from splash.engine.detokenizer import IncrementalDetokenizer
 from splash.engine.outputs import RequestOutput
-from splash.engine.plan import StepPlan
 from splash.engine.request import Request
 from splash.engine.request import Sequence as Seq
 from splash.engine.rl import RLControl
@@ -27,6 +26,7 @@ from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Scheduler, SchedulerConfig
 from splash.kv.allocator import KVAllocator
 from splash.kv.books import BooksError
+from splash.step.plan import StepPlan
 
 log = logging.getLogger("splash.engine")
 
@@ -78,7 +78,7 @@ class LLMEngine(RLControl):
         # Debug/test hook: fn(plan, seqs, logits) with rank 0's logits of the plan's sampled rows, before
         # sampling (float64 parity tests compare whole rows across layouts).
         self.logits_hook: Callable[[StepPlan, list[Seq], torch.Tensor], None] | None = None
-        # Live layout switching on T > 1 ranks (splash/engine/switching.py): decides and plans a switch
+        # Live layout switching on T > 1 ranks (splash/switch/controller.py): decides and plans a switch
         # into the scheduled step, commits it after the step ran.
         self.switcher: Any = None
         self._closed = False
@@ -439,7 +439,7 @@ class LLMEngine(RLControl):
 
     # ---- introspection -------------------------------------------------------------------------
     def _plan_bytes_p50(self) -> int | None:
-        """Median bytes of the step message rank 0 sends (splash/engine/wire.py) over forward steps with
+        """Median bytes of the step message rank 0 sends (splash/step/wire.py) over forward steps with
         no prefill rows; None before any such step."""
         probe = getattr(self.runner, "decode_plan_bytes_p50", None)
         return probe() if probe is not None else None

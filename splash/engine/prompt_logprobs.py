@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splash.engine.plan import RowLogprobs, SeqSlice
 from splash.engine.request import Request
 from splash.engine.request import Sequence as Seq
+from splash.step.plan import RowLogprobs, SeqSlice
 
 
 def start(req: Request) -> None:

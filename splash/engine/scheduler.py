@@ -25,11 +25,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from splash.engine.plan import SeqSlice, StepPlan
 from splash.engine.request import SeqStatus, Sequence
 from splash.kv.allocator import KVAllocator, balanced_owners, pages_for
 from splash.kv.books import Holder, book_errors
 from splash.kv.prefix import Block, PrefixCache
+from splash.step.plan import SeqSlice, StepPlan
 
 # A request goes to the rank holding its longest cached prefix (DP/DOP) unless that rank's projected
 # pages would exceed the least-loaded rank's by more than this many times the request's own projected

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from splash.engine.plan import StepPlan
 from splash.model.update import (
     TensorReader,
     WeightUpdateError,
@@ -35,6 +34,7 @@ from splash.model.update import (
     restore_weights,
     stage,
 )
+from splash.step.plan import StepPlan
 
 log = logging.getLogger("splash.weights")
 
@@ -169,7 +169,7 @@ def _release(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
     else:
-        from splash.engine.host_malloc import give_back
+        from splash.worker.host_malloc import give_back
 
         give_back()  # freed blocks kept for reuse (host_malloc) go back to the kernel too
 

@@ -21,10 +21,10 @@ import torch
 if TYPE_CHECKING:
     from splash.attention.base import AttentionLayout
     from splash.attention.sparse import SparseStep
-    from splash.engine.plan import SeqSlice
-    from splash.engine.tables import RankTables
     from splash.kv.pool import KVPool
     from splash.kv.state import StatePool, StateStep
+    from splash.step.plan import SeqSlice
+    from splash.step.tables import RankTables
 
 
 class SliceCtx:

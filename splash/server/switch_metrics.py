@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from splash.engine.switching import EXPOSED_BUCKETS
+from splash.switch.controller import EXPOSED_BUCKETS
 
 EXPOSED_DOC = "Exposed time of each live layout switch on rank 0."
 BACKS_DOC = "Switches back by the regret guard (the switch ran slower than the layout it left), by direction."

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from splash.engine.plan import StepPlan
+    from splash.step.plan import StepPlan
 
 MODES = ("overlapped", "blocking")
 # How a rank gets its destination projection blocks. "gather": all-gather every rank's head slice

@@ -33,8 +33,8 @@ from splash.core.config import ModelConfig, normalize_dtype
 from splash.core.layouts import Layout
 from splash.core.manifest import KVPages, Manifest, held_state, switch_manifest
 from splash.core.sizes import AttentionSizes
-from splash.engine.plan import LAYOUTS
 from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks
+from splash.step.plan import LAYOUTS
 from splash.switch.columns import Columns, first_bad, request_error, request_scalars
 from splash.switch.plan import MODES, Headroom, LayerSwitch, LiveRequest, SwitchPlan, SwitchRefusal
 

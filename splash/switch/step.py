@@ -1,6 +1,6 @@
 """Every rank's switching step: a "switch" plan runs the step in the destination layout while each
 layer's state arrives (`SwitchExecutor` through `SwitchLayout`); afterwards the runner's layout, and the
-model's form, are the destination. The worker runs it like a forward step (splash/engine/runner.py)."""
+model's form, are the destination. The worker runs it like a forward step (splash/worker/runner.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from splash.attention.registry import make_layout
-from splash.engine.plan import StepPlan
+from splash.step.plan import StepPlan
 from splash.switch.executor import SwitchExecutor
 from splash.switch.layout import SwitchLayout
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from splash.engine.plan import LAYOUTS, STEP_KINDS, SeqSlice, StepPlan
-from splash.engine.tables import RankTables
+from splash.step.plan import LAYOUTS, STEP_KINDS, SeqSlice, StepPlan
+from splash.step.tables import RankTables
 
 VERSION = 1
 _HEAD = struct.Struct("<BBBBHxxq")  # version, kind, layout, flags, world, (pad), step

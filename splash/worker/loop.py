@@ -5,7 +5,7 @@ A worker waits on the control plane for the next `StepPlan` from rank 0 and disp
 page count through a gather, or with the error that stopped it), "forward" runs the SPMD step, "stats"
 sends its CommStats to rank 0, "unload" drops the shard, "shutdown" ends the loop; "switch" is a
 forward step in which the layout switches (the runner runs it, splash/switch/step.py). Steps arrive
-as compact messages (splash/engine/wire.py) that update the rank's own page tables. New kinds plug in
+as compact messages (splash/step/wire.py) that update the rank's own page tables. New kinds plug in
 with `register_handler`, on every rank, before the group starts.
 
 A handler that raises ends the worker with its traceback (start_workers reports it to rank 0's
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from splash.engine import wire
-from splash.engine.host_malloc import freeze_heap, thaw_heap
-from splash.engine.plan import StepPlan
+from splash.step import wire
+from splash.step.plan import StepPlan
+from splash.worker.host_malloc import freeze_heap, thaw_heap
 
 log = logging.getLogger("splash.worker")
 
@@ -34,7 +34,7 @@ class WorkerState:
     """What one rank holds between plans."""
 
     grid: Any
-    rank_state: Any = None  # splash.engine.spec.RankState once loaded
+    rank_state: Any = None  # splash.worker.load.RankState once loaded
     steps: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # room for plug-ins (e.g. a switch executor)
 
@@ -57,7 +57,7 @@ def register_handler(kind: str, fn: Handler) -> None:
 # ---- the pieces rank 0 shares with workers ----------------------------------------------------------
 def load_reply(state: WorkerState, plan: StepPlan) -> dict[str, Any]:
     """Build this rank's share from the spec; the facts (or error) rank 0 gathers from every rank."""
-    from splash.engine.spec import load_rank
+    from splash.worker.load import load_rank
 
     unload(state)
     try:

@@ -2,7 +2,7 @@
 
 Rank 0 owns the allocators and the full tables (`Sequence.pages[r][j]`); every rank (rank 0 included,
 it runs the same code) keeps its *own* row of each live request's table here and updates it from the
-step messages (splash/engine/wire.py): pages appended as requests grow, whole tables replaced after a
+step messages (splash/step/wire.py): pages appended as requests grow, whole tables replaced after a
 layout switch, requests dropped when they finish, are aborted or preempted.
 
 The rows live side by side in one -1 padded int64 array [slots, width] (a request holds one slot), so

@@ -1,7 +1,7 @@
 """Replica memory of live switching: the KV pages that replicated attention projections take.
 
 With a `--memory-per-rank` budget and switching enabled, every rank's KV pool is sized as if its
-attention projections were head-sharded (the largest pool the budget allows, splash/engine/spec.py),
+attention projections were head-sharded (the largest pool the budget allows, splash/worker/load.py),
 and while the engine runs a replicated-projection layout (DP, CP) the pages those replicas occupy are
 withheld from the allocators (`replica_pages` per rank, `ReplicaPages`). So each layout gets exactly
 the KV capacity the budget gives it - DOP admits more than DP, TP holds 1/T of DOP's distinct tokens -

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from splash.core.config import ConfigError
-from splash.engine.plan import LAYOUTS
+from splash.step.plan import LAYOUTS
 
 AUTO_START = "dop"  # where --layout auto starts: the most KV a budget allows, sharded projections
 

@@ -1,10 +1,10 @@
 """What `--layout auto` does on rank 0: price the live batch, ask the Policy, record its verdict.
 
-`AutoLayout` is the policy half of the `SwitchController` (splash/engine/switching.py), which mixes it
+`AutoLayout` is the policy half of the `SwitchController` (splash/switch/controller.py), which mixes it
 in and owns the state it reads: the allocators (`alloc`), the scheduler (`sched`), the memory check
 (`fitting`, the planner's own, run dry), the distinct KV each layout holds (`distinct_tokens`) and the
 decision log. `_decide` returns the layout to switch to, or None; the controller plans and commits.
-The step clock behind the online correction and the regret guard is splash/engine/feedback.py.
+The step clock behind the online correction and the regret guard is splash/switch/feedback.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from splash.core.costmodel import Batch, Theta, step_cost
 from splash.core.layouts import Layout
 from splash.core.policy import PolicyConfig, choose, evaluate
 from splash.core.sizes import AttentionSizes
-from splash.engine.plan import LAYOUTS, StepPlan
 from splash.kv.allocator import balanced_owners
+from splash.step.plan import LAYOUTS, StepPlan
 from splash.switch.planner import dtype_name
 
 log = logging.getLogger("splash.switch")
@@ -84,7 +84,7 @@ class AutoLayout:
         self.policy_cfg = PolicyConfig(margin=margin, min_dwell=min_dwell, page_size=P, check_memory=False)
 
     def _init_feedback(self, margin: float) -> None:
-        from splash.engine.feedback import StepFeedback
+        from splash.switch.feedback import StepFeedback
 
         dev = getattr(getattr(self.engine.runner, "local", self.engine.runner), "device", None)
         sync = None

@@ -2,7 +2,7 @@
 
 After the scheduler has planned a step in the running layout, the `SwitchController` (owned by the
 LLMEngine) decides whether this step switches - a forced schedule (`--switch-schedule`, parsed in
-splash/engine/switch_options.py), an explicit `request(dst)` (benchmarks), the regret guard's switch
+splash/switch/options.py), an explicit `request(dst)` (benchmarks), the regret guard's switch
 back, or the analytical core's Policy (`--layout auto`) evaluated on the live batch - and if so asks
 the `SwitchPlanner` for a plan over the real page allocators. A refusal is logged with its numbers and
 the step runs as planned, in the current layout. A plan rewrites the step into the destination layout
@@ -10,7 +10,7 @@ the step runs as planned, in the current layout. A plan rewrites the step into t
 it (splash/switch/step.py; see docs/runtime.md "Switching"). After the step rank 0 commits: source
 pages retired, the allocators' layout becomes the destination, each live sequence takes its new page
 table and owner (`Scheduler.set_owner`), and the replicas' pages are withheld or given back
-(splash/engine/replicas.py).
+(splash/switch/replicas.py).
 
 Memory feasibility has one definition, the planner's: `fits` runs `SwitchPlanner.check` (owners,
 Eq 5, Eq 6, nothing allocated) on the live batch, exactly what the plan itself will check. Owners
@@ -30,15 +30,15 @@ from typing import Any
 
 from splash.core.config import ConfigError
 from splash.core.correction import describe
-from splash.engine.auto_layout import AutoLayout, LayoutDecision
-from splash.engine.plan import LAYOUTS, StepPlan
-from splash.engine.replicas import ReplicaPages, replica_pages
-from splash.engine.switch_options import parse_schedule
 from splash.kv.allocator import request_capacity
 from splash.kv.pool import KVPool
+from splash.step.plan import LAYOUTS, StepPlan
 from splash.switch import LiveRequest, SwitchPlanner, SwitchRefusal
+from splash.switch.auto import AutoLayout, LayoutDecision
+from splash.switch.options import parse_schedule
 from splash.switch.plan import MODES
 from splash.switch.planner import dtype_name
+from splash.switch.replicas import ReplicaPages, replica_pages
 from splash.switch.step import SwitchTiming
 
 log = logging.getLogger("splash.switch")

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from splash.engine import wire
-from splash.engine.plan import STEP_KINDS, RowLogprobs, StepPlan
-from splash.engine.tables import RankTables
+from splash.step import wire
+from splash.step.plan import STEP_KINDS, RowLogprobs, StepPlan
+from splash.step.tables import RankTables
 from splash.switch.step import run_switch_step
 
 __all__ = ["ModelRunner", "decoded"]
@@ -48,10 +48,10 @@ class ModelRunner:
         self.tables = RankTables()  # this rank's page tables of the live requests (from step messages)
         self.state: Any = None  # a KDA hybrid's StatePool (splash/kv/state.py): its requests' slots
         self._encoder: wire.PlanEncoder | None = None
-        self.graphs: Any = None  # CUDA graphs of decode steps (splash/engine/cuda_graph.py), CUDA only
+        self.graphs: Any = None  # CUDA graphs of decode steps (splash/worker/cuda_graph.py), CUDA only
         # (CUDA graphs skip KDA hybrids for now: for_runner returns None for them)
         if self.device.type == "cuda":
-            from splash.engine.cuda_graph import for_runner
+            from splash.worker.cuda_graph import for_runner
 
             self.graphs = for_runner(self)
 

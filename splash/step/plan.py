@@ -1,8 +1,8 @@
 """The step plan: what rank 0 tells every rank each step (see docs/runtime.md).
 
 Pure data (no torch), so tests can build plans by hand. Rank 0's scheduler makes plans with every
-rank's full page tables; steps travel as compact deltas (splash/engine/wire.py) and each rank keeps its
-own tables (splash/engine/tables.py). Control plans (load, stats, ...) are pickled as they are.
+rank's full page tables; steps travel as compact deltas (splash/step/wire.py) and each rank keeps its
+own tables (splash/step/tables.py). Control plans (load, stats, ...) are pickled as they are.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from splash.core.layouts import LAYOUTS as CORE_LAYOUTS
 LAYOUTS = tuple(lay.value for lay in CORE_LAYOUTS)  # the names plans carry ("tp", "dp", "cp", "dop")
 # Plan kinds. "forward" and "switch" (a forward step in which the layout switches) run the SPMD step
 # on every rank (STEP_KINDS, sent as step messages); the others are control messages of the rank group
-# (splash/engine/worker.py): "load" carries an EngineSpec in `payload` and
+# (splash/worker/loop.py): "load" carries an EngineSpec in `payload` and
 # makes every rank (re)build its model shard and KV pool, "unload" drops them, "stats" gathers each
 # rank's CommStats to rank 0, "tables" gathers each rank's page tables (tests, debugging), "shutdown"
 # ends the worker processes.

@@ -37,7 +37,7 @@ class EngineSpec:
     # Live switching (auto or a schedule): the KV pool makes room for the projection replicas a switch
     # into DP/CP gathers. Under a budget it is sized as if the projections were head-sharded (the
     # largest pool), whatever the start layout, and DP/CP withhold the replicas' pages (see
-    # splash/engine/replicas.py); without one, the default pool leaves them free (nothing else would
+    # splash/switch/replicas.py); without one, the default pool leaves them free (nothing else would
     # check that they fit: no budget, no Eq 5/6 pages).
     switching: bool = False
     attention_form: str = "auto"  # "auto" | "absorbed" | "mha": chunk forms (splash/attention/mha.py)
@@ -69,11 +69,11 @@ def rank_device(spec: EngineSpec, grid: Any) -> torch.device:
 def load_rank(spec: EngineSpec, grid: Any) -> RankState:
     """Load this rank's model shard for the layout, size and allocate its KV pool, build its runner."""
     from splash.attention.registry import make_layout
-    from splash.engine.runner import ModelRunner
-    from splash.engine.sizing import kv_pages, reserve_bytes, weight_bytes
     from splash.kv.pool import KVPool
     from splash.kv.state import StatePool
     from splash.model import load_model, resolve_dtype, resolve_model_path
+    from splash.worker.runner import ModelRunner
+    from splash.worker.sizing import kv_pages, reserve_bytes, weight_bytes
 
     if spec.seed is not None:
         torch.manual_seed(spec.seed)
@@ -82,7 +82,7 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
     set_form(spec.attention_form)
     dev = rank_device(spec, grid)
     if dev.type == "cpu":
-        from splash.engine.host_malloc import tune
+        from splash.worker.host_malloc import tune
 
         tune()  # activations' memory reused across steps, not page-faulted back in
     path = resolve_model_path(spec.model)
@@ -103,7 +103,7 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
     reserve = reserve_bytes(cfg, tdtype, spec.max_num_batched_tokens, spec.max_num_seqs)
     pool_weights, keep_free = weights, 0
     if spec.switching and spec.world > 1:
-        from splash.engine.replicas import replica_bytes
+        from splash.switch.replicas import replica_bytes
 
         if layout.shards_projections:
             keep_free = replica_bytes(net, spec.world)  # (only the default-sized pool uses it)
@@ -125,7 +125,7 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
     runner = ModelRunner(net, pool, layout, grid.comm, grid.rank, spec.world)
     if slots:
         runner.state = StatePool.for_model(cfg, slots, tdtype, dev, heads=heads)
-    runner.switch_comm = getattr(grid, "switch", None)  # layout-switch transfers (splash/engine/switching.py)
+    runner.switch_comm = getattr(grid, "switch", None)  # layout-switch transfers (splash/switch/)
     return RankState(runner=runner, pages=pages, weight_bytes=weights, reserve_bytes=reserve, slots=slots,
                      state_bytes=state_bytes)
 
