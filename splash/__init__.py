@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+from splash.version import __version__
+
+__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 if TYPE_CHECKING:
     from splash.engine.outputs import CompletionOutput, RequestOutput

@@ -26,40 +26,34 @@ Sampling = dict[str, Any] | list[dict[str, Any]] | None
 PerPrompt = int | list[int] | None
 Body = dict[str, Any] | list[dict[str, Any]]
 
-# SGLang's ServerArgs names -> build_engine's
-_ALIASES = {"model_path": "model", "tp_size": "tp", "random_seed": "seed", "context_length": "max_model_len",
-            "max_running_requests": "max_num_seqs", "chunked_prefill_size": "max_num_batched_tokens"}
-
-
 class Engine:
     """`Engine(model_path=..., tp_size=..., enable_memory_saver=...)` and SGLang's methods.
 
-    Other keywords are splash's (`splash.engine.build.build_engine`: dtype, layout, num_kv_pages,
-    memory_per_rank, device, ...). `enable_memory_saver` (SGLang's flag, off by default as there)
+    Other keywords are the engine's options (`splash.config.EngineConfig`: dtype, layout, num_kv_pages,
+    memory_per_rank, device, ...; SGLang's ServerArgs names such as tp_size are taken too).
+    `enable_memory_saver` (SGLang's flag, off by default as there)
     allows `release_memory_occupation`."""
 
     def __init__(self, model: str | None = None, *, enable_memory_saver: bool = False,
                  served_model_name: str | None = None, **kw: Any) -> None:
+        from splash.config import EngineConfig
         from splash.engine.async_engine import AsyncEngine
         from splash.server.metrics import ServerMetrics
         from splash.server.serving import Serving
 
-        for sg, ours in _ALIASES.items():
-            if sg in kw:
-                if ours in kw and kw[ours] != kw[sg]:
-                    raise ValueError(f"{sg}={kw[sg]!r} disagrees with {ours}={kw[ours]!r}")
-                kw[ours] = kw.pop(sg)
-        model = model or kw.pop("model", None) or "tiny"
+        if model is not None:
+            kw["model"] = model
+        # one config (SGLang's names accepted: model_path, tp_size, ...; unknown keys refused)
+        config = EngineConfig.from_kwargs(enable_memory_saver=enable_memory_saver, **kw)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="splash-engine-api", daemon=True)
         self._thread.start()
         try:
-            self._engine = AsyncEngine.from_args(model=model, **kw)
+            self._engine = AsyncEngine.from_config(config)
         except BaseException:
             self._stop_loop()
             raise
-        self._engine.engine.memory_saver = enable_memory_saver
-        self.model_name = served_model_name or str(model)
+        self.model_name = served_model_name or str(config.model)
         self._serving = Serving(self._engine, self.model_name, ServerMetrics(self.model_name))
         self._engine.start()
         self._closed = False

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from splash.config import EngineConfig
 from splash.engine.llm_engine import LLMEngine
 from splash.engine.outputs import RequestOutput
 from splash.engine.sampling import SamplingParams
@@ -16,12 +17,10 @@ PromptLike = str | dict[str, Any] | Sequence[int]
 class LLM:
     """Load a model once, then `generate` batches of prompts with continuous batching.
 
-    `model` is "tiny" (the built-in model) or a Hugging Face DeepSeek-V2/V3 checkpoint directory.
-    Other keywords size the engine (vLLM's `tensor_parallel_size` is taken for `tp`): dtype ("float32" |
-    "bfloat16" | "float64"), max_num_seqs,
-    max_num_batched_tokens, max_model_len, memory_per_rank (bytes or "2GiB"), page_size,
-    num_kv_pages (explicit pool size), device, tp/ranks, layout, seed; on several nodes nnodes,
-    node_rank, dist_init_addr (see `splash.engine.build.build_engine`).
+    `model` is "tiny" (the built-in model) or a Hugging Face DeepSeek-V2/V3 checkpoint directory. Other
+    keywords are the engine's options (`splash.config.EngineConfig`: dtype, max_num_seqs, memory_per_rank,
+    num_kv_pages, tp, layout, enforce_eager, ...; vLLM's `tensor_parallel_size` and SGLang's names are
+    taken too, and an unknown one is refused naming the nearest valid one), or `config=` a whole one.
 
     With T > 1 ranks, rank 0 runs here and the others are started as processes (or joined from other
     nodes / torchrun); `shutdown()` (or leaving a `with LLM(...)` block, or interpreter exit) stops
@@ -29,28 +28,23 @@ class LLM:
     ranks until rank 0 shuts down and then exits the program (SystemExit(0)), as vLLM's workers do.
     """
 
-    def __init__(self, model: str = "tiny", dtype: str | None = None, **engine_kw: Any) -> None:
+    def __init__(self, model: str = "tiny", dtype: str | None = None, *, config: EngineConfig | None = None,
+                 **engine_kw: Any) -> None:
         from splash.core.config import ConfigError
         from splash.engine.group import follow_if_worker
 
-        if "tensor_parallel_size" in engine_kw:  # vLLM's name for the rank count
-            tps = engine_kw.pop("tensor_parallel_size")
-            if engine_kw.get("tp", tps) != tps or engine_kw.get("ranks", tps) != tps:
-                raise ConfigError(f"tensor_parallel_size={tps} disagrees with tp/ranks given too")
-            engine_kw["tp"] = tps
-
-        if engine_kw.pop("enforce_eager", False):  # vLLM's flag: plain torch ops, no native kernel
-            from splash.attention import native
-
-            native.set_enabled(False)
-        launch = {k: engine_kw.get(k) for k in ("nnodes", "node_rank", "dist_init_addr")
-                  if engine_kw.get(k) is not None}
-        tp = engine_kw.get("ranks", engine_kw.get("tp"))
-        if follow_if_worker(tp, device=engine_kw.get("device"), **launch):
-            raise SystemExit(0)
+        if config is None:
+            config = EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_kw)
+        elif engine_kw or model != "tiny" or dtype is not None:
+            raise ConfigError("give LLM a config= or keywords, not both")
+        try:
+            if follow_if_worker(config):
+                raise SystemExit(0)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         from splash.engine.build import build_engine
 
-        self.llm_engine: LLMEngine = build_engine(model=model, dtype=dtype, **engine_kw)
+        self.llm_engine: LLMEngine = build_engine(config)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

@@ -141,10 +141,10 @@ def rank_cases(grid, path, cases, dev_kind):
 
 
 def patch(ts, exm, dev) -> None:
-    from splash.model.context import ForwardContext
+    from splash.worker.context import build_context
 
     def fwd(model, pool, comm, rank, world, plan, layout):
-        ctx = ForwardContext.build(plan.seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
+        ctx = build_context(plan.seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
                                    page_size=ts.P)
         hidden = model(torch.tensor(plan.input_ids, device=dev), ctx.positions, ctx)
         logits = model.compute_logits(hidden[plan.sample_rows()])

@@ -146,8 +146,8 @@ class SimpleRunner:
 
     def step(self, work: list[tuple[Seq, int]]) -> torch.Tensor:
         """Run `num_new` new tokens of each seq (from seq.ids[cached:]); return last-row logits [B, V]."""
-        from splash.model.context import ForwardContext
         from splash.step.plan import SeqSlice
+        from splash.worker.context import build_context
 
         slices, ids = [], []
         for s, n in work:
@@ -157,7 +157,7 @@ class SimpleRunner:
             slices.append(SeqSlice(req_id=id(s), start=s.cached, num_new=n, owner=0, pages=[list(s.pages)],
                                    sample=True, slot=self._slot(s)))
             ids.extend(s.ids[s.cached:s.cached + n])
-        ctx = ForwardContext.build(slices, kv=self.pool, layout=self.layout, page_size=self.P,
+        ctx = build_context(slices, kv=self.pool, layout=self.layout, page_size=self.P,
                                    state=self.state)
         hidden = self.model(torch.tensor(ids, device=self.model.device), ctx.positions, ctx)
         last = torch.tensor([sc.row_start + sc.num_new - 1 for sc in ctx.seqs], device=hidden.device)
@@ -167,15 +167,15 @@ class SimpleRunner:
 
     def all_logits(self, seq: Seq, n: int) -> torch.Tensor:
         """Logits of every row of one chunk (for prefill comparisons)."""
-        from splash.model.context import ForwardContext
         from splash.step.plan import SeqSlice
+        from splash.worker.context import build_context
 
         need = -(-(seq.cached + n) // self.P)
         while len(seq.pages) < need:
             seq.pages.append(self.free.pop(0))
         sl = SeqSlice(req_id=0, start=seq.cached, num_new=n, owner=0, pages=[list(seq.pages)], sample=True,
                       slot=self._slot(seq))
-        ctx = ForwardContext.build([sl], kv=self.pool, layout=self.layout, page_size=self.P, state=self.state)
+        ctx = build_context([sl], kv=self.pool, layout=self.layout, page_size=self.P, state=self.state)
         hidden = self.model(torch.tensor(seq.ids[seq.cached:seq.cached + n]), ctx.positions, ctx)
         seq.cached += n
         return self.model.compute_logits(hidden)

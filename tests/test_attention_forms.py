@@ -17,6 +17,7 @@ import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
 from splash.attention import mha
+from splash.config import EngineConfig
 from splash.engine.build import build_engine
 from splash.engine.group import RankGroup
 from splash.engine.sampling import SamplingParams
@@ -24,8 +25,7 @@ from splash.engine.sampling import SamplingParams
 V3 = SimpleNamespace(d_c=512, d_rope=64, d_nope=128, d_v=128)  # DeepSeek-V3 / Kimi-K2 MLA dims
 
 
-def test_cost_rule_picks_mha_for_prefill_and_absorbed_for_decode(monkeypatch):
-    monkeypatch.setattr(mha, "_mode", "auto")
+def test_cost_rule_picks_mha_for_prefill_and_absorbed_for_decode():
     for n in (2, 16, 128, 512, 2048, 8192):  # first chunks: n rows over their own n keys
         assert mha.prefers_mha(n, n, V3), n
     for ctx in (2, 64, 512, 4096, 131072):  # a decode row over its context
@@ -38,12 +38,10 @@ def test_cost_rule_picks_mha_for_prefill_and_absorbed_for_decode(monkeypatch):
     a, m = mha.chunk_costs(3, 10, 2, 512, 64, 128, 128)
     assert a == 3 * 10 * 2 * (512 + 64 + 512) + 3 * 2 * 2 * 128 * 512
     assert m == 10 * 2 * (128 + 128) * 512 + 3 * 10 * 2 * (128 + 64 + 128)
-    monkeypatch.setattr(mha, "_mode", "absorbed")
-    assert not mha.prefers_mha(512, 512, V3)
-    monkeypatch.setattr(mha, "_mode", "mha")
-    assert mha.prefers_mha(1, 4096, V3)
+    assert not mha.prefers_mha(512, 512, V3, form="absorbed")
+    assert mha.prefers_mha(1, 4096, V3, form="mha")
     with pytest.raises(ValueError, match="attention form"):
-        mha.set_form("latent")
+        EngineConfig(attention_form="latent")
 
 
 def test_blocked_attention_equals_one_block_with_blind_rows_and_lse():

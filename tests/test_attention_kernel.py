@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splash.attention.kernel import attend, gather_keys, key_slots, merge
-from splash.core.config import PRESETS
+from splash.core.presets import PRESETS
 from splash.kv.pool import KVPool
 
 torch.set_num_threads(1)

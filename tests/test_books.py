@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from splash.core.config import PRESETS
+from splash.core.presets import PRESETS
 from splash.engine.llm_engine import LLMEngine, StepFailed
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import SchedulerConfig
@@ -79,7 +79,7 @@ def test_books_balance_and_each_corruption_is_caught():
     assert any("its block says" in e for e in book_errors(alloc, holders))
     holders[2].blocks = list(holders[1].blocks)
     # state slots: a slot held twice
-    from splash.kv.state import SlotAllocator
+    from splash.kv.slots import SlotAllocator
 
     alloc.slots = SlotAllocator(4)
     s = alloc.slots.alloc()

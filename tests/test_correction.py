@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from splash.core.config import PRESETS, ConfigError
+from splash.core.config import ConfigError
 from splash.core.correction import CorrectionConfig, StepCorrection, StepKey, bucket, bucket_label, describe
-from splash.core.costmodel import Batch, Theta, step_cost
+from splash.core.costmodel import Batch, step_cost
 from splash.core.layouts import Layout
 from splash.core.policy import PolicyConfig, decide
+from splash.core.presets import PRESETS
 from splash.core.regret import RegretGuard, median_se
 from splash.core.sizes import GIB, AttentionSizes
+from splash.core.theta import Theta
 
 SIZES = AttentionSizes(PRESETS["tiny"])
 DEC1 = StepKey(0)  # decode, one request

@@ -15,13 +15,13 @@ from test_engine_dist import ENGINE, NEW, PROMPTS, run
 from test_fast_paths import TINY, _moe
 
 from splash.attention import native, paged
+from splash.config import EngineConfig, KernelConfig
 from splash.engine.build import build_engine
 from splash.worker import cuda_graph
 
 
 def test_kernel_choice(monkeypatch) -> None:
     q = torch.zeros(1, 1, 1, dtype=torch.float64)
-    monkeypatch.setenv("SPLASH_NATIVE", "1")
     monkeypatch.delenv("SPLASH_ATTN_KERNEL", raising=False)
     want = "native" if native.library() is not None else "torch"
     assert paged.kernel_for(q) == want and paged.supports(q) == (want == "native")
@@ -32,23 +32,30 @@ def test_kernel_choice(monkeypatch) -> None:
     monkeypatch.setenv("SPLASH_ATTN_KERNEL", "triton")  # not on a CPU tensor, outside the interpreter
     assert paged.kernel_for(q) == "torch"
     monkeypatch.delenv("SPLASH_ATTN_KERNEL")
-    monkeypatch.setenv("SPLASH_CUDA_GRAPHS", "1")
-    assert cuda_graph.enabled()
-    native.set_enabled(False)  # --enforce-eager: no fast kernel, no CUDA graph
-    assert paged.kernel_for(q) == "torch" and not cuda_graph.enabled()
+    assert cuda_graph.enabled(KernelConfig())
+    eager = EngineConfig(enforce_eager=True).kernels  # --enforce-eager: no fast kernel, no CUDA graph
+    assert paged.kernel_for(q, eager.enforce_eager) == "torch" and not cuda_graph.enabled(eager)
+    assert not cuda_graph.enabled(EngineConfig(cuda_graphs=False).kernels)  # --disable-cuda-graph
+    # the environment overrides (tests, benchmarks) set the same fields
+    for var in ("SPLASH_NATIVE", "SPLASH_CUDA_GRAPHS", "SPLASH_CUDA_GRAPH_SIZES", "SPLASH_ATTN_FORM"):
+        monkeypatch.delenv(var, raising=False)
+    assert EngineConfig.from_kwargs().kernels == KernelConfig()
+    monkeypatch.setenv("SPLASH_NATIVE", "0")
+    assert EngineConfig.from_kwargs().enforce_eager
     monkeypatch.setenv("SPLASH_NATIVE", "1")
     monkeypatch.setenv("SPLASH_CUDA_GRAPHS", "0")
-    assert not cuda_graph.enabled()
+    assert not cuda_graph.enabled(EngineConfig.from_kwargs().kernels)
 
 
 def test_capture_sizes(monkeypatch) -> None:
     monkeypatch.delenv("SPLASH_CUDA_GRAPH_SIZES", raising=False)
-    assert cuda_graph.capture_sizes() == cuda_graph.DEFAULT_SIZES
+    assert cuda_graph.capture_sizes(EngineConfig.from_kwargs().kernels) == cuda_graph.DEFAULT_SIZES
     monkeypatch.setenv("SPLASH_CUDA_GRAPH_SIZES", "8, 2,1,2")
-    assert cuda_graph.capture_sizes() == (1, 2, 8)
+    assert cuda_graph.capture_sizes(EngineConfig.from_kwargs().kernels) == (1, 2, 8)
+    assert EngineConfig(cuda_graph_sizes="4,2").kernels.cuda_graph_sizes == (2, 4)  # --cuda-graph-sizes
     monkeypatch.setenv("SPLASH_CUDA_GRAPH_SIZES", "0,4")
-    with pytest.raises(ValueError, match="positive batch sizes"):
-        cuda_graph.capture_sizes()
+    with pytest.raises(ValueError, match="batch sizes must be >= 1"):
+        EngineConfig.from_kwargs()
 
 
 @pytest.mark.parametrize("world", [1, 2])

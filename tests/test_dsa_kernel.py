@@ -317,11 +317,12 @@ def test_switches_keep_the_torch_path(monkeypatch):
     assert sparse.index_kernel(q, keys.bfloat16()) == "native"
     assert sparse.index_kernel(q.double(), keys) == "torch"  # no kernel for that pair
     assert sparse.index_kernel(q.to("meta"), keys.to("meta")) == "torch"  # not CPU
-    pins = (("SPLASH_ATTN_KERNEL", "torch"), ("SPLASH_ATTN_KERNEL", "triton"), ("SPLASH_NATIVE", "0"))
+    pins = (("SPLASH_ATTN_KERNEL", "torch"), ("SPLASH_ATTN_KERNEL", "triton"))
     for var, val in pins:
         with monkeypatch.context() as m:
             m.setenv(var, val)
             assert sparse.index_kernel(q, keys) == "torch"
+    assert sparse.index_kernel(q, keys, eager=True) == "torch"  # --enforce-eager
 
 
 def test_each_source_gets_its_own_cached_library():

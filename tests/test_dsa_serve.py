@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_utils import ServeProcess
 
-from splash.core.config import PRESETS
+from splash.core.presets import PRESETS
 from splash.core.stores import token_stores
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

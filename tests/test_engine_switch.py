@@ -19,10 +19,10 @@ import pytest
 import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
+from splash.config import parse_schedule
 from splash.core.config import ConfigError
 from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
-from splash.switch.options import parse_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 

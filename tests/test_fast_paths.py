@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 import pytest
 import torch
 from test_layouts_dist import LAYER, P, build_plan, full_mla, inputs
 
 import splash.attention.batched as batched_mod
-import splash.model.context as context_mod
+import splash.worker.context as context_mod
 from splash.attention.local import BatchedLocalLayout, LocalLayout
-from splash.core.config import PRESETS
-from splash.model.context import ForwardContext
+from splash.core.presets import PRESETS
 from splash.model.layers import RMSNorm
 from splash.model.moe import MoE
 from splash.model.rope import Rotary
 from splash.step.plan import SeqSlice
+from splash.worker.context import build_context
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)
@@ -128,9 +127,9 @@ def _plan(holes: bool) -> list[SeqSlice]:
 @pytest.mark.parametrize("holes", [False, True])
 def test_context_build_paths_agree(holes: bool, monkeypatch) -> None:
     seqs = _plan(holes)
-    small = ForwardContext.build(seqs, kv=None, layout=LocalLayout(), page_size=4)
+    small = build_context(seqs, kv=None, layout=LocalLayout(), page_size=4)
     monkeypatch.setattr(context_mod, "_PY_ROWS", 0)  # force the tensor path
-    large = ForwardContext.build(seqs, kv=None, layout=LocalLayout(), page_size=4)
+    large = build_context(seqs, kv=None, layout=LocalLayout(), page_size=4)
     want_pos, want_rows, want_slots, row = [], [], [], 0
     for s in seqs:
         for p in range(s.start, s.end):
@@ -159,17 +158,17 @@ def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int, path: s
     # to single slices by the score budget, and chunk masks are added per head view instead of fused.
     # path "native": the C kernel over the paged cache (attention/native.py) instead of the groups; it
     # must read no slot that is not a key (they are NaN here).
-    from splash.attention import mha, native
+    from splash.attention import native
+    from splash.config import KernelConfig
 
-    monkeypatch.setattr(mha, "_mode", "absorbed")  # the absorbed kernels' groups (MHA: test_layouts_dist)
+    # the absorbed kernels' groups (MHA: test_layouts_dist); the torch path: --enforce-eager
+    kernels = KernelConfig(attention_form="absorbed", enforce_eager=path != "native")
     calls = []
     if path == "native":
         if native.library() is None:
             pytest.skip("no C compiler: the native kernel is unavailable")
         real = native.paged_attention
         monkeypatch.setattr(native, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    else:
-        monkeypatch.setenv("SPLASH_NATIVE", "0")
     if budget is not None:
         monkeypatch.setattr(batched_mod, "_MAX_SCORES", budget)
         monkeypatch.setattr(batched_mod, "_MAX_BIAS", 0)
@@ -185,7 +184,7 @@ def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int, path: s
     q_in, latent_new, hist = inputs(case, seed=3)
     mla = full_mla()
     outs, pools = [], []
-    for layout in (BatchedLocalLayout(), LocalLayout()):
+    for layout in (BatchedLocalLayout(kernels), LocalLayout(kernels)):
         seqs, pool = build_plan(case, hist, kind, 2, rank, seed=9)
         # Every slot that is not one of this step's keys is NaN (as a freed, poisoned page would be):
         # page padding, the tail of a slice's last page and pages the table does not name.
@@ -197,7 +196,7 @@ def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int, path: s
                 if page >= 0:
                     keep[page * P + p % P] = True
         flat[~keep] = float("nan")
-        ctx = ForwardContext.build(seqs, kv=pool, layout=layout, rank=rank, world=2, page_size=P)
+        ctx = build_context(seqs, kv=pool, layout=layout, rank=rank, world=2, page_size=P)
         outs.append(layout.attention(LAYER, mla, q_in, latent_new, ctx))
         pools.append(pool.data)
     assert torch.isfinite(outs[0]).all() and torch.isfinite(outs[1]).all()
@@ -237,16 +236,18 @@ def test_fused_projections_equal_separate_ones() -> None:
 
 
 def test_enforce_eager_turns_the_native_kernel_off(monkeypatch) -> None:
-    """`--enforce-eager` / LLM(enforce_eager=True) mean plain torch ops, here and in spawned ranks."""
-    from splash.attention import native
-    from splash.commands.generate import add_engine_args, engine_kwargs
+    """`--enforce-eager` / LLM(enforce_eager=True) mean plain torch ops, here and in spawned ranks (the
+    config every rank builds from carries it; no process global)."""
+    from splash.attention import paged
+    from splash.attention.registry import make_layout
+    from splash.commands.generate import add_engine_args, engine_config
 
-    monkeypatch.setenv("SPLASH_NATIVE", "1")
+    monkeypatch.delenv("SPLASH_NATIVE", raising=False)
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert engine_kwargs(p.parse_args(["--enforce-eager"]))["enforce_eager"] is True
-    assert engine_kwargs(p.parse_args([]))["enforce_eager"] is False
-    assert native.enabled()
-    native.set_enabled(False)
-    assert not native.enabled() and os.environ["SPLASH_NATIVE"] == "0"
-    assert not native.supports(torch.zeros(1, 1, 1))
+    assert engine_config(p.parse_args(["--enforce-eager"])).enforce_eager is True
+    assert engine_config(p.parse_args([])).enforce_eager is False
+    eager = engine_config(p.parse_args(["--enforce-eager"])).kernels
+    q = torch.zeros(1, 1, 1)
+    assert paged.kernel_for(q, make_layout("tp", eager).kernels.enforce_eager) == "torch"
+    assert not paged.supports(q, eager=True)

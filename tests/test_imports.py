@@ -1,17 +1,60 @@
-"""The import graph of splash/: no module imports itself in a circle, and the analytical core never
-imports the runtime (docs/architecture.md). Every import counts, a function's deferred one too (it
-still runs); only imports under `if TYPE_CHECKING:` are left out (they never run).
+"""The import graph of splash/ runs one way: every import goes to the importer's own layer or one below
+it, in the order docs/architecture.md states (its "Import order" block, read here: the one statement
+of it), no module imports itself in a circle, and the analytical core never imports the runtime. Every
+import counts: a function's deferred one and one under `if TYPE_CHECKING:` too.
 
-`python tests/test_imports.py` prints the graph's cycles (none) and the core's runtime imports (none).
+`python tests/test_imports.py` prints the layers, the edges against the order and the cycles (none).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "splash"
 CORE = "splash.core"  # the analytical core's package
+DOC = ROOT.parent / "docs" / "architecture.md"
+
+
+def layers() -> list[list[str]]:
+    """The stated order, lowest first: docs/architecture.md's lines `N. splash.x, splash.y ...` under
+    its "Import order" heading (a module belongs to the longest prefix named)."""
+    text = DOC.read_text(encoding="utf-8")
+    block = text.split("## Import order", 1)[1].split("\n## ", 1)[0]
+    out = []
+    for line in block.splitlines():
+        m = re.match(r"\s*(\d+)\. (.*)", line)
+        if m:
+            out.append([n.strip().strip("`") for n in m.group(2).split(" — ")[0].split(",")])
+    return out
+
+
+def layer_of(module: str, order: list[list[str]]) -> int | None:
+    """The index of the layer whose longest prefix names `module` (None: named nowhere). The root
+    package "splash" names only itself (the facade), not everything below it."""
+    best: tuple[int, int] | None = None
+    for i, names in enumerate(order):
+        for n in names:
+            if module == n or (n != "splash" and module.startswith(n + ".")):
+                if best is None or len(n) > best[1]:
+                    best = (i, len(n))
+    return None if best is None else best[0]
+
+
+def against_order(graph: dict[str, set[str]], order: list[list[str]]) -> list[str]:
+    """Every edge that runs up the order (an importer below what it imports), and modules no layer names."""
+    bad = []
+    for a in sorted(graph):
+        la = layer_of(a, order)
+        if la is None:
+            bad.append(f"{a}: in no layer of docs/architecture.md's import order")
+            continue
+        for b in sorted(graph[a]):
+            lb = layer_of(b, order)
+            if lb is not None and lb > la:
+                bad.append(f"{a} (layer {la + 1}) imports {b} (layer {lb + 1})")
+    return bad
 
 
 def modules() -> dict[str, Path]:
@@ -25,26 +68,10 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: anywhere in the module but under `if TYPE_CHECKING:`."""
-    out: list[ast.Import | ast.ImportFrom] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
-                stack.extend(child.orelse)
-                continue
-            if isinstance(child, (ast.Import, ast.ImportFrom)):
-                out.append(child)
-            stack.append(child)
-    return out
+    """Every import statement of a module: top-level, inside functions, and under `if TYPE_CHECKING:`
+    too (a type's home is a dependency like any other; a circle hidden there is still a circle)."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -125,22 +152,36 @@ def test_the_core_never_imports_the_runtime():
     assert not bad, f"the analytical core imports the runtime: {bad}"
 
 
-def test_the_graph_sees_deferred_imports_and_skips_typing_ones():
-    """The checker must be able to fail: a function's import is an edge, a TYPE_CHECKING one is not."""
+def test_imports_run_one_way():
+    bad = against_order(import_graph(), layers())
+    assert not bad, "imports against docs/architecture.md's order:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_every_import_and_can_fail():
+    """A function's import and a TYPE_CHECKING one are edges; an edge up the order is reported."""
     g = import_graph()
     assert "splash.step.plan" in g["splash.engine.scheduler"]
     core = sorted(p.stem for p in (ROOT / "core").glob("*.py") if p.stem != "__init__")
     assert sorted(m.split(".")[-1] for m in g if m.startswith(CORE + ".")) == core  # all seen
     src = "import typing\nif typing.TYPE_CHECKING:\n    import splash.a\ndef f():\n    import splash.b\n"
-    names = [a.name for n in _imports(ast.parse(src)) if isinstance(n, ast.Import) for a in n.names]
-    assert names == ["typing", "splash.b"]
+    names = sorted(a.name for n in _imports(ast.parse(src)) if isinstance(n, ast.Import) for a in n.names)
+    assert names == ["splash.a", "splash.b", "typing"]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    order = [["splash.core"], ["splash.model"], ["splash.attention"]]
+    assert against_order({"splash.model.x": {"splash.attention.y", "splash.core.z"}}, order) == [
+        "splash.model.x (layer 2) imports splash.attention.y (layer 3)"]
+    assert len(layers()) >= 10 and layer_of("splash.core.config", layers()) == 1
+    assert layer_of("splash.nowhere", layers()) is None  # (the facade "splash" is no catch-all)
 
 
 if __name__ == "__main__":
     g = import_graph()
-    print(f"{len(g)} modules, {sum(map(len, g.values()))} import edges (deferred imports included, "
-          "TYPE_CHECKING ones left out)")
+    print(f"{len(g)} modules, {sum(map(len, g.values()))} import edges (deferred and TYPE_CHECKING "
+          "imports included)")
+    for i, names in enumerate(layers()):
+        print(f"  {i + 1}. {', '.join(names)}")
+    for line in against_order(g, layers()):
+        print("  against the order:", line)
     cs = cycles(g)
     print(f"cycles: {len(cs)}")
     for c in cs:

@@ -7,20 +7,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from splash.core.capacity import model_capacity, model_pool_tokens, requests_at, state_slots
-from splash.core.config import PRESETS, ModelConfig
-from splash.core.costmodel import Batch, kda_layer_loads, layer_transfer_times, step_cost
+from splash.core.capacity import footprint, model_capacity, model_pool_tokens, requests_at, state_slots
+from splash.core.config import ModelConfig
+from splash.core.costmodel import Batch, kda_layer_loads, step_cost
 from splash.core.hardware import theta_for
 from splash.core.layouts import (
     DIRECTIONS,
     LAYOUTS,
     Layout,
     balanced_footprint,
-    footprint,
     round_robin_owners,
     state_placement,
 )
 from splash.core.manifest import Request, state_transfer_requests, switch_layer_bytes, switch_manifest
+from splash.core.presets import PRESETS
 from splash.core.sizes import AttentionSizes, kv_bytes_per_token
 from splash.core.stores import (
     request_state_bytes,
@@ -30,6 +30,7 @@ from splash.core.stores import (
     stores,
     token_stores,
 )
+from splash.core.switch_time import layer_transfer_times
 
 HYBRIDS = ("tiny-hybrid", "small-hybrid", "kimi-linear", "glm-5.3-flash")
 TINY = PRESETS["tiny-hybrid"]

@@ -13,16 +13,16 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
-from splash.attention import mha
 from splash.attention.registry import NAMES, make_layout
+from splash.config import KernelConfig
 from splash.core.config import ModelConfig
 from splash.core.costmodel import eq4_bytes
 from splash.dist.comm import LocalCommunicator
 from splash.kv.pool import KVPool
-from splash.model.context import ForwardContext
 from splash.model.mla import MLA
 from splash.model.rope import Rotary
 from splash.step.plan import SeqSlice
+from splash.worker.context import build_context
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -146,11 +146,7 @@ def run_layouts(comm, rank: int, world: int, names=NAMES, forms=FORMS) -> dict:
     bytes, keyed (case, layout, form)."""
     results = {}
     for form in forms:
-        mha.set_form(form)
-        try:
-            results.update(_run_form(comm, rank, world, names, form))
-        finally:
-            mha.set_form("auto")
+        results.update(_run_form(comm, rank, world, names, form))
     return results
 
 
@@ -160,10 +156,10 @@ def _run_form(comm, rank: int, world: int, names, form: str) -> dict:
     for ci, (cname, case) in enumerate(cases(world).items()):
         q_in, latent_new, hist = inputs(case, seed=10 + ci)
         for li, name in enumerate(names):
-            layout = make_layout(name)
+            layout = make_layout(name, KernelConfig(attention_form=form))
             seqs, pool = build_plan(case, hist, layout.kv_ownership, world, rank, seed=77 + ci)
             before = pool.data.clone()
-            ctx = ForwardContext.build(seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
+            ctx = build_context(seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
                                        page_size=P)
             mla = mla_for(full, layout.shards_projections, rank, world)
             comm.stats.begin_step(100 * ci + li)
@@ -211,15 +207,11 @@ def test_mha_form_in_bf16_is_as_close_as_the_absorbed_form() -> None:
     bf = full_mla().to(torch.bfloat16)
     err = {}
     for form in ("absorbed", "mha"):
-        mha.set_form(form)
-        try:
-            layout = make_layout("local")
-            seqs, pool = build_plan(case, hist, "replicated", 1, 0, seed=5)
-            pool.data, pool.dtype = pool.data.bfloat16(), torch.bfloat16
-            ctx = ForwardContext.build(seqs, kv=pool, layout=layout, comm=LocalCommunicator(), page_size=P)
-            out = layout.attention(LAYER, bf, q_in.bfloat16(), latent_new.bfloat16(), ctx)
-        finally:
-            mha.set_form("auto")
+        layout = make_layout("local", KernelConfig(attention_form=form))
+        seqs, pool = build_plan(case, hist, "replicated", 1, 0, seed=5)
+        pool.data, pool.dtype = pool.data.bfloat16(), torch.bfloat16
+        ctx = build_context(seqs, kv=pool, layout=layout, comm=LocalCommunicator(), page_size=P)
+        out = layout.attention(LAYER, bf, q_in.bfloat16(), latent_new.bfloat16(), ctx)
         assert out.dtype == torch.bfloat16
         err[form] = (out.double() - ref).abs().max().item() / ref.abs().max().item()
     assert err["absorbed"] < 0.05 and err["mha"] < 0.05, err
@@ -298,7 +290,7 @@ def _model_run(path: str, layout_name: str, rank: int, world: int, comm) -> list
                                  pages=[list(x) for x in t], sample=True))
             tok += ids[req][cached[req]:cached[req] + n]
             cached[req] += n
-        ctx = ForwardContext.build(seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
+        ctx = build_context(seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
                                    page_size=P)
         hidden = model(torch.tensor(tok), ctx.positions, ctx)
         out.append(model.compute_logits(hidden))

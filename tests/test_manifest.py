@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from splash.core.config import PRESETS, ConfigError
+from splash.core.config import ConfigError
 from splash.core.layouts import DIRECTIONS, LAYOUTS, Layout
 from splash.core.manifest import (
     ALL_GATHER,
@@ -16,6 +16,7 @@ from splash.core.manifest import (
     switch_manifest,
     weights_report,
 )
+from splash.core.presets import PRESETS
 from splash.core.sizes import MIB, AttentionSizes
 
 L = Layout

@@ -26,9 +26,9 @@ from splash.core.layouts import Ownership
 from splash.dist.comm import LocalCommunicator
 from splash.kv.pool import KVPool
 from splash.model import DeepseekForCausalLM, load_model
-from splash.model.context import ForwardContext
 from splash.model.shard import even_range
 from splash.step.plan import SeqSlice
+from splash.worker.context import build_context
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(300)
@@ -207,7 +207,7 @@ def run_steps(model: DeepseekForCausalLM, layout, rank: int, world: int, comm) -
                                  pages=[list(x) for x in t], sample=True))
             tok += ids[req][cached[req]:cached[req] + n]
             cached[req] += n
-        ctx = ForwardContext.build(seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
+        ctx = build_context(seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
                                    page_size=P)
         comm.stats.begin_step(si)
         hidden = model(torch.tensor(tok), ctx.positions, ctx)

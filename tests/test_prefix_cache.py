@@ -316,7 +316,7 @@ def test_planner_counts_shared_pages_once():
     """Two tables sharing 3 pages: a switch allocates, moves and frees each shared page once, its
     sharers take the same destination pages, the manifest's bytes are the unique pages', and the
     cache's blocks follow their pages."""
-    from splash.core.config import PRESETS
+    from splash.core.presets import PRESETS
     from splash.switch import LiveRequest, SwitchPlanner
 
     cfg = PRESETS["tiny"]

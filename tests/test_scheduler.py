@@ -220,7 +220,7 @@ def test_long_prefill_cap_keeps_tokens_exact(cap):
 def test_default_token_budget_follows_vllms_cpu_defaults():
     """A server takes vLLM's CPU server default, 2048 x T (a wave of prompts prefills in one step);
     offline keeps max(512, max_num_seqs); neither is ever below max_num_seqs (every decode fits)."""
-    from splash.engine.scheduler import default_token_budget
+    from splash.config import default_token_budget
 
     assert default_token_budget(1, 64, serving=True) == 2048
     assert default_token_budget(2, 64, serving=True) == 4096
@@ -232,8 +232,8 @@ def test_default_token_budget_follows_vllms_cpu_defaults():
 def test_a_server_runs_128_sequences_by_default_offline_64():
     """`max_num_seqs` unset: a server engine takes vLLM's CPU server default, 128 x T; an offline one 64;
     a value given is kept either way."""
+    from splash.config import default_max_num_seqs
     from splash.engine.build import build_engine
-    from splash.engine.scheduler import default_max_num_seqs
 
     assert default_max_num_seqs(1, serving=True) == 128 and default_max_num_seqs(2, serving=True) == 256
     for serving, want in ((True, 128), (False, 64)):

@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 
-from splash.core.config import PRESETS, ConfigError
+from splash.core.config import ConfigError
 from splash.core.hardware import theta_for
 from splash.core.layouts import Layout
 from splash.core.policy import PolicyConfig
+from splash.core.presets import PRESETS
 from splash.core.simulate import SimConfig, Workload, plot_rollouts, rollout, rollout_all
 from splash.core.sizes import AttentionSizes
 

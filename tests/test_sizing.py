@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.core.config import PRESETS, ConfigError
+from splash.core.config import ConfigError
+from splash.core.presets import PRESETS
 from splash.kv.pool import KVPool
 from splash.worker import sizing
 

@@ -7,20 +7,12 @@ import numpy as np
 import pytest
 
 from splash.cli import main
-from splash.core.config import PRESETS
-from splash.core.costmodel import (
-    Batch,
-    attended_keys,
-    layer_kinds,
-    layer_loads,
-    outside_attention,
-    step_cost,
-    step_features,
-    theta_params,
-)
+from splash.core.costmodel import Batch, attended_keys, layer_kinds, layer_loads, outside_attention, step_cost
+from splash.core.features import step_features, theta_params
 from splash.core.hardware import theta_for
 from splash.core.layouts import LAYOUTS, Layout
 from splash.core.manifest import switch_manifest
+from splash.core.presets import PRESETS
 from splash.core.sizes import AttentionSizes, kv_bytes_per_token, kv_bytes_per_token_layer
 
 V32, GLM5 = PRESETS["deepseek-v3.2"], PRESETS["glm-5"]

@@ -27,10 +27,10 @@ from splash.core.manifest import switch_manifest
 from splash.dist.comm import LocalCommunicator
 from splash.kv.allocator import KVAllocator, page_ranks
 from splash.kv.pool import KVPool
-from splash.model.context import ForwardContext
 from splash.step.plan import LAYOUTS, SeqSlice, StepPlan
 from splash.switch import LiveRequest, SwitchExecutor, SwitchLayout, SwitchPlan, SwitchPlanner, SwitchRefusal
 from splash.switch.executor import WEIGHT_KEYS
+from splash.worker.context import build_context
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,7 +106,7 @@ def snapshot(alloc: KVAllocator) -> tuple:
 
 # ---- the model on one rank -----------------------------------------------------------------------
 def forward(model, pool, comm, rank: int, world: int, plan: StepPlan, layout) -> torch.Tensor:
-    ctx = ForwardContext.build(plan.seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
+    ctx = build_context(plan.seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
                                page_size=P)
     hidden = model(torch.tensor(plan.input_ids), ctx.positions, ctx)
     return model.compute_logits(hidden[plan.sample_rows()])
@@ -405,7 +405,7 @@ def test_dsa_directions_move_the_indexer_keys(dsa_ckpt, dsa_reference) -> None:
 
 # ---- the planner alone (rank 0's bookkeeping; no ranks) -----------------------------------------------
 def _tiny_cfg() -> ModelConfig:
-    from splash.core.config import PRESETS
+    from splash.core.presets import PRESETS
 
     return PRESETS["tiny"]
 
@@ -556,7 +556,7 @@ def test_corrupt_manifest_page_ids_give_the_clear_error_not_an_index_error() -> 
 
     from splash.core.manifest import KVPages, PageFree, PageMove
     from splash.switch.columns import Columns
-    from splash.switch.planner import _kv_pairs
+    from splash.switch.manifest_check import kv_pairs as _kv_pairs
 
     live = [LiveRequest(req_id=7, context=32, owner=0, pages=[[0, 1], [-1, -1]])]
     cols = Columns.of(live, 2, 16)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from splash.core.config import PRESETS
+from splash.core.presets import PRESETS
 from splash.kv.allocator import KVAllocator, OutOfPages
 from splash.switch.controller import SwitchController
 from splash.switch.plan import SwitchRefusal

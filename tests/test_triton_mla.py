@@ -148,10 +148,9 @@ def test_float64_engine_on_the_interpreted_kernel(tmp_path, monkeypatch):
     from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
     from test_engine_dist import ENGINE, NEW, PROMPTS, run
 
-    from splash.attention import mha, paged
+    from splash.attention import paged
     from splash.engine.build import build_engine
 
-    monkeypatch.setattr(mha, "_mode", mha._mode)  # restored afterwards: the engines below set "absorbed"
     path = build_checkpoint(tmp_path / "v3", "v3", seed=2)
     hf = hf_reference(path)
     ref = [hf_greedy(hf, p, NEW) for p in PROMPTS]

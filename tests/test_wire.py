@@ -19,10 +19,10 @@ import torch
 
 from splash.attention.local import LocalLayout
 from splash.kv.allocator import KVAllocator
-from splash.model.context import ForwardContext
 from splash.step import wire
 from splash.step.plan import SeqSlice, StepPlan
 from splash.step.tables import RankTables
+from splash.worker.context import build_context
 
 P = 4
 
@@ -80,8 +80,8 @@ class Mirror:
             assert tabs.snapshot() == {rid: t[r] for rid, t in self.tables.items()}, f"rank {r}"
         assert set(self.enc.known) == set(self.tables)
         for r in range(len(self.ranks)):  # the step's context: stored tables == the plan's lists
-            a = ForwardContext.build(plan.seqs, kv=None, layout=LocalLayout(), rank=r, page_size=P)
-            b = ForwardContext.build(got.seqs, kv=None, layout=LocalLayout(), rank=r, page_size=P,
+            a = build_context(plan.seqs, kv=None, layout=LocalLayout(), rank=r, page_size=P)
+            b = build_context(got.seqs, kv=None, layout=LocalLayout(), rank=r, page_size=P,
                                      tables=self.ranks[r])
             for f in ("positions", "write_rows", "write_slots", "page_table"):
                 assert torch.equal(getattr(a, f), getattr(b, f)), (r, f)
@@ -198,7 +198,7 @@ def test_median_and_bad_input():
     t.append(7, np.array([4, 5]))
     sl = SeqSlice(7, 8, 2, 0, [], True)  # needs 3 pages, holds 2
     with pytest.raises(RuntimeError, match="request 7 has 2 pages"):
-        ForwardContext.build([sl], kv=None, layout=LocalLayout(), page_size=P, tables=t)
+        build_context([sl], kv=None, layout=LocalLayout(), page_size=P, tables=t)
     with pytest.raises(KeyError, match="request 8 has no page table"):
-        ForwardContext.build([SeqSlice(8, 0, 1, 0, [], True)], kv=None, layout=LocalLayout(), page_size=P,
+        build_context([SeqSlice(8, 0, 1, 0, [], True)], kv=None, layout=LocalLayout(), page_size=P,
                              tables=t)

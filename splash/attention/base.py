@@ -22,6 +22,7 @@ from splash.attention import mha, paged, sparse
 from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
 from splash.attention.rows import OwnerRows, check_heads
+from splash.config import KernelConfig
 from splash.core.layouts import Layout, Ownership, StatePlacement
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.kda import KDA
@@ -32,6 +33,9 @@ class AttentionLayout(ABC):
     name: ClassVar[str]
     core: ClassVar[Layout | None]  # the core's layout this class runs; None: the one-rank layout (T = 1)
     batch_slices: ClassVar[bool] = True  # attend the step's slices in batched groups (False: one by one)
+
+    def __init__(self, kernels: KernelConfig | None = None) -> None:
+        self.kernels = kernels or KernelConfig()  # how this rank attends (forms, eager), from EngineConfig
 
     @property
     def shards_projections(self) -> bool:
@@ -77,6 +81,10 @@ class AttentionLayout(ABC):
         out[own.order] = gathered
         return out
 
+    def sparse_step(self, topk: int, ctx: ForwardContext) -> sparse.SparseStep:
+        """A DSA model's step state: index rows and top-k selections (splash/attention/sparse.py)."""
+        return sparse.SparseStep(topk, ctx, self.kernels.enforce_eager)
+
     # Helpers every layout uses -----------------------------------------------------------------------
     @staticmethod
     def write_kv(layer_idx: int, latent_new: torch.Tensor, ctx: ForwardContext) -> None:
@@ -100,8 +108,9 @@ class AttentionLayout(ABC):
         sp = ctx.sparse
         if sp is not None and sp.active:
             slots = sp.selection(self, layer_idx, idx, key, ctx)
-            return sparse.attend_selected(q_lat, q_pe, ctx.kv.flat_layer(layer_idx), slots, scale, lse)
-        kernel = paged.kernel_for(q_lat) if self.batch_slices else "torch"  # attention/paged.py
+            return sparse.attend_selected(q_lat, q_pe, ctx.kv.flat_layer(layer_idx), slots, scale, lse,
+                                          self.kernels.enforce_eager)
+        kernel = paged.kernel_for(q_lat, self.kernels.enforce_eager) if self.batch_slices else "torch"
         if kernel != "torch" and ctx.page_table is not None and ctx.kv is not None:
             cache = self.__dict__.get("_native")
             if cache is None:
@@ -149,7 +158,7 @@ class AttentionLayout(ABC):
         cache = self.__dict__.get("_forms")
         if cache is None:
             cache = self.__dict__["_forms"] = mha.FormCache()
-        return cache.get(ctx, key, idx, mla, key_share)
+        return cache.get(ctx, key, idx, mla, key_share, self.kernels.attention_form)
 
     def attend_v(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, positions: torch.Tensor,
                  split: mha.FormSplit, key: str, ctx: ForwardContext, lse: bool = False,

@@ -11,6 +11,7 @@ import torch
 
 from splash.attention.base import AttentionLayout
 from splash.attention.rows import OwnerRows, OwnerRowsCache, check_heads
+from splash.config import KernelConfig
 from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
@@ -26,7 +27,8 @@ class DPLayout(AttentionLayout):
     name = "dp"
     core = Layout.DP
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: KernelConfig | None = None) -> None:
+        super().__init__(kernels)
         self._own = OwnerRowsCache()
 
     def attention(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, latent_new: torch.Tensor,

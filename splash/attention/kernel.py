@@ -11,18 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from splash.kv.pool import key_slots
 
-def key_slots(pages: torch.Tensor, ctx_len: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat slots into a layer's [num_pages * P, D] view, positions) of the keys a page table holds.
-
-    `pages[j]` is the local id of global page j or -1; only positions < ctx_len are returned."""
-    n = pages.shape[0]
-    dev = pages.device
-    pos = torch.arange(n * page_size, device=dev).view(n, page_size)
-    held = (pages >= 0)[:, None].expand(n, page_size)
-    mask = held & (pos < ctx_len)
-    slots = pages[:, None] * page_size + torch.arange(page_size, device=dev)[None, :]
-    return slots[mask], pos[mask]
+__all__ = ["acc_dtype", "attend", "gather_keys", "key_slots", "merge"]
 
 
 def gather_keys(pool_layer: torch.Tensor, pages: torch.Tensor, ctx_len: int, page_size: int

@@ -21,7 +21,6 @@ exact merge needs comes with them. Causal by position: a row at position p sees 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,23 +34,7 @@ if TYPE_CHECKING:
     from splash.model.context import ForwardContext
     from splash.model.mla import MLA
 
-FORMS = ("auto", "absorbed", "mha")
 _BLOCK = 128  # query rows per block of `attend_blocked` on CPU
-_mode = os.environ.get("SPLASH_ATTN_FORM", "auto").strip().lower() or "auto"
-
-
-def set_form(form: str) -> None:
-    """Which form chunks take in this process: "auto" (per chunk, by cost), "absorbed" or "mha"."""
-    global _mode
-    key = str(form).strip().lower()
-    if key not in FORMS:
-        raise ValueError(f"unknown attention form {form!r}; choose one of {', '.join(FORMS)}")
-    _mode = key
-    os.environ["SPLASH_ATTN_FORM"] = key  # ranks this process spawns follow it
-
-
-def form() -> str:
-    return _mode
 
 
 def chunk_costs(rows: int, ctx: int, heads: int, d_c: int, d_r: int, d_nope: int, d_v: int
@@ -65,10 +48,11 @@ def chunk_costs(rows: int, ctx: int, heads: int, d_c: int, d_r: int, d_nope: int
     return absorbed, mha
 
 
-def prefers_mha(rows: int, ctx: int, mla: MLA) -> bool:
-    """Whether a chunk of `rows` query rows over `ctx` keys (on this rank) takes the MHA form."""
-    if _mode != "auto":
-        return _mode == "mha"
+def prefers_mha(rows: int, ctx: int, mla: MLA, form: str = "auto") -> bool:
+    """Whether a chunk of `rows` query rows over `ctx` keys (on this rank) takes the MHA form; `form`
+    (the layout's `KernelConfig.attention_form`) pins one."""
+    if form != "auto":
+        return form == "mha"
     absorbed, mha = chunk_costs(rows, ctx, 1, mla.d_c, mla.d_rope, mla.d_nope, mla.d_v)
     return mha < absorbed
 
@@ -83,7 +67,8 @@ class FormSplit:
     abs_rows: torch.Tensor      # ... and their rows (all of them, in order)
 
     @classmethod
-    def of(cls, ctx: ForwardContext, idx: list[int] | None, mla: MLA, key_share: int = 1) -> FormSplit:
+    def of(cls, ctx: ForwardContext, idx: list[int] | None, mla: MLA, key_share: int = 1,
+           form: str = "auto") -> FormSplit:
         """`key_share`: the context is spread over that many ranks (CP), so a rank decompresses 1/share
         of each chunk's keys."""
         seqs = ctx.seqs
@@ -92,7 +77,7 @@ class FormSplit:
         at = 0
         for k in ks:
             s = seqs[k]
-            if _mode == "mha" or (s.num_new > 1 and prefers_mha(s.num_new, -(-s.end // key_share), mla)):
+            if form == "mha" or (s.num_new > 1 and prefers_mha(s.num_new, -(-s.end // key_share), mla, form)):
                 mha.append(k)
                 mha_rows.append(slice(at, at + s.num_new))
             else:
@@ -112,11 +97,11 @@ class FormCache:
         self._made: dict[str, FormSplit | None] = {}
 
     def get(self, ctx: ForwardContext, key: str, idx: list[int] | None, mla: MLA,
-            key_share: int = 1) -> FormSplit | None:
+            key_share: int = 1, form: str = "auto") -> FormSplit | None:
         if self._ctx is not ctx:
             self._ctx, self._made = ctx, {}
         if key not in self._made:
-            split = FormSplit.of(ctx, idx, mla, key_share)
+            split = FormSplit.of(ctx, idx, mla, key_share, form)
             self._made[key] = split if split.mha else None
         return self._made[key]
 

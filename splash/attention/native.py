@@ -48,16 +48,6 @@ _DSA_ARGS = [_vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _i64, _i64, _vp, _
 _DSA_WAVE = 1 << 23  # scores the index kernel holds at once (rows past it are scored in later waves)
 
 
-def enabled() -> bool:
-    """The native kernel is wanted (not turned off by SPLASH_NATIVE=0)."""
-    return os.environ.get("SPLASH_NATIVE", "1") not in ("0", "false", "off", "")
-
-
-def set_enabled(on: bool) -> None:
-    """Turn the native kernel on or off for this process and the ranks it spawns (`--enforce-eager`)."""
-    os.environ["SPLASH_NATIVE"] = "1" if on else "0"
-
-
 def _cpu_tag() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -131,17 +121,12 @@ _dsa = _Library(_DSA_SRC, list(_DSA_FUNCS.values()), _DSA_ARGS, "DSA index kerne
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded attention kernel library, built on first use; None when disabled or when it cannot be
-    built."""
-    if not enabled():
-        return None
+    """The loaded attention kernel library, built on first use; None when it cannot be built."""
     return _mla.get()
 
 
 def dsa_library() -> ctypes.CDLL | None:
     """The loaded DSA index top-k library (csrc/dsa_index.c), as `library()`."""
-    if not enabled():
-        return None
     return _dsa.get()
 
 

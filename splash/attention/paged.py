@@ -5,7 +5,8 @@ attends the keys of `tables[row_seq[r]]` at positions <= row_pos[r] -> (out [n, 
 - "native": the C kernel on CPU (`native.py`, float64/float32/bf16),
 - "triton": the Triton kernel on CUDA (`triton_mla.py`, imported only when a query is on CUDA),
 - "torch": the reference, plain torch ops (`batched.py` / `kernel.py`): what anything else runs, and
-  what `--enforce-eager` / `SPLASH_NATIVE=0` pin (one switch for both fast kernels and CUDA graphs).
+  what `--enforce-eager` pins (`KernelConfig.enforce_eager`: one switch for both fast kernels and CUDA
+  graphs; the environment override SPLASH_NATIVE=0 sets it, splash/config.py).
 `SPLASH_ATTN_KERNEL=torch|native|triton` forces a choice where it can run (tests, benchmarks; "triton"
 on CPU tensors only under Triton's interpreter, TRITON_INTERPRET=1: how CPU tests run the engine on it).
 """
@@ -43,20 +44,21 @@ def _triton_module() -> Any:
     return _triton
 
 
-def kernel_for(q: torch.Tensor) -> str:
-    """The kernel that attends queries like `q` (device, dtype) in this process."""
+def kernel_for(q: torch.Tensor, eager: bool = False) -> str:
+    """The kernel that attends queries like `q` (device, dtype); `eager` (--enforce-eager, the layout's
+    `KernelConfig`) pins the torch reference."""
+    if eager:
+        return "torch"
     forced = os.environ.get("SPLASH_ATTN_KERNEL") or ""  # (a lookup per layer: kept this cheap)
     if forced:
         forced = forced.strip().lower()
         if forced == "torch":
             return "torch"
-    if q.device.type == "cpu":  # native.supports checks SPLASH_NATIVE itself
-        if forced == "triton" and native.enabled() and os.environ.get("TRITON_INTERPRET") == "1":
+    if q.device.type == "cpu":
+        if forced == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
             mod = _triton_module()  # tests: the kernel interpreted on CPU
             return "triton" if mod and q.dtype in mod.DTYPES else "torch"
         return "native" if forced in ("", "native") and native.supports(q) else "torch"
-    if not native.enabled():
-        return "torch"
     if q.device.type == "cuda" and forced in ("", "triton") and q.dtype not in _failed:
         mod = _triton_module()
         if mod and q.dtype in mod.DTYPES:
@@ -64,9 +66,9 @@ def kernel_for(q: torch.Tensor) -> str:
     return "torch"
 
 
-def supports(q: torch.Tensor) -> bool:
+def supports(q: torch.Tensor, eager: bool = False) -> bool:
     """Whether a paged kernel (not the torch reference) attends queries like `q`."""
-    return kernel_for(q) != "torch"
+    return kernel_for(q, eager) != "torch"
 
 
 def attention(kernel: str, q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor,

@@ -7,14 +7,20 @@ can ask it without importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 
-if TYPE_CHECKING:
-    from splash.attention.base import AttentionLayout
+
+class LayoutFacts(Protocol):
+    """What the head check reads of a layout (an `AttentionLayout`)."""
+
+    name: str
+    core: Layout | None
+    shards_projections: bool
 
 
 class HeadHolder(Protocol):
@@ -24,7 +30,7 @@ class HeadHolder(Protocol):
     total_heads: int
 
 
-def check_heads(mla: HeadHolder, ctx: ForwardContext, layout: AttentionLayout) -> None:
+def check_heads(mla: HeadHolder, ctx: ForwardContext, layout: LayoutFacts) -> None:
     """Refuse a layer holding the wrong heads for this layout (a switch left half done, or a bug)."""
     world, rank, core = ctx.world, ctx.rank, layout.core
     want = core.heads(rank, world, mla.total_heads) if core is not None else range(mla.total_heads)

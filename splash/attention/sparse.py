@@ -29,7 +29,7 @@ selection); the torch path (gather, matmuls, a stable sort) is the reference and
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -37,18 +37,25 @@ from splash.attention import native, paged
 from splash.attention.kernel import acc_dtype
 
 if TYPE_CHECKING:
-    from splash.attention.base import AttentionLayout
     from splash.model.context import ForwardContext, SliceCtx
     from splash.model.indexer import IndexRows
 
 _CHUNK = 1 << 22  # elements of a score block ([rows, heads, keys]) or key gather ([rows, K, D]) at once
 
 
+class Selecting(Protocol):
+    """Where a layout's keys live decides how it selects (`AttentionLayout.select`; CP merges ranks')."""
+
+    def select(self, layer_idx: int, idx: list[int] | None, ctx: ForwardContext, sp: SparseStep
+               ) -> torch.Tensor: ...
+
+
 class SparseStep:
     """One step of a DSA model on one rank: the running layer's index rows and the selections."""
 
-    def __init__(self, topk: int, ctx: ForwardContext) -> None:
+    def __init__(self, topk: int, ctx: ForwardContext, eager: bool = False) -> None:
         self.topk = topk
+        self.eager = eager  # --enforce-eager: the torch paths only (the layout's KernelConfig)
         self.active = ctx.max_end > topk  # some query sees more keys than it may read
         self.k = min(topk, ctx.max_end)  # selected keys per row (padded with -1), the same on every rank
         self.rows: IndexRows | None = None
@@ -67,7 +74,7 @@ class SparseStep:
             new = rows.k_new if ctx.all_held else rows.k_new[ctx.write_rows]
             kv.write_store("index_k", layer, ctx.write_slots, new)
 
-    def selection(self, layout: AttentionLayout, layer: int, idx: list[int] | None, key: str,
+    def selection(self, layout: Selecting, layer: int, idx: list[int] | None, key: str,
                   ctx: ForwardContext) -> torch.Tensor:
         """[n, k] local slots of the keys each row of the slices `idx` attends (-1: no key / not held
         here), rows slice after slice; a shared layer gets the last full layer's."""
@@ -117,11 +124,18 @@ def top_keys(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return best, order
 
 
-def index_kernel(q: torch.Tensor, keys: torch.Tensor) -> str:
+def _eager(ctx: ForwardContext) -> bool:
+    """--enforce-eager, as the step's SparseStep carries it (a context built by hand has none: off)."""
+    return bool(getattr(getattr(ctx, "sparse", None), "eager", False))
+
+
+def index_kernel(q: torch.Tensor, keys: torch.Tensor, eager: bool = False) -> str:
     """"native" when the C index top-k (csrc/dsa_index.c) runs queries `q` over the index-key store
-    `keys` (CPU tensors of a dtype pair it was built for, SPLASH_NATIVE on), else "torch"; as
+    `keys` (CPU tensors of a dtype pair it was built for, not `eager`), else "torch"; as
     `paged.kernel_for`, SPLASH_ATTN_KERNEL=torch pins the torch path (and "triton", which has no index
     kernel, leaves the index to torch too)."""
+    if eager:
+        return "torch"
     forced = os.environ.get("SPLASH_ATTN_KERNEL") or ""
     if forced and forced.strip().lower() != "native":
         return "torch"
@@ -136,7 +150,7 @@ def local_candidates(layer: int, s: SliceCtx, rows: IndexRows, q_rows: torch.Ten
     kv = ctx.kv
     if kv is not None:
         store = kv.store_flat("index_k", layer)
-        if index_kernel(rows.q, store) == "native":  # scores the keys in the pool, O(keys) selection
+        if index_kernel(rows.q, store, _eager(ctx)) == "native":  # scored in the pool, O(keys)
             return native.index_topk(rows.q, rows.w, store, kv.page_size, s.pages, ctx.positions, k,
                                      rows=q_rows)
     slots, pos = s.key_slots()  # held keys, positions ascending
@@ -166,7 +180,7 @@ def subset_candidates(layer: int, idx: list[int] | None, rows: IndexRows, ctx: F
     kv = ctx.kv
     if kv is not None and ctx.page_table is not None and ks:
         store = kv.store_flat("index_k", layer)
-        if index_kernel(rows.q, store) == "native":
+        if index_kernel(rows.q, store, _eager(ctx)) == "native":
             sc, ps, sl = native.index_topk(rows.q, rows.w, store, kv.page_size, ctx.page_table, ctx.positions,
                                            k, rows=q_rows, row_seq=seg)
             return sc, ps, sl, seg
@@ -181,12 +195,13 @@ def subset_candidates(layer: int, idx: list[int] | None, rows: IndexRows, ctx: F
 
 
 def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor,
-                    scale: float, lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    scale: float, lse: bool = False, eager: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed MLA of each row over its selected keys: q_lat [n, h, d_c], q_pe [n, h, d_r], the layer's
     latent `flat` [slots, D], slots [n, k] (-1: none) -> (out [n, h, d_c], lse [n, h] or None). A row
     with no key here gets out 0 and lse -inf (CP merges it away)."""
     n, h, d_c = q_lat.shape
-    kernel = paged.kernel_for(q_lat) if n and slots.shape[1] else "torch"
+    kernel = paged.kernel_for(q_lat, eager) if n and slots.shape[1] else "torch"
     if kernel != "torch":
         # The paged kernel (C on CPU, Triton on CUDA) over a table of single-token pages: row r's table
         # is its selected slots (-1 skipped), every entry visible, so it reads exactly the selected keys

@@ -20,17 +20,16 @@ from splash.bench.workload import greedy_agreement, random_prompts
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.argtypes import positive_int
-    from splash.commands.generate import add_engine_args
+    from splash.argtypes import positive_int
+    from splash.config import EngineConfig
 
     p = kinds.add_parser("offline", help="offline generation throughput (optionally vs transformers)",
                          description="Time LLM.generate on a fixed batch of random-token prompts.")
-    add_engine_args(p)
+    EngineConfig.add_cli_args(p)  # every engine option (splash/config.py)
     p.add_argument("--batch", type=positive_int, default=16, help="prompts in the batch")
     p.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens each")
     p.add_argument("--output-len", type=positive_int, default=128, help="generated tokens each")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--repeat", type=positive_int, default=3,
                    help="timed runs per side; the fastest counts (default 3: robust to a busy machine)")
     p.add_argument("--compare-hf", action="store_true",
@@ -54,13 +53,11 @@ def _rates(batch: int, input_len: int, output_len: int, seconds: float) -> dict[
 
 
 def run_splash(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]], list[list[int]], Any]:
-    from splash.commands.generate import engine_kwargs
+    from splash.config import EngineConfig
     from splash.engine.sampling import SamplingParams
     from splash.llm import LLM
 
-    kw = engine_kwargs(args)
-    kw["max_num_seqs"] = max(kw["max_num_seqs"], args.batch)
-    llm = LLM(**kw)
+    llm = LLM(config=EngineConfig.from_cli_args(args, max_num_seqs=max(args.max_num_seqs or 64, args.batch)))
     eng = llm.llm_engine
     prompts = random_prompts(args.batch, args.input_len, eng.vocab_size or 256, args.seed)
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -88,7 +85,7 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], dtype_name: str, 
 
     from splash.model import resolve_dtype, resolve_model_path
 
-    path = resolve_model_path(args.model)
+    path = resolve_model_path(args.model or "tiny")
     dtype = resolve_dtype(dtype_name, device)
     kw: dict[str, Any] = {"dtype": dtype}
     if dtype == torch.float64:

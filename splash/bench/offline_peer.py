@@ -39,8 +39,8 @@ def shapes_arg(text: str) -> list[Shape]:
 
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
+    from splash.argtypes import output_file, positive_float, positive_int
     from splash.bench.peer import PEERS
-    from splash.commands.argtypes import output_file, positive_float, positive_int
 
     p.add_argument("--peer", choices=PEERS, default=None,
                    help="also run the same prompts through this peer engine (vllm: vLLM's CPU engine from "
@@ -70,7 +70,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.dtype is not None and normalize_dtype(args.dtype) != "bf16":
         raise ConfigError("--peer vllm compares in bfloat16 (vLLM's CPU MLA kernel takes bf16 only); "
                           "drop --dtype or pass --dtype bfloat16")
-    if args.nnodes != 1:
+    if (args.nnodes or 1) != 1:
         raise ConfigError("--peer runs both engines on this machine; drop --nnodes")
     if args.layout == "auto" or args.switch_schedule:
         raise ConfigError("--peer compares fixed layouts; pass --layout tp|dp|cp|dop or none")
@@ -93,7 +93,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     py = peer_python()  # fail before splash loads anything
     shapes = args.shapes or shapes_arg(DEFAULT_SHAPES)
-    path = resolve_model_path(args.model)
+    path = resolve_model_path(args.model or "tiny")
     vocab = ModelConfig.from_hf(path).vocab_size
     prompts = [random_prompts(b, i, vocab, args.seed + k) for k, (b, i, _o) in enumerate(shapes)]
     splash: dict[str, list[dict[str, Any]]] = {}
@@ -108,15 +108,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def run_splash(args: argparse.Namespace, layout: str | None, shapes: list[Shape],
                prompts: list[list[list[int]]]) -> tuple[str, list[dict[str, Any]]]:
     """One splash engine (one layout) over every shape: seconds (fastest of --repeat) and tokens."""
-    from splash.commands.generate import engine_kwargs
+    from splash.config import EngineConfig
     from splash.engine.sampling import SamplingParams
     from splash.llm import LLM
 
-    kw = engine_kwargs(args)
     biggest = max(b for b, _, _ in shapes)
-    kw.update(dtype="bfloat16", layout=layout, max_num_seqs=max(kw["max_num_seqs"], biggest))
+    config = EngineConfig.from_cli_args(args, dtype="bfloat16", layout=layout,
+                                        max_num_seqs=max(args.max_num_seqs or 64, biggest))
     runs = []
-    with LLM(**kw) as llm:
+    with LLM(config=config) as llm:
         name = str(llm.stats().get("layout") or layout or "tp")
         for (_b, _i, out_len), ps in zip(shapes, prompts):
             llm.generate(prompt_token_ids=ps, sampling_params=SamplingParams(temperature=0.0, max_tokens=2,
@@ -178,7 +178,7 @@ def build_doc(args: argparse.Namespace, shapes: list[Shape], splash: dict[str, l
             row["ratio"][layout] = rate / v_rate
             row["agreement"][layout] = agreement(mine["tokens"], theirs["tokens"])
         rows.append(row)
-    return {"model": args.model, "dtype": "bfloat16", "tp": args.tp or 1, "repeat": args.repeat,
+    return {"model": args.model or "tiny", "dtype": "bfloat16", "tp": args.tp or 1, "repeat": args.repeat,
             "seed": args.seed, "threads": _threads(), "peer": "vllm", "peer_version": peer.get("version"),
             "peer_load_seconds": peer.get("load_seconds"), "layouts": list(splash), "rows": rows}
 

@@ -24,8 +24,8 @@ METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean T
 
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
+    from splash.argtypes import output_file, positive_float, positive_int
     from splash.bench.peer import PEERS
-    from splash.commands.argtypes import output_file, positive_float, positive_int
     from splash.step.plan import LAYOUTS
 
     p.add_argument("--peer", choices=PEERS, default=None,
@@ -96,16 +96,14 @@ def kv_pages_like_peer(a: argparse.Namespace) -> int:
     """splash's KV pool per rank in pages of `splash serve`'s size, holding the bytes the peer is given
     (--peer-kv-gib, vLLM's KV space per rank): at high concurrency the smaller pool would preempt and
     measure the pool, not the engine. (splash serve's own CPU default is 128 MiB, docs/runtime.md.)"""
-    import inspect
-
     import torch
 
+    from splash.config import EngineConfig
     from splash.core.config import ModelConfig
-    from splash.engine.build import build_engine
     from splash.kv.pool import KVPool
     from splash.model import resolve_model_path
 
-    page = inspect.signature(build_engine).parameters["page_size"].default
+    page = EngineConfig().page_size
     cfg = ModelConfig.from_hf(resolve_model_path(a.model))
     return KVPool.pages_for_budget(cfg, int(a.peer_kv_gib * 2**30), page, torch.bfloat16)
 

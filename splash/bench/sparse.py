@@ -40,16 +40,15 @@ def dense_copy(path: str, out_dir: str) -> str:
 def decode_rate(path: str, args: argparse.Namespace, context: int) -> dict[str, float]:
     """Prefill `args.batch` random prompts of `context` tokens, then time `args.output_len` decode steps."""
     from splash.bench.workload import random_prompts
-    from splash.commands.generate import engine_kwargs
+    from splash.config import EngineConfig
     from splash.engine.sampling import SamplingParams
     from splash.llm import LLM
 
-    kw = engine_kwargs(args)
-    kw.update(model=path, max_num_seqs=max(args.batch, 1),
-              max_model_len=context + args.output_len + 1,
-              num_kv_pages=args.batch * (-(-(context + args.output_len + 1) // args.page_size)) + 4)
-    kw["memory_per_rank"] = None
-    llm = LLM(**kw)  # (LLM applies --enforce-eager as everywhere else)
+    page = args.page_size or 16
+    config = EngineConfig.from_cli_args(
+        args, model=path, max_num_seqs=max(args.batch, 1), max_model_len=context + args.output_len + 1,
+        num_kv_pages=args.batch * (-(-(context + args.output_len + 1) // page)) + 4, memory_per_rank=None)
+    llm = LLM(config=config)
     eng = llm.llm_engine
     try:
         prompts = random_prompts(args.batch, context, eng.vocab_size or 256, args.seed)
@@ -75,11 +74,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from splash.core.config import SPARSE_MODEL_TYPES, ModelConfig
     from splash.model import resolve_model_path
 
-    path = resolve_model_path(args.model)
+    path = resolve_model_path(args.model or "tiny")
     cfg = ModelConfig.from_hf(path)
     if cfg.model_type not in SPARSE_MODEL_TYPES:
         raise ValueError(f"--sparse-vs-dense needs a DSA model (DeepSeek-V3.2 / GLM-5 shape), "
-                         f"{args.model!r} is {cfg.model_type}; try --model small-dsa")
+                         f"{args.model or 'tiny'!r} is {cfg.model_type}; try --model small-dsa")
     contexts = [int(c) for c in str(args.contexts).split(",") if c.strip()]
     rows = []
     with tempfile.TemporaryDirectory(prefix="splash-dense-") as tmp:
@@ -91,7 +90,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                          "ratio": s["decode_tokens_per_s"] / d["decode_tokens_per_s"]})
     import torch
 
-    return {"model": args.model, "index_topk": cfg.index_topk, "index_heads": cfg.index_n_heads,
+    return {"model": args.model or "tiny", "index_topk": cfg.index_topk, "index_heads": cfg.index_n_heads,
             "index_head_dim": cfg.index_head_dim, "batch": args.batch, "decode_tokens": args.output_len,
             "dtype": args.dtype or "float32", "threads": torch.get_num_threads(), "isa": cpu_isa(),
             "rows": rows}

@@ -40,7 +40,7 @@ def _layouts(text: str) -> list[str]:
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.argtypes import output_file, positive_int
+    from splash.argtypes import output_file, positive_int
 
     p = kinds.add_parser("sweep", help="throughput of each fixed layout over input lengths x batch sizes",
                          description="Figure 4 protocol: total throughput B*(L_in+L_out)/T_batch per layout.")

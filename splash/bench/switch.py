@@ -36,7 +36,7 @@ DIRECTIONS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
-    from splash.commands.argtypes import output_file, positive_int
+    from splash.argtypes import output_file, positive_int
 
     p = kinds.add_parser("switch", help="live switch cost per direction vs drain-and-restart (Table 1)",
                          description="Time target-ready, blocking and overlapped switching steps for all 12 "

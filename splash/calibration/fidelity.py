@@ -18,9 +18,10 @@ from typing import Any
 
 from splash.calibration.grid import GridPoint
 from splash.calibration.measure import Timing
-from splash.core.costmodel import Theta, step_cost
+from splash.core.costmodel import step_cost
 from splash.core.layouts import Layout
 from splash.core.sizes import AttentionSizes
+from splash.core.theta import Theta
 
 REGRET_OK = 0.10  # the acceptance bound: the chosen layout within 10% of the measured best
 

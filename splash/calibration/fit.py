@@ -2,7 +2,7 @@
 
 Eq 10 is linear in theta's inverse rates and latencies once its max() branches are fixed (which of
 compute or memory bounds each stage, which rank is busiest, whether communication is exposed):
-`costmodel.step_features` gives that linear form. The fit alternates: fix the branches at the current
+`features.step_features` gives that linear form. The fit alternates: fix the branches at the current
 theta, solve a non-negative least squares on *relative* error (rows weighted by 1/measured, so a
 20 ms decode step counts as much as a 1 s prefill), re-derive the branches, repeat until they stop
 changing. Several starts (the profile prior, a memory-bound and a compute-bound variant) guard
@@ -17,17 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from splash.core.costmodel import (
-    FIT_PARAMS,
-    Batch,
-    Theta,
-    step_cost,
-    step_features,
-    theta_params,
-    with_params,
-)
+from splash.core.costmodel import Batch, step_cost
+from splash.core.features import FIT_PARAMS, step_features, theta_params, with_params
 from splash.core.layouts import LAYOUTS, Layout
 from splash.core.sizes import AttentionSizes
+from splash.core.theta import Theta
 
 
 @dataclass(frozen=True)

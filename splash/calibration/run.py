@@ -13,10 +13,10 @@ from splash.calibration.fidelity import PointFidelity, Summary, evaluate, repeat
 from splash.calibration.fit import FitResult, Observation, fit_theta
 from splash.calibration.grid import GridPoint, split_holdout
 from splash.calibration.measure import Timing, measure
-from splash.core.costmodel import Theta
 from splash.core.layouts import LAYOUTS, Layout
 from splash.core.prior import default_profile, runtime_prior
 from splash.core.sizes import AttentionSizes
+from splash.core.theta import Theta
 
 LAYOUT_NAMES = tuple(lay.value for lay in LAYOUTS)
 

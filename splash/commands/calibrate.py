@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from splash.commands.argtypes import output_file, positive_int
+from splash.argtypes import output_file, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from splash.commands.argtypes import positive_float, positive_int
-from splash.dist.launch import add_launch_args
+from splash.argtypes import positive_int
+from splash.config import EngineConfig
 
 
 def _ids(text: str) -> list[int]:
@@ -23,77 +23,20 @@ def _ids(text: str) -> list[int]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by `generate` and `bench offline`."""
-    p.add_argument("--model", default="tiny", help="Hugging Face checkpoint directory, or 'tiny' (default)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float64 (default: per device)")
-    p.add_argument("--device", default=None, help="cpu | cuda[:i] (default: cuda if present)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="plain torch ops only: no native CPU attention kernel (vLLM's flag; for comparisons)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="bound on the running batch")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="token budget per step (prefill chunk size); default max(512, max-num-seqs)")
-    p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="context length (default: model's)")
-    add_mixing_args(p)
-    add_cache_args(p)
-    p.add_argument("--memory-per-rank", default=None,
-                   help="memory budget per rank for weights + KV cache, e.g. 2GiB "
-                        "(default: from the machine)")
-    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
-    add_launch_args(p)
-    from splash.commands.switching import add_switch_args
-
-    add_switch_args(p)  # --layout (auto default at T > 1), --switch-schedule, --switch-mode, --theta, ...
-    p.add_argument("--collective-timeout", type=positive_float, default=None, metavar="S",
-                   help="seconds before a collective waiting on a dead or hung rank fails the engine "
-                        "(default 300)")
+    """Every engine option (splash/config.py: one table, SGLang's and vLLM's spellings accepted)."""
+    EngineConfig.add_cli_args(p)
 
 
-def add_cache_args(p: argparse.ArgumentParser) -> None:
-    """The prefix cache (splash/kv/prefix.py): vLLM's flags, and SGLang's --disable-radix-cache."""
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="share full prompt pages between requests by content (default on, as in vLLM and "
-                        "SGLang; off for KDA hybrids, whose per-request state a cached prefix cannot give)")
-    p.add_argument("--disable-radix-cache", dest="enable_prefix_caching", action="store_false",
-                   help="SGLang's name for --no-enable-prefix-caching")
-    p.add_argument("--num-state-slots", type=int, default=None, metavar="N",
-                   help="KDA hybrids: requests whose recurrent state a rank holds at once (default "
-                        "--max-num-seqs); the scheduler admits no more, the slots come out of the KV budget")
-
-
-def add_mixing_args(p: argparse.ArgumentParser) -> None:
-    """How a step mixes prefill with decode, and the attention form of chunks (docs/performance.md)."""
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
-                   help="at most N prompt tokens per request per step, so several prompts share a step's "
-                        "budget (vLLM's flag; default 0: only --max-num-batched-tokens caps a chunk)")
-    p.add_argument("--attention-form", choices=("auto", "absorbed", "mha"), default=None,
-                   help="MLA attention form of each chunk: auto (default: the cheaper one per chunk, MHA "
-                        "for long prefill chunks), or one pinned everywhere (measurements)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from splash.commands.switching import switch_kwargs
-
-    return {"model": args.model, "dtype": args.dtype, "device": args.device,
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
-            "memory_per_rank": args.memory_per_rank, "page_size": args.page_size, "tp": args.tp,
-            "layout": args.layout, "nnodes": args.nnodes, "node_rank": args.node_rank,
-            "dist_init_addr": args.dist_init_addr, "collective_timeout_s": args.collective_timeout,
-            "enforce_eager": getattr(args, "enforce_eager", False),
-            "long_prefill_token_threshold": args.long_prefill_token_threshold,
-            "attention_form": args.attention_form,
-            "enable_prefix_caching": getattr(args, "enable_prefix_caching", None),
-            "num_state_slots": getattr(args, "num_state_slots", None),
-            **switch_kwargs(args)}
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The engine's options as the user gave them (ConfigError naming the fix)."""
+    return EngineConfig.from_cli_args(args, **overrides)
 
 
 def follow_as_worker(args: argparse.Namespace) -> bool:
     """On a node without rank 0: serve this node's ranks until rank 0 shuts down (True), else False."""
     from splash.engine.group import follow_if_worker
 
-    return follow_if_worker(args.tp, args.nnodes, args.node_rank, args.dist_init_addr, args.device,
-                            args.collective_timeout)
+    return follow_if_worker(engine_config(args))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -120,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from splash.engine.sampling import SamplingParams
 
     try:
+        engine_config(args)  # a bad option fails here, before any rank starts
         if follow_as_worker(args):
             return 0  # this node served its ranks; rank 0 (on node 0) prints the results
     except ValueError as e:
@@ -145,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     llm = None
     try:
-        llm = LLM(**engine_kwargs(args))
+        llm = LLM(config=engine_config(args))
         outs = llm.generate(prompts, params)
         stats = llm.stats()
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError

@@ -56,7 +56,8 @@ def _init_builtin(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from splash.core.config import PRESETS, ModelConfig
+    from splash.core.config import ModelConfig
+    from splash.core.presets import PRESETS
     from splash.core.sizes import kv_bytes_per_token
     from splash.core.stores import values_per_token
     from splash.model import resolve_model_path

@@ -1,4 +1,5 @@
-"""`splash plan weights|switches|crossovers|capacity|advise`: the analytical core on the command line.
+"""`splash plan weights|switches|crossovers|capacity|advise`: the analytical core on the command line
+(capacity and advise in plan_capacity.py, the shared options in plan_args.py).
 
 Every subcommand prints a readable table, or exactly one JSON object with --json. Bad input
 raises ConfigError, which `splash.cli` turns into one line on stderr and exit code 2.
@@ -7,131 +8,28 @@ raises ConfigError, which `splash.cli` turns into one line on stderr and exit co
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from typing import Any
 
-from splash.core.config import PRESETS, ConfigError, ModelConfig, normalize_dtype, resolve_model_config
-from splash.core.layouts import DIRECTIONS, LAYOUTS, Layout, longest_balanced_context
-from splash.core.sizes import GIB, MIB, AttentionSizes
-
-# Presets whose published checkpoints are FP8 (GLM-5: zai-org/GLM-5-FP8, the precision the paper serves
-# GLM-5 in; its BF16 weights alone overflow an H200 at T = 8).
-FP8_NATIVE = ("deepseek-v3", "deepseek-v3.2", "kimi-k2", "glm-5")
-KV_DTYPE_HELP = ("KV dtype: bf16 (2 bytes a value, default), fp8 (the paper's layout: FP8 latent and "
-                 "indexer key with a float32 scale per 128 values, BF16 rotary key), fp16, fp32, fp64")
-
-
-# ---- shared helpers (also used by `splash simulate`) ----------------------------------------------
-def emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> int:
-    print(json.dumps(obj, default=float) if args.json else text)
-    return 0
-
-
-MAX_PAGES = 2**22  # plan switches: rows of one manifest (B x pages per request)
-MAX_SCAN_K = 16384.0  # plan crossovers: --hi-k, in 1024 tokens
-
-
-def need(value: float | int, name: str, minimum: float = 1) -> None:
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum:g}, got {value:g}")
+from splash.commands.plan_args import (
+    KV_DTYPE_HELP,
+    MAX_PAGES,
+    MAX_SCAN_K,
+    add_model_args,
+    emit,
+    kv_line,
+    kv_summary,
+    need,
+    sizes_from,
+    state_line,
+    state_summary,
+    table,
+)
+from splash.commands.plan_capacity import run_advise, run_capacity, theta_from
+from splash.core.config import ConfigError
+from splash.core.layouts import DIRECTIONS, Layout
+from splash.core.sizes import GIB, MIB
 
 
-def weight_dtype(cfg: ModelConfig, dtype: str | None) -> str:
-    """`auto`: FP8 where the published checkpoint is FP8 (`FP8_NATIVE`, or its config says so), else bf16."""
-    if dtype in (None, "auto"):
-        q = cfg.quantization_config or {}
-        fp8 = cfg.name in FP8_NATIVE or (isinstance(q, dict) and q.get("quant_method") == "fp8")
-        return "fp8" if fp8 else "bf16"
-    return normalize_dtype(dtype)
-
-
-def add_model_args(p: argparse.ArgumentParser, dtype_default: str = "bf16",
-                   model_default: str | None = "deepseek-v3", ranks_default: int | None = 8) -> None:
-    p.add_argument("--model", default=model_default,
-                   help=f"preset ({', '.join(PRESETS)}), checkpoint dir, config.json"
-                        + (f" (default {model_default})" if model_default else ""))
-    p.add_argument("--ranks", "-T", type=int, default=ranks_default,
-                   help="ranks T in the attention group"
-                        + (f" (default {ranks_default})" if ranks_default else ""))
-    p.add_argument("--dtype", default=dtype_default,
-                   help=f"weight dtype bf16|fp16|fp8|fp32|auto (default {dtype_default})")
-    p.add_argument("--kv-dtype", default="bf16", help=KV_DTYPE_HELP)
-    p.add_argument("--fp8-scales", action="store_true", help="count FP8 128x128 block scales (fp32)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def sizes_from(args: argparse.Namespace, ranks: int | None = None) -> AttentionSizes:
-    cfg = resolve_model_config(args.model)
-    T = args.ranks if ranks is None else ranks
-    need(T, "--ranks")
-    cfg.check_ranks(T)
-    return AttentionSizes(cfg, weight_dtype(cfg, args.dtype), args.kv_dtype, args.fp8_scales)
-
-
-def kv_summary(sizes: AttentionSizes) -> dict[str, Any]:
-    """KV bytes per token of a model (the core's one rule, `splash.core.sizes`), for JSON output."""
-    per_layer = sizes.kv_layer_bytes
-    kinds = sorted(set(per_layer), reverse=True)
-    return {"kv_dtype": sizes.kv_dtype, "kv_bytes_per_token": sizes.k,
-            "kv_bytes_per_token_layer": {f"{b:g}": per_layer.count(b) for b in kinds}}
-
-
-def kv_line(sizes: AttentionSizes) -> str:
-    """'KV fp8: 48,068 bytes per token (788 per layer x 61 layers)': what one context token costs."""
-    per_layer = sizes.kv_layer_bytes
-    parts = [f"{b:,g} per layer x {per_layer.count(b)} layers"
-             for b in sorted(set(per_layer), reverse=True) if b]  # (a hybrid's KDA layers hold no KV)
-    return f"KV {sizes.kv_dtype}: {sizes.k:,.0f} bytes per token ({' + '.join(parts)})"
-
-
-def state_summary(sizes: AttentionSizes) -> dict[str, Any]:
-    """A hybrid's per-request KDA state (the core's rule, `splash.core.stores`), for JSON output."""
-    if not sizes.cfg.is_hybrid:
-        return {}
-    return {"mla_layers": len(sizes.mla_layers), "kda_layers": len(sizes.kda_layers),
-            "state_bytes_per_request": sizes.z, "state_bytes_per_request_layer": sizes.state_layer_bytes,
-            "state_stores_per_layer": sizes.state_store_bytes()}
-
-
-def state_line(sizes: AttentionSizes) -> str:
-    """'; KDA state: 43,417,600 bytes per request (2,170,880 per layer x 20 KDA layers)', or ''."""
-    if not sizes.cfg.is_hybrid:
-        return ""
-    return (f"; KDA state: {sizes.z:,.0f} bytes per request ({sizes.state_layer_bytes:,.0f} per layer x "
-            f"{len(sizes.kda_layers)} KDA layers, whatever the context)")
-
-
-def table(rows: list[list[Any]], header: list[str]) -> str:
-    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
-    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)) for r in cells]
-    lines.insert(1, "  ".join("-" * x for x in w))
-    return "\n".join(lines)
-
-
-def parse_layout_map(text: str, what: str) -> dict[Layout, float]:
-    """'TP=1000,DP=2000,CP=..,DOP=..' -> {Layout: value}; all four layouts required."""
-    out: dict[Layout, float] = {}
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        if "=" not in part:
-            raise ConfigError(f"{what}: expected LAYOUT=VALUE pairs like TP=1000832, got {part!r}")
-        k, v = part.split("=", 1)
-        try:
-            out[Layout.parse(k)] = float(v)
-        except ValueError:
-            raise ConfigError(f"{what}: {v!r} is not a number") from None
-    missing = [lay.label for lay in LAYOUTS if lay not in out]
-    if missing:
-        raise ConfigError(f"{what}: missing {', '.join(missing)} (give all of TP, DP, CP, DOP)")
-    if any(v < 0 for v in out.values()):
-        raise ConfigError(f"{what}: values must be >= 0")
-    return out
-
-
-# ---- weights --------------------------------------------------------------------------------------
 def run_weights(args: argparse.Namespace) -> int:
     from splash.core.manifest import weights_report
 
@@ -282,190 +180,8 @@ def _model_crossovers(args: argparse.Namespace) -> int:
 
 
 # ---- capacity -------------------------------------------------------------------------------------
-def run_capacity(args: argparse.Namespace) -> int:
-    from splash.core.capacity import (
-        CapacityScenario,
-        distinct_tokens,
-        model_capacity,
-        model_pools,
-        pools_from_budget,
-        residency_limits,
-        scenario,
-    )
-
-    for value, flag in ((args.batch, "--batch"), (args.ranks, "--ranks")):
-        if value is not None:
-            need(value, flag)
-    given = [x for x in (args.scenario, args.pool_tokens, args.memory_gib) if x is not None]
-    if len(given) != 1 and not (args.model and not given):
-        raise ConfigError("give exactly one of --scenario, --pool-tokens, or --memory-gib (with --model, or "
-                          "--weights-gib and --kv-bytes-per-token), or --model alone (pools from --gpu)")
-    sizes = None
-    budget: tuple[float, int, float, bool] | None = None  # (memory, ranks, reserve, fixed) of model pools
-    if args.model:  # the model's W_A and bytes per token (the core's rule), reported with every source
-        if args.weights_gib is not None or args.kv_bytes_per_token is not None:
-            raise ConfigError("--model gives the weights and KV bytes per token; leave out --weights-gib "
-                              "and --kv-bytes-per-token")
-        base_ranks = scenario(args.scenario).ranks if args.scenario else 8
-        sizes = sizes_from(args, base_ranks if args.ranks is None else args.ranks)
-    ranks = 8 if args.ranks is None else args.ranks
-    source = (f"the {args.scenario} scenario" if args.scenario else "--pool-tokens" if args.pool_tokens
-              else f"--memory-gib {args.memory_gib:g} (attention weights + KV)" if args.memory_gib is not None
-              else "")
-    if args.scenario:
-        base = scenario(args.scenario)
-    else:
-        if args.pool_tokens:
-            pools = {k: int(v) for k, v in parse_layout_map(args.pool_tokens, "--pool-tokens").items()}
-        elif args.memory_gib is not None:
-            if sizes is None and (args.weights_gib is None or args.kv_bytes_per_token is None):
-                raise ConfigError("--memory-gib needs --weights-gib and --kv-bytes-per-token (or --model)")
-            need(args.memory_gib, "--memory-gib", 0)
-            need(args.reserve_gib, "--reserve-gib", 0)
-            if sizes is not None:  # a budget for attention weights + KV, as the paper's DCU scenario
-                budget = (args.memory_gib * GIB, ranks, args.reserve_gib * GIB, False)
-                pools = model_pools(sizes, *budget)
-            else:
-                need(args.weights_gib, "--weights-gib", 0)
-                need(args.kv_bytes_per_token, "--kv-bytes-per-token", 1e-9)
-                pools = pools_from_budget(args.memory_gib * GIB, args.weights_gib * GIB,
-                                          args.kv_bytes_per_token, ranks, args.reserve_gib * GIB)
-        else:  # --model alone: the device's memory less every weight the rank holds and the reserve
-            assert sizes is not None
-            th = profile_theta(args.gpu, ranks, sizes, args.memory_fraction, None)
-            budget = (th.memory_bytes, ranks, th.reserve_bytes, True)
-            pools = model_pools(sizes, *budget)
-            source = (f"{th.name}: {th.memory_bytes / GIB:,.1f} GiB per rank, {th.reserve_bytes / GIB:g} GiB "
-                      "reserve")
-        base = CapacityScenario("custom" if sizes is None else sizes.cfg.name,
-                                16 if args.batch is None else args.batch, ranks, pools)
-    batch = base.batch if args.batch is None else args.batch  # (0 is an input to refuse, not "unset")
-    ranks = base.ranks if args.ranks is None else args.ranks
-    slots = None
-    if sizes is not None and budget is not None and sizes.z:  # a hybrid: B request states beside the KV
-        pools = model_pools(sizes, *budget, requests=batch)
-        base = CapacityScenario(base.name, base.batch, base.ranks, pools, base.output_min, base.output_max,
-                                base.note, base.paper_limits_k)
-        slots = {lay.label: c.requests for lay, c in model_capacity(sizes, budget[0], budget[1], budget[2],
-                                                                    budget[3]).items()}
-    sc = CapacityScenario(base.name, batch, ranks, base.pools, args.output_min, args.output_max, base.note,
-                          base.paper_limits_k if (args.batch, args.ranks) == (None, None) else {})
-    need(sc.batch, "--batch")
-    need(sc.ranks, "--ranks")
-    t = time.perf_counter()
-    lim = residency_limits(sc, args.cohorts, args.seed, args.residency)
-    secs = time.perf_counter() - t
-    obj = {"scenario": sc.name, "batch": sc.batch, "ranks": sc.ranks, "cohorts": args.cohorts,
-           "seed": args.seed,
-           "residency": args.residency, "output_range": [sc.output_min, sc.output_max],
-           "pool_tokens": {k.label: v for k, v in sc.pools.items()},
-           "distinct_tokens_group": {k.label: distinct_tokens(k, v, sc.ranks) for k, v in sc.pools.items()},
-           "limits_tokens": {k.label: v for k, v in lim.items()},
-           "limits_k": {k.label: round(v / 1024, 2) for k, v in lim.items()},
-           "paper_limits_k": {k.label: v for k, v in sc.paper_limits_k.items()}, "seconds": round(secs, 2)}
-    model = ""
-    if sizes is not None:
-        obj.update(model=sizes.cfg.name, dtype=sizes.dtype, source=source, **kv_summary(sizes),
-                   **state_summary(sizes), pool_gib={k.label: v * sizes.k / GIB for k, v in sc.pools.items()})
-        model = (f"\n{sizes.cfg.name} ({sizes.dtype} weights): {kv_line(sizes)}{state_line(sizes)}; "
-                 f"pools from {source}")
-        if slots is not None:
-            obj["state_slots_requests"] = slots
-            model += (f"\npools after B={sc.batch} request states; state slots (requests the budget holds by "
-                      "their KDA state alone): " + ", ".join(f"{k} {v:,}" for k, v in slots.items()))
-    rows = []
-    for lay in LAYOUTS:
-        paper = sc.paper_limits_k.get(lay)
-        dev = f"{(lim[lay] / 1024 - paper) / paper:+.3%}" if paper else ""
-        rows.append([lay.label, f"{sc.pools[lay]:,}", f"{distinct_tokens(lay, sc.pools[lay], sc.ranks):,}",
-                     f"{lim[lay] / 1024:.2f}k", f"{paper}k" if paper else "-", dev])
-    text = (f"capacity '{sc.name}': B={sc.batch}, T={sc.ranks}, {args.cohorts:,} cohorts, seed {args.seed}, "
-            f"{args.residency:.0%} residency ({secs:.1f} s){model}\n"
-            + table(rows, ["layout", "pool tok/rank", "distinct tok/group", "limit", "paper", "diff"]))
-    return emit(args, obj, text)
-
-
-# ---- advise ---------------------------------------------------------------------------------------
-def profile_theta(gpu: str, ranks: int, sizes: AttentionSizes, memory_fraction: float | None,
-                  memory_gib: float | None):  # -> Theta
-    """Theta of a hardware profile, --memory-fraction and --memory-gib checked."""
-    from splash.core.hardware import theta_for
-
-    if memory_fraction is not None and not 0 < memory_fraction <= 1:
-        raise ConfigError(f"--memory-fraction must be in (0, 1], got {memory_fraction}")
-    if memory_gib is not None:
-        need(memory_gib, "--memory-gib", 1e-9)
-    return theta_for(gpu, ranks, sizes, memory_fraction, memory_gib)
-
-
-def theta_from(args: argparse.Namespace, sizes: AttentionSizes):  # -> Theta
-    from splash.core.costmodel import Theta
-
-    if getattr(args, "theta", None):
-        th = Theta.load(args.theta)
-        if th.ranks != args.ranks:
-            raise ConfigError(f"theta file is for T={th.ranks} but --ranks is {args.ranks}")
-        return th
-    return profile_theta(args.gpu, args.ranks, sizes, args.memory_fraction, args.memory_gib)
-
-
-def run_advise(args: argparse.Namespace) -> int:
-    from splash.core.capacity import requests_at
-    from splash.core.costmodel import Batch
-    from splash.core.policy import PolicyConfig, decide
-
-    sizes = sizes_from(args)
-    need(args.batch, "--batch")
-    need(args.context, "--context")
-    need(args.query_rows, "--query-rows")
-    if args.query_rows > args.context:
-        raise ConfigError(f"--query-rows ({args.query_rows}) cannot exceed --context ({args.context})")
-    th = theta_from(args, sizes)
-    batch = Batch.balanced(args.batch, args.context, args.query_rows, args.ranks)
-    cur = None if args.current in (None, "none") else Layout.parse(args.current)
-    need(args.page_size, "--page-size")
-    cfg = PolicyConfig(margin=args.margin, min_dwell=0, page_size=args.page_size)
-    d = decide(sizes, th, batch, cur, 1 << 30, cfg)
-    avail = th.memory_bytes - sizes.fixed_bytes_per_rank(args.ranks) - th.reserve_bytes
-    layouts = {}
-    rows = []
-    for lay in LAYOUTS:
-        e = d.evals[lay]
-        group = lay.distinct([e.kv_pool_tokens] * args.ranks)  # TP: one rank's pool; the others: the sum
-        longest = longest_balanced_context(lay, avail, sizes.w_a, sizes.k, args.batch, args.ranks,
-                                           sizes.indexer_weight_bytes(), sizes.z)
-        layouts[lay.label] = {**e.to_dict(), "kv_distinct_tokens_group": group,
-                              "longest_balanced_context": int(longest), **{"stages": e.cost.to_dict()}}
-        rows.append([lay.label + (" *" if lay is d.layout else ""), f"{e.time * 1e3:,.2f}",
-                     f"{e.memory_bytes / GIB:,.1f}", "yes" if e.fits else "NO",
-                     "yes" if e.switch_fits else "NO", f"{e.kv_pool_tokens:,}", f"{group:,}",
-                     f"{int(longest):,}"])
-        if sizes.cfg.is_hybrid:  # requests, not tokens, can run out first: each holds its KDA state
-            fit = requests_at(lay, sizes, th.memory_bytes, args.ranks, args.context, th.reserve_bytes)
-            layouts[lay.label]["requests_fit_at_context"] = fit
-            rows[-1].append(f"{fit:,}")
-    obj = {"model": sizes.cfg.name, "gpu": getattr(th, "name", args.gpu), "theta_source": th.source,
-           "ranks": args.ranks, "batch": args.batch, "context": args.context, "query_rows": args.query_rows,
-           "dtype": sizes.dtype, **kv_summary(sizes), **state_summary(sizes),
-           "memory_per_rank_gib": th.memory_bytes / GIB, "current": cur.label if cur else None,
-           "layout": d.layout.label, "switch": d.switch,
-           "reason": d.reason, "feasible": [lay.label for lay in LAYOUTS if lay in d.feasible],
-           "layouts": layouts}
-    dsa = (f"; DSA: main attention reads top-{sizes.cfg.index_topk} keys, the indexer scores all "
-           f"{args.context:,}" if sizes.cfg.is_sparse else "")
-    text = (f"{sizes.cfg.name} ({sizes.dtype} weights) on {th.name or args.gpu}, "
-            f"T={args.ranks}, B={args.batch}, s={args.context}, q={args.query_rows}, "
-            f"{th.memory_bytes / GIB:.1f} GiB per rank\n{kv_line(sizes)}{state_line(sizes)}{dsa}\n"
-            f"-> run {d.layout.label}: {d.reason}\n"
-            + table(rows, ["layout", "step ms", "mem GiB", "fits", "switch fits", "KV tok/rank",
-                           "KV distinct/group", "longest s"]
-                    + (["requests fit at s"] if sizes.cfg.is_hybrid else [])))
-    return emit(args, obj, text)
-
-
-# ---- registration ---------------------------------------------------------------------------------
 def register(sub: argparse._SubParsersAction) -> None:
-    from splash.commands.argtypes import output_file
+    from splash.argtypes import output_file
 
     p = sub.add_parser("plan", help="analytical planner: weights, switches, crossovers, capacity, advise",
                        description="Answer layout questions from the ownership and cost models (no GPU).")

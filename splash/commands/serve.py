@@ -16,49 +16,17 @@ import threading
 import time
 from typing import Any
 
-from splash.dist.launch import add_launch_args
-
-ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "memory_per_rank",
-                  "num_kv_pages", "tp", "layout", "device", "nnodes", "node_rank", "dist_init_addr",
-                  "collective_timeout_s", "long_prefill_token_threshold", "attention_form",
-                  "enable_prefix_caching", "num_state_slots")
+from splash.config import EngineConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from splash.commands.argtypes import positive_float
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
                        description="Serve a model over the OpenAI API on http://HOST:PORT/v1.")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory, or 'tiny'")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--served-model-name", default=None,
                    help="name clients send as `model` (default: the --model value)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float64 (default: per device)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="bound on the running batch (default 128 x ranks, vLLM's CPU server default)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default 2048 x ranks, vLLM's CPU server default)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
-    from splash.commands.generate import add_cache_args, add_mixing_args
-
-    add_mixing_args(p)  # --long-prefill-token-threshold, --attention-form
-    add_cache_args(p)  # --enable-prefix-caching / --no-enable-prefix-caching / --disable-radix-cache
-    p.add_argument("--memory-per-rank", default=None, help="memory budget per rank, e.g. 2GiB")
-    p.add_argument("--num-kv-pages", type=int, default=None,
-                   help="KV pool size in pages, overriding --memory-per-rank (tests, demos)")
-    add_launch_args(p)  # --tp/--ranks, --nnodes, --node-rank, --dist-init-addr
-    from splash.commands.switching import add_switch_args
-
-    add_switch_args(p)  # --layout (auto default at T > 1), --switch-schedule, --switch-mode, --theta, ...
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="plain torch ops only: no native CPU attention kernel (vLLM's flag; for comparisons)")
-    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=positive_float, default=None,
-                   metavar="S", help="seconds before a dead or hung rank fails the engine (default 300)")
-    p.add_argument("--enable-memory-saver", action="store_true",
-                   help="allow /release_memory_occupation (SGLang's flag; off by default, as in SGLang)")
     p.add_argument("--arrival-gap-ms", type=float, default=3.0, metavar="MS",
                    help="an idle engine woken by a request waits for the rest of its burst (requests less "
                         "than MS apart, up to 10 x MS) before stepping; 0 steps at once (default 3)")
@@ -66,7 +34,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds open requests get to finish after SIGINT/SIGTERM")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
+    EngineConfig.add_cli_args(p)  # every engine option (splash/config.py), --model required below
     p.set_defaults(func=run)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The server's engine options: a server's batch defaults, memory release only with the flag (as
+    SGLang)."""
+    return EngineConfig.from_cli_args(args, serving=True,
+                                      enable_memory_saver=bool(getattr(args, "enable_memory_saver", False)))
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -86,26 +62,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def build_engine(args: argparse.Namespace) -> Any:
     """Construct the AsyncEngine from the options given (unset ones keep the engine's defaults)."""
-    from splash.commands.switching import switch_kwargs
     from splash.engine.async_engine import AsyncEngine
 
-    kw = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k, None) is not None}
-    kw.update(switch_kwargs(args))
-    kw["serving"] = True  # the server's default token budget (splash.engine.scheduler.default_token_budget)
-    if getattr(args, "enforce_eager", False):
-        from splash.attention import native
-
-        native.set_enabled(False)  # before the ranks start: they inherit it
-    if kw.get("nnodes") == 1:
-        kw.pop("nnodes")
-    if kw.get("node_rank") == 0:
-        kw.pop("node_rank")
-    factory = getattr(AsyncEngine, "from_args", None) or AsyncEngine
-    engine = factory(model=args.model, **kw)
+    engine = AsyncEngine.from_config(engine_config(args))
     engine.arrival_gap_s = max(0.0, getattr(args, "arrival_gap_ms", 0.0)) / 1e3
-    inner = getattr(engine, "engine", None)  # the LLMEngine: memory release only with the flag, as SGLang
-    if inner is not None:
-        inner.memory_saver = bool(getattr(args, "enable_memory_saver", False))
     return engine
 
 
@@ -119,11 +79,14 @@ def run(args: argparse.Namespace) -> int:
     if args.port < 0 or args.port > 65535:
         print(f"splash serve: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
+    if args.model is None:
+        print("splash serve: give --model (a checkpoint directory, or a built-in model such as tiny)",
+              file=sys.stderr)
+        return 2
     try:  # a node without rank 0 serves its ranks only; node 0 runs the HTTP server
         from splash.engine.group import follow_if_worker
 
-        if follow_if_worker(getattr(args, "tp", None), args.nnodes, args.node_rank, args.dist_init_addr,
-                            args.device, args.collective_timeout_s):
+        if follow_if_worker(engine_config(args)):
             return 0
     except ValueError as e:
         print(f"splash serve: {e}", file=sys.stderr)

@@ -68,7 +68,7 @@ def run_rollout(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from splash.commands.argtypes import output_file
+    from splash.argtypes import output_file
 
     p = sub.add_parser("simulate", help="paper-scale simulations through the cost model")
     kinds = p.add_subparsers(dest="simulate_kind", metavar="KIND")

@@ -4,7 +4,9 @@ Eq 10 per MLA layer and rank: t_proj = max(F_proj/Phi_proj, W/beta_W), t_att = m
 K_read/beta_KV), and t = t0 + t_proj + t_att + delta + max(0, R - eta*t_att). The loads F, W, K_read
 and R come from the ownership model for the *live* batch (unbalanced contexts and owners welcome),
 so the same function prices TP, DP, CP and DOP; theta holds only rates, latencies and budgets.
-The illustrative law of Eq 11/12 lives in `splash/core/law.py`.
+The illustrative law of Eq 11/12 lives in `splash/core/law.py`; Eq 10 written linear in theta (what
+calibration fits) in `splash/core/features.py`; Eq 7, a switch's exposed time, in
+`splash/core/switch_time.py`.
 
 Sparse attention (DSA, SPEC §9): a query's main attention reads at most `index_topk` keys whatever the
 context, while each indexer layer scores every visible key (H_I * d_I MACs and d_I values per key) and
@@ -22,10 +24,8 @@ state placement: TP/DOP each rank its heads of every row (one all-reduce after o
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,121 +34,7 @@ from splash.core.config import ConfigError
 from splash.core.layouts import LAYOUTS, Layout, Ownership, StatePlacement, round_robin_owners
 from splash.core.manifest import position_tokens_matrix
 from splash.core.sizes import AttentionSizes
-
-# Collectives per attention layer (each pays the latency delta once): TP all-reduce after O;
-# DP all-gather of owners' rows; CP exact LSE merge; DOP forward + reverse all-to-all + all-reduce.
-COLLECTIVES = {Layout.TP: 1, Layout.DP: 1, Layout.CP: 1, Layout.DOP: 3}
-DEFAULT_ETA = {"TP": 0.0, "DP": 0.0, "CP": 0.5, "DOP": 0.5}
-
-
-@dataclass
-class Theta:
-    """Deployment parameters of pi(x; theta): rates, latencies and the memory budget per rank."""
-
-    ranks: int
-    memory_bytes: float  # H_r: device memory usable per rank
-    flops_proj: float  # Phi_proj, FLOP/s for the projections
-    flops_att: float  # Phi_att, FLOP/s for attention
-    bw_weights: float  # beta_W, bytes/s reading projection weights
-    bw_kv: float  # beta_KV, bytes/s reading latent KV
-    link_bw: float  # bytes/s one rank receives in a collective
-    latency: float  # delta: seconds per collective
-    t0: float = 0.0  # seconds per step outside the attention stages
-    t_row: float = 0.0  # seconds per query row outside attention (dense / MoE), layout-independent
-    t_experts: float = 0.0  # seconds to stream all of a rank's expert weights once
-    expert_frac: float = 0.0  # share of experts one token routes to (top-k / E): N rows touch
-    #                           1 - (1 - expert_frac)^N of them, so small batches read few experts
-    eta: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_ETA))
-    reserve_bytes: float = 0.0  # R_r: transient reserve kept free
-    act_bytes: float = 2.0  # bytes per activation element exchanged
-    name: str = ""
-    source: str = "profile"
-    t_seq: float = 0.0  # seconds per request a rank attends, per layer (per-slice launch/gather cost;
-    #                     0 in the paper's profiles, measured by `splash calibrate` on this runtime)
-    collectives: dict[str, float] | None = None  # collectives per attention layer, per layout
-    #                     (None: COLLECTIVES; calibration fits them as effective counts in `latency` units,
-    #                     since an all-to-all and an all-reduce do not cost one latency alike)
-    t_req: float = 0.0  # seconds per request with rows this step, outside attention and layout-independent
-    #                     (per-request step work: positions, page tables, sampling; 0 in the paper's
-    #                     profiles, measured by `splash calibrate` on this runtime)
-    link_bw_by_layout: dict[str, float] | None = None  # bytes/s of each layout's collectives (None:
-    #                     link_bw for all; calibration fits one per layout: all-reduce, all-gather and
-    #                     all-to-all move their bytes at different rates)
-
-    def __post_init__(self) -> None:
-        if int(self.ranks) < 1:
-            raise ConfigError(f"theta: ranks must be >= 1, got {self.ranks}")
-        self.ranks = int(self.ranks)
-        for f in ("memory_bytes", "flops_proj", "flops_att", "bw_weights", "bw_kv", "link_bw"):
-            if not float(getattr(self, f)) > 0:
-                raise ConfigError(f"theta: {f} must be > 0, got {getattr(self, f)}")
-        if not 0 <= float(self.expert_frac) <= 1:
-            raise ConfigError(f"theta: expert_frac must be in [0, 1], got {self.expert_frac}")
-        for f in ("latency", "t0", "t_row", "t_experts", "reserve_bytes", "t_req"):
-            if float(getattr(self, f)) < 0:
-                raise ConfigError(f"theta: {f} must be >= 0, got {getattr(self, f)}")
-        eta = {Layout.parse(k).label: float(v) for k, v in dict(self.eta).items()}
-        for k, v in eta.items():
-            if not 0 <= v <= 1:
-                raise ConfigError(f"theta: eta[{k}] must be in [0, 1], got {v}")
-        self.eta = {lay.label: eta.get(lay.label, DEFAULT_ETA[lay.label]) for lay in LAYOUTS}
-        if float(self.t_seq) < 0:
-            raise ConfigError(f"theta: t_seq must be >= 0, got {self.t_seq}")
-        if self.collectives is not None:
-            coll = {Layout.parse(k).label: float(v) for k, v in dict(self.collectives).items()}
-            if any(v < 0 for v in coll.values()):
-                raise ConfigError(f"theta: collectives must be >= 0, got {coll}")
-            self.collectives = {lay.label: coll.get(lay.label, float(COLLECTIVES[lay])) for lay in LAYOUTS}
-        if self.link_bw_by_layout is not None:
-            bw = {Layout.parse(k).label: float(v) for k, v in dict(self.link_bw_by_layout).items()}
-            if not all(v > 0 for v in bw.values()):
-                raise ConfigError(f"theta: link_bw_by_layout must be > 0, got {bw}")
-            self.link_bw_by_layout = {lay.label: bw.get(lay.label, float(self.link_bw)) for lay in LAYOUTS}
-
-    def eta_of(self, layout: Layout) -> float:
-        return self.eta[layout.label]
-
-    def collectives_of(self, layout: Layout) -> float:
-        """Collectives one attention layer of `layout` issues (each pays the latency delta once)."""
-        return COLLECTIVES[layout] if self.collectives is None else self.collectives[layout.label]
-
-    def link_bw_of(self, layout: Layout) -> float:
-        """Bytes/s the collectives of `layout` move (link_bw unless calibrated per layout)."""
-        return self.link_bw if self.link_bw_by_layout is None else self.link_bw_by_layout[layout.label]
-
-    # -- JSON --------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Theta:
-        if not isinstance(d, dict):
-            raise ConfigError("theta JSON must be an object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"theta JSON has unknown field(s): {', '.join(unknown)}")
-        try:
-            return cls(**d)
-        except TypeError as e:
-            raise ConfigError(f"theta JSON is incomplete: {e}") from None
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Theta:
-        try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"no theta file at {path!r}; write one with `splash calibrate --out FILE` "
-                              "(plan and simulate can use a built-in profile instead: --gpu)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not a theta JSON file: {e}") from None
-        return cls.from_dict(d)
+from splash.core.theta import Theta
 
 
 @dataclass(frozen=True)
@@ -417,7 +303,7 @@ def _rank_times(ld: LayerLoads, theta: Theta) -> tuple[np.ndarray, np.ndarray, n
 _Kind = tuple[int, LayerLoads, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _kinds_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
+def kinds_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
                  page_size: int | None) -> tuple[list[_Kind], int]:
     """Each kind of layer's count, loads and per-rank times, and the busiest rank over the whole model."""
     T = theta.ranks
@@ -438,7 +324,7 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
     """Eq 10 summed over the model's attention layers (a hybrid's KDA layers included) for `batch` in
     `layout` on theta.ranks ranks."""
     L = sizes.layers
-    kinds, b = _kinds_loads(layout, sizes, batch, theta, page_size)
+    kinds, b = kinds_loads(layout, sizes, batch, theta, page_size)
     bw = theta.link_bw_of(layout)
     comm = kinds[0][1].comm_bytes / bw
     delta = theta.latency * kinds[0][1].collectives
@@ -457,82 +343,7 @@ def step_cost(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
     return StepCost(layout, total, t_proj / L, t_att / L, comm, delta, exposed / L, L, t_index / L)
 
 
-# ---- Eq 10 as a linear function of theta, for calibration --------------------------------------------
-# step_cost(...).total == step_features(...) @ theta_params(theta), with the max() branches, the busiest
-# rank and the [.]+ of exposed communication fixed by `theta`: least squares on measured step times
-# then fits these parameters (all >= 0) for the branches the data sit in.
-FIT_PARAMS = ("t0", "t_row", "t_experts", "inv_flops_proj", "inv_bw_weights", "inv_flops_att",
-              "inv_bw_kv", "inv_link_bw", "latency", "t_seq", "t_req")
-
-
-def theta_params(theta: Theta) -> np.ndarray:
-    """Theta's linear parameters in FIT_PARAMS order (rates inverted: seconds per FLOP or byte)."""
-    return np.array([theta.t0, theta.t_row, theta.t_experts, 1 / theta.flops_proj, 1 / theta.bw_weights,
-                     1 / theta.flops_att, 1 / theta.bw_kv, 1 / theta.link_bw, theta.latency, theta.t_seq,
-                     theta.t_req])
-
-
-def with_params(theta: Theta, params: np.ndarray, max_rate: float = 1e30) -> Theta:
-    """A copy of `theta` carrying `params` (FIT_PARAMS order); a zero inverse rate becomes `max_rate`."""
-    p = np.maximum(np.asarray(params, dtype=float), 0.0)
-    if p.shape != (len(FIT_PARAMS),):
-        raise ConfigError(f"expected {len(FIT_PARAMS)} parameters, got shape {p.shape}")
-
-    def rate(v: float) -> float:
-        return min(max_rate, 1 / v) if v > 0 else max_rate
-
-    d = theta.to_dict()
-    d.update(t0=p[0], t_row=p[1], t_experts=p[2], flops_proj=rate(p[3]), bw_weights=rate(p[4]),
-             flops_att=rate(p[5]), bw_kv=rate(p[6]), link_bw=rate(p[7]), latency=p[8], t_seq=p[9],
-             t_req=p[10])
-    return Theta.from_dict({k: (float(v) if isinstance(v, np.floating) else v) for k, v in d.items()})
-
-
-def _roofline(att: np.ndarray, flops: float, nbytes: float, theta: Theta) -> None:
-    """Add one roofline's active branch to a feature row (FLOPs at 1/Phi_att, or bytes at 1/beta_KV)."""
-    if flops / theta.flops_att >= nbytes / theta.bw_kv:
-        att[5] += flops
-    else:
-        att[6] += nbytes
-
-
-def _layer_features(layout: Layout, ld: LayerLoads, theta: Theta, b: int, t_att: float) -> np.ndarray:
-    """One layer's part of `step_features` on busiest rank `b` (whose t_att is `t_att`)."""
-    x = np.zeros(len(FIT_PARAMS))
-    if ld.f_proj[b] / theta.flops_proj >= ld.w_read[b] / theta.bw_weights:
-        x[3] += ld.f_proj[b]
-    else:
-        x[4] += ld.w_read[b]
-    att = np.zeros(len(FIT_PARAMS))  # t_att of the busiest rank
-    _roofline(att, ld.f_att[b], ld.kv_read[b], theta)
-    if ld.f_index is not None and ld.index_read is not None:
-        _roofline(att, ld.f_index[b], ld.index_read[b], theta)
-    att[9] = ld.slices[b]
-    x += att
-    x[8] += ld.collectives
-    eta = theta.eta_of(layout)
-    if ld.comm_bytes / theta.link_bw_of(layout) - eta * t_att > 0:
-        x[7] += ld.comm_bytes * theta.link_bw / theta.link_bw_of(layout)  # in units of 1 / link_bw
-        x -= eta * att
-    return x
-
-
-def step_features(layout: Layout, sizes: AttentionSizes, batch: Batch, theta: Theta,
-                  page_size: int | None = None) -> np.ndarray:
-    """x with step_cost(layout, ...).total == x @ theta_params(theta), branches chosen by `theta`."""
-    kinds, b = _kinds_loads(layout, sizes, batch, theta, page_size)
-    x = np.zeros(len(FIT_PARAMS))
-    rows = batch.n_rows
-    x[0] = 1.0
-    x[1] = rows
-    x[2] = 1.0 - (1.0 - theta.expert_frac) ** rows if rows > 0 else 0.0
-    x[10] = _active(batch)
-    for n, ld, times in kinds:
-        x += n * _layer_features(layout, ld, theta, b, float(times[1][b]))
-    return x
-
-
-def _active(batch: Batch) -> int:
+def active_requests(batch: Batch) -> int:
     """Requests with rows this step."""
     return int((batch.rows > 0).sum())
 
@@ -542,7 +353,7 @@ def outside_attention(theta: Theta, batch: Batch) -> float:
     per-request work outside attention."""
     rows = batch.n_rows
     touched = 1.0 - (1.0 - theta.expert_frac) ** rows if rows > 0 else 0.0
-    return theta.t0 + theta.t_row * rows + theta.t_experts * touched + theta.t_req * _active(batch)
+    return theta.t0 + theta.t_row * rows + theta.t_experts * touched + theta.t_req * active_requests(batch)
 
 
 def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: float,
@@ -573,42 +384,3 @@ def eq4_bytes(rows: int, heads: int, d_c: int, d_r: int, world: int, elem_bytes:
 def step_costs(sizes: AttentionSizes, batch: Batch, theta: Theta,
                layouts: Sequence[Layout] = LAYOUTS, page_size: int | None = None) -> dict[Layout, StepCost]:
     return {lay: step_cost(lay, sizes, batch, theta, page_size) for lay in layouts}
-
-
-# ---- Eq 7: the exposed part of a layer-wise overlapped switch --------------------------------------
-def exposed_switch_time(xfer: Sequence[float], comp: Sequence[float]) -> float:
-    """t_exposed = t_xfer_1 + sum_{i>=2} max(0, t_xfer_i - t_comp_{i-1}) (one layer in transit)."""
-    x = [float(v) for v in xfer]
-    c = [float(v) for v in comp]
-    if not x:
-        return 0.0
-    if len(c) < len(x) - 1:
-        raise ConfigError(f"need compute times for {len(x) - 1} layers, got {len(c)}")
-    return x[0] + sum(max(0.0, x[i] - c[i - 1]) for i in range(1, len(x)))
-
-
-def layer_transfer_times(weight_bytes: np.ndarray, kv_bytes: np.ndarray, layers: int,
-                         theta: Theta) -> list[float]:
-    """Per-layer transfer time of a switch: busiest rank's bytes / link + one latency per collective.
-
-    `kv_bytes` is one layer's per-rank KV ([T], every layer alike) or each layer's ([layers, T]: a DSA
-    model's indexer layers carry their indexer keys, GLM-5's shared layers none, a hybrid's KDA layers
-    their per-request states instead). `weight_bytes` likewise: [T] every layer alike, or [layers, T]
-    (a hybrid's KDA layers move KDA projections; `manifest.switch_layer_bytes` gives both)."""
-    w_b = np.asarray(weight_bytes, dtype=float)
-    w = w_b.max(axis=-1, initial=0) if w_b.ndim == 2 else np.full(layers, w_b.max(initial=0))
-    kv_b = np.asarray(kv_bytes, dtype=float)
-    per_layer = kv_b.max(axis=-1, initial=0) if kv_b.ndim == 2 else np.full(layers, kv_b.max(initial=0))
-    if len(per_layer) != layers or len(w) != layers:
-        raise ConfigError(f"need KV and weight bytes for {layers} layers, got {len(per_layer)} and {len(w)}")
-    n_coll = (w > 0).astype(float) + (per_layer > 0)  # nothing to move, nothing to pay
-    return ((w + per_layer) / theta.link_bw + n_coll * theta.latency).tolist()
-
-
-def switch_time(weight_bytes: np.ndarray, kv_bytes: np.ndarray, dst_cost: StepCost,
-                theta: Theta) -> tuple[float, float]:
-    """(exposed, blocking) seconds of a switch whose destination step costs `dst_cost` (`kv_bytes`: see
-    `layer_transfer_times`)."""
-    xfer = layer_transfer_times(weight_bytes, kv_bytes, dst_cost.layers, theta)
-    comp = [dst_cost.per_layer] * dst_cost.layers
-    return exposed_switch_time(xfer, comp), float(sum(xfer))

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splash.core.config import ConfigError
-from splash.core.costmodel import Theta
 from splash.core.sizes import GIB, AttentionSizes
+from splash.core.theta import Theta
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,18 @@ class Layout(enum.Enum):
         return min(per_rank) if self.ownership is Ownership.REPLICATED else sum(per_rank)
 
     @classmethod
+    def named(cls, name: str | Layout) -> Layout:
+        """The layout of a runtime name ("tp", exactly as plans, allocators and flags carry it);
+        ValueError (one line, with the choices) for anything else. `parse` is the lenient reading of
+        what a user typed."""
+        if isinstance(name, Layout):
+            return name
+        found = _BY_NAME.get(name)  # type: ignore[arg-type]
+        if found is None:
+            raise ValueError(f"unknown layout {name!r}; expected one of {', '.join(_BY_NAME)}")
+        return found
+
+    @classmethod
     def parse(cls, name: str | Layout) -> Layout:
         """'TP', 'dp', 'DP-attention', 'dop' ... -> Layout; ConfigError names the choices."""
         if isinstance(name, Layout):
@@ -118,6 +130,7 @@ _PLACEMENT = {Layout.TP: Placement.SHARDED, Layout.DP: Placement.REPLICATED,
 _OWNERSHIP = {Layout.TP: Ownership.REPLICATED, Layout.DP: Ownership.OWNER,
               Layout.CP: Ownership.POSITION, Layout.DOP: Ownership.OWNER}
 LAYOUTS: tuple[Layout, ...] = (Layout.TP, Layout.DP, Layout.CP, Layout.DOP)
+_BY_NAME = {lay.value: lay for lay in LAYOUTS}
 DIRECTIONS: tuple[tuple[Layout, Layout], ...] = tuple((a, b) for a in LAYOUTS for b in LAYOUTS if a != b)
 
 

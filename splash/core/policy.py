@@ -23,7 +23,7 @@ import numpy as np
 
 from splash.core.capacity import model_pool_tokens
 from splash.core.config import ConfigError
-from splash.core.costmodel import Batch, StepCost, Theta, step_cost, switch_time
+from splash.core.costmodel import Batch, StepCost, step_cost
 from splash.core.law import Crossover
 from splash.core.layouts import (
     LAYOUTS,
@@ -34,6 +34,8 @@ from splash.core.layouts import (
 )
 from splash.core.manifest import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
 from splash.core.sizes import AttentionSizes
+from splash.core.switch_time import switch_time
+from splash.core.theta import Theta
 
 
 @dataclass(frozen=True)

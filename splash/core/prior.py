@@ -19,9 +19,9 @@ import os
 import numpy as np
 
 from splash.core.config import ConfigError, ModelConfig, dtype_bytes
-from splash.core.costmodel import Theta
 from splash.core.layouts import LAYOUTS
 from splash.core.sizes import AttentionSizes
+from splash.core.theta import Theta
 
 log = logging.getLogger("splash.calibration")
 
@@ -120,7 +120,7 @@ def load_or_default_theta(path: str | None, ranks: int, cfg: ModelConfig, dtype:
 def default_theta(ranks: int, sizes: AttentionSizes, device: str | None = None) -> Theta:
     """CPU: the profile prior carrying CPU_MEASURED; CUDA: the H200 profile prior (no GPU calibration
     has been run yet)."""
-    from splash.core.costmodel import FIT_PARAMS, with_params
+    from splash.core.features import FIT_PARAMS, with_params
 
     prof = default_profile(device)
     prior = runtime_prior(ranks, sizes, prof)

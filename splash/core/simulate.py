@@ -20,11 +20,13 @@ import numpy as np
 
 from splash.core.capacity import model_pool_tokens
 from splash.core.config import ConfigError
-from splash.core.costmodel import Batch, Theta, step_cost, switch_time
+from splash.core.costmodel import Batch, step_cost
 from splash.core.layouts import LAYOUTS, Layout, kv_pages_per_rank
 from splash.core.manifest import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
 from splash.core.policy import Policy, PolicyConfig, activation_bytes, decide
 from splash.core.sizes import AttentionSizes
+from splash.core.switch_time import switch_time
+from splash.core.theta import Theta
 
 
 @dataclass(frozen=True)

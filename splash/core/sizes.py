@@ -19,12 +19,29 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from splash.core.config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
 from splash.core.stores import Store, layer_state_bytes, request_state_bytes, request_stores, token_stores
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
+          "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """'2GiB', '512MB', '1e9', 123 -> bytes; ConfigError on anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ConfigError(f"memory size must be positive, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
+    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"cannot read memory size {value!r}; write e.g. 2GiB, 512MiB or 1500000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import pickle
@@ -60,16 +59,6 @@ class LaunchSpec:
     @property
     def has_leader(self) -> bool:
         return 0 in self.ranks
-
-
-def add_launch_args(p: argparse.ArgumentParser) -> None:
-    """The rank-group flags shared by `generate`, `serve` and `bench`."""
-    p.add_argument("--tp", "--ranks", dest="tp", type=int, default=None,
-                   help="number of ranks T serving the model (default: 1, or WORLD_SIZE under torchrun)")
-    p.add_argument("--nnodes", type=int, default=1, help="machines sharing the T ranks")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
-    p.add_argument("--dist-init-addr", default=None,
-                   help="HOST:PORT where the ranks meet (needed with --nnodes > 1)")
 
 
 def resolve_launch(tp: int | None = None, nnodes: int = 1, node_rank: int = 0,

@@ -18,57 +18,21 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from splash.config import EngineConfig
 from splash.engine.llm_engine import LLMEngine, StepFailed
 from splash.engine.outputs import RequestOutput
 from splash.engine.sampling import SamplingParams
+from splash.engine.streams import EngineDeadError, EngineError, Mailbox, Stream, put_all
 
 log = logging.getLogger("splash.engine")
-
-
-class EngineError(RuntimeError):
-    """The engine failed while running a request (the request was aborted, its pages freed)."""
-
-
-class EngineDeadError(EngineError):
-    """The engine was shut down; no request can run any more."""
-
-
-class _Mailbox:
-    """One request's newest unread snapshot, or the error that ended it (lives on the consumer's loop).
-
-    A new snapshot replaces an unread one - it contains it - so a client that stops reading holds one
-    snapshot, not one per step. An error is never replaced: it is what the consumer must see next."""
-
-    def __init__(self) -> None:
-        self._item: RequestOutput | BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        if not isinstance(self._item, BaseException):
-            self._item = item
-            self._ready.set()
-
-    async def get(self) -> RequestOutput | BaseException:
-        await self._ready.wait()
-        self._ready.clear()
-        item, self._item = self._item, None
-        assert item is not None
-        return item
-
-
-_Stream = tuple[asyncio.AbstractEventLoop, _Mailbox]
-
-
-def _put_all(batch: list[tuple[str, _Mailbox, Any]]) -> None:
-    for _, box, item in batch:
-        box.put(item)
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineError"]
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._dead: EngineDeadError | None = None  # set when the engine thread gave up (rank group failed)
@@ -78,11 +42,16 @@ class AsyncEngine:
         self.arrival_gap_s = 0.0
 
     @classmethod
-    def from_args(cls, **kw: Any) -> AsyncEngine:
-        """Build the engine (`splash.engine.build.build_engine` keywords) on the thread that will step it."""
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Build the engine from its config on the thread that will step it."""
         from splash.engine.build import build_engine
 
-        return cls.built_on_thread(lambda: build_engine(**kw))
+        return cls.built_on_thread(lambda: build_engine(config))
+
+    @classmethod
+    def from_args(cls, **kw: Any) -> AsyncEngine:
+        """`from_config(EngineConfig.from_kwargs(**kw))`: the options as keywords."""
+        return cls.from_config(EngineConfig.from_kwargs(**kw))
 
     @classmethod
     def built_on_thread(cls, build: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -220,7 +189,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running; use a unique id")
         loop = asyncio.get_running_loop()
-        q = _Mailbox()
+        q = Mailbox()
         self._streams[request_id] = (loop, q)
         self._cmds.put(("add", (request_id, list(prompt_token_ids), params)))
         if self._dead is not None:  # the thread ended before this stream was registered: nobody will answer
@@ -304,14 +273,14 @@ class AsyncEngine:
     def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand each item to its stream's mailbox: one wake-up per event loop, not one per request
         (each `call_soon_threadsafe` writes to the loop's self-pipe, a system call on the step's path)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, _Mailbox, Any]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, Mailbox, Any]]] = {}
         for rid, item in items:
             stream = self._streams.get(rid)
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((rid, stream[1], item))
         for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, batch)
+                loop.call_soon_threadsafe(put_all, batch)
             except RuntimeError:  # the consumer's loop is closed: nobody is listening
                 for rid, _, _ in batch:
                     self._streams.pop(rid, None)

@@ -25,6 +25,7 @@ import time
 import weakref
 from typing import Any
 
+from splash.config import EngineConfig
 from splash.dist import affinity
 from splash.dist.groups import DEFAULT_TIMEOUT_S, check_devices, init_distributed, pick_backend
 from splash.dist.launch import LaunchSpec, WorkerError, WorkerGroup, resolve_launch, start_workers
@@ -363,12 +364,12 @@ def run_worker_node(launch: LaunchSpec, device: str | None = None, timeout_s: fl
     return 0
 
 
-def follow_if_worker(tp: int | None = None, nnodes: int = 1, node_rank: int = 0,
-                     dist_init_addr: str | None = None, device: str | None = None,
-                     timeout_s: float | None = None, threads: int | None = None) -> bool:
+def follow_if_worker(config: EngineConfig) -> bool:
     """If this process/node holds no rank 0 (`--node-rank` > 0, or a torchrun rank > 0), serve its
-    ranks until rank 0 shuts the group down and return True; otherwise do nothing and return False."""
-    launch = resolve_launch(tp, nnodes, node_rank, dist_init_addr)
+    ranks until rank 0 shuts the group down and return True; otherwise do nothing and return False.
+    ValueError (one line) on inconsistent launch options."""
+    launch = resolve_launch(config.tp, config.nnodes, config.node_rank, config.dist_init_addr)
+    device, timeout_s, threads = config.device, config.collective_timeout_s, config.threads
     if launch.has_leader:
         return False
     log.info("node %d: running ranks %s until rank 0 shuts the group down", launch.node_rank,

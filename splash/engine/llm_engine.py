@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import logging
 import numbers
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from splash.config import EngineConfig
 from splash.engine import prompt_logprobs
 from splash.engine.detokenizer import IncrementalDetokenizer
 from splash.engine.outputs import RequestOutput
+from splash.engine.recovery import Recovery, StepFailed
 from splash.engine.request import Request
 from splash.engine.request import Sequence as Seq
 from splash.engine.rl import RLControl
@@ -29,17 +30,7 @@ from splash.kv.books import BooksError
 from splash.step.plan import StepPlan
 
 log = logging.getLogger("splash.engine")
-
-
-class StepFailed(RuntimeError):
-    """A step failed. The requests it ran were aborted (`failed`: their final snapshots) and the books
-    were checked; the other requests go on. `fatal`: the engine cannot step any more (its ranks failed,
-    or the books did not balance after the cleanup): every request was aborted."""
-
-    def __init__(self, message: str, failed: list[RequestOutput], fatal: bool) -> None:
-        super().__init__(message)
-        self.failed = failed
-        self.fatal = fatal
+__all__ = ["LLMEngine", "StepFailed", "StepRunner", "Tokenizer"]
 
 
 class StepRunner(Protocol):
@@ -56,11 +47,13 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
-class LLMEngine(RLControl):
+class LLMEngine(RLControl, Recovery):
     def __init__(self, runner: StepRunner, allocator: KVAllocator, sched_cfg: SchedulerConfig,
                  tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
                  vocab_size: int | None = None, model_name: str = "model",
-                 info: dict[str, Any] | None = None) -> None:
+                 info: dict[str, Any] | None = None, config: EngineConfig | None = None) -> None:
+        # the options it was built from (resolved; a bare engine of tests: the defaults and environment)
+        self.config = config if config is not None else EngineConfig.from_kwargs()
         self.runner = runner
         self.allocator = allocator
         self.scheduler = Scheduler(sched_cfg, allocator)
@@ -85,8 +78,10 @@ class LLMEngine(RLControl):
         self._broken: str | None = None  # why no step can run any more (a failed step left it unsound)
         # Prove the books after every step and control operation (splash/kv/books.py): a bookkeeping
         # error then fails the step that makes it. The test suite and `splash bench soak` turn it on.
-        self.check_books = os.environ.get("SPLASH_CHECK_BOOKS", "0") not in ("", "0")
+        self.check_books = self.config.check_books
         self._rl_init()  # pause, weight updates, memory release (splash/engine/rl.py)
+        if self.config.enable_memory_saver is not None:  # (unset: LLM's default, on; a server turns it off)
+            self.memory_saver = self.config.enable_memory_saver
         self._routing: Any = None  # RoutingRecorder, made when a request first asks for routed experts
 
     # ---- properties ------------------------------------------------------------------------------
@@ -244,70 +239,6 @@ class LLMEngine(RLControl):
                 raise
             raise out from e
         return outs
-
-    def _recover(self, st: Any, err: Exception) -> Exception:
-        """After a failed step: give back a switch that never ran, abort the step's requests (all of
-        them if the step never got planned), tell the ranks again to forget what the failed message
-        may not have carried, and prove the books. Unsound books or failed ranks: abort everything and
-        mark the engine broken (no later step runs; a server then reports unhealthy and exits). Returns
-        what to raise: StepFailed, or the rank group's own error once it has failed."""
-        why = f"{type(err).__name__}: {err}"
-        log.error("step failed: %s", why, exc_info=err)
-        unsound = None
-        if self.switcher is not None:
-            if st is not None and st.executed and self.switcher.pending is not None:
-                unsound = "a switch ran on the ranks but could not be committed on rank 0"
-            else:
-                self.switcher.abort_pending()  # (a switch that never ran: its destination pages back)
-        sched = self.scheduler
-        sched.finished_by_scheduler.clear()
-        if st is not None:
-            sched.dropped = [*st.plan.dropped, *sched.dropped]  # (ids the ranks already forgot are skipped)
-            rids = list(dict.fromkeys(seq.group.request_id for seq in st.seqs))
-        else:
-            rids = list(self.requests)
-        failed, errs = self._abort_each(rids)
-        if not errs:
-            try:
-                errs = sched.book_errors()
-            except Exception as e:  # noqa: BLE001 - a check that cannot run proves nothing
-                errs = [f"the books could not be checked: {type(e).__name__}: {e}"]
-        if unsound is not None:
-            errs.insert(0, unsound)
-        if self._ranks_failure() is not None:  # the rank group failed: its own error says why (and says it
-            self._abort_each(list(self.requests))  # again at every later step)
-            return err
-        if not errs:
-            return StepFailed(f"engine step failed: {why}", failed, fatal=False)
-        failed += self._abort_each(list(self.requests))[0]
-        self._broken = f"the engine cannot step after a failed step ({why}): " + "; ".join(errs[:3])
-        log.error("%s", self._broken)
-        return StepFailed(self._broken, failed, fatal=True)
-
-    def _abort_each(self, rids: list[str]) -> tuple[list[RequestOutput], list[str]]:
-        """Abort each request; one whose pages cannot be given back (unsound books) is still ended and
-        dropped, and the error said. -> (final snapshots, errors)."""
-        outs, errs = [], []
-        for rid in rids:
-            req = self.requests.get(rid)
-            try:
-                out = self.abort(rid)
-            except Exception as e:  # noqa: BLE001 - the books are unsound; end the request anyway
-                errs.append(f"aborting {rid!r} failed: {type(e).__name__}: {e}")
-                self.requests.pop(rid, None)
-                if req is None:
-                    continue
-                for seq in req.seqs:
-                    if not seq.status.done:
-                        seq.finish("abort")
-                out = req.output()
-            if out is not None:
-                outs.append(out)
-        return outs, errs
-
-    def abort_all_unchecked(self) -> list[RequestOutput]:
-        """Abort every request without proving the books afterwards (cleanup after a failure)."""
-        return [o for rid in list(self.requests) if (o := self.abort(rid)) is not None]
 
     def _run_step(self, st: Any, final_only: bool) -> list[RequestOutput]:
         """The scheduled step `st`: run it on every rank, sample, append, finish."""

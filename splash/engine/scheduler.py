@@ -61,29 +61,6 @@ class SchedulerConfig:
         return min(pending, budget)
 
 
-def default_max_num_seqs(world: int, serving: bool) -> int:
-    """`max_num_seqs` when none is given: a server takes vLLM's CPU server default, 128 x T, so a client
-    that opens 128 streams (an RL rollout through the HTTP API) has them all running rather than half of
-    them queued (at concurrency 128 on `small`: +8% output tok/s, mean TTFT 1.9 s against 7.1 s, each
-    step longer); offline engines keep 64 (tests and benchmarks pass their own)."""
-    return 128 * world if serving else 64
-
-
-def default_token_budget(world: int, max_num_seqs: int, serving: bool) -> int:
-    """`max_num_batched_tokens` when none is given.
-
-    A server takes vLLM's CPU server default, 2048 x T: a wave of prompts arriving together is prefilled
-    in one step instead of a chunk per step, so streams that started decoding after the first chunk
-    are not held back by the rest of their own wave (that made P99 inter-token latency ~5x vLLM's at 512).
-    The price is a longer single stall when one long prompt arrives (docs/performance.md, "TTFT vs
-    ITL"). Offline engines keep max(512, max_num_seqs): without streams there is no ITL to protect and
-    it keeps the activation reserve small.
-    """
-    if serving:
-        return max(2048 * world, max_num_seqs)
-    return max(512, max_num_seqs)
-
-
 @dataclass
 class ScheduledStep:
     """A plan plus the sequences behind its slices (same order), kept on rank 0 only."""
@@ -192,7 +169,7 @@ class Scheduler:
         now, the least projected load (ties: most free pages, then lowest rank); None if no rank can.
         TP/CP ignore owners: always 0."""
         empty = self.alloc.empty_table()
-        if not self.alloc.layout_row.owned:
+        if not self.alloc.core_layout.owned:
             return 0 if self.alloc.can_grow(empty, seq.num_tokens, 0) else None
         lacks = [self.alloc.demand(empty, seq.num_tokens, r)[r] for r in range(self.alloc.world)]
         owners, stuck, _ = balanced_owners([0], [lacks], self.alloc.num_free, [seq.seq_id], self.projected)
@@ -205,7 +182,7 @@ class Scheduler:
         PREFIX_BALANCE (then the one owner rule, and what that owner has cached)."""
         alloc = self.alloc
         keys = self._keys(seq, cache, PrefixCache.reusable_pages(seq.num_tokens, alloc.page_size))
-        if not alloc.layout_row.owned:
+        if not alloc.core_layout.owned:
             blocks, wait = cache.match(keys)
             return None if wait or not self._fits(cache, blocks, seq, 0) else (0, blocks)
         best: tuple[int, list[Block], bool] | None = None

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splash.attention.registry import LayoutRow, row
+from splash.core.layouts import Layout
 from splash.kv.prefix import PrefixCache
-from splash.kv.state import SlotAllocator
+from splash.kv.slots import SlotAllocator
 
 
 class OutOfPages(RuntimeError):
@@ -19,9 +19,9 @@ class OutOfPages(RuntimeError):
 
 
 def page_ranks(layout: str, j: int, owner: int, world: int) -> tuple[int, ...]:
-    """Ranks that store global page `j` of a request owned by `owner` under `layout` (the layout
-    table's placement rule: TP every rank, DP/DOP the owner, CP rank j % T)."""
-    return row(layout).page_ranks(j, owner, world)
+    """Ranks that store global page `j` of a request owned by `owner` under `layout` (the core's
+    placement rule: TP every rank, DP/DOP the owner, CP rank j % T)."""
+    return Layout.named(layout).page_ranks(j, owner, world)
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -33,7 +33,7 @@ def request_capacity(layout: str, pages: list[int], page_size: int, owner: int |
     """Largest context one request could hold in `layout` with `pages` free pages per rank to itself:
     under DP/DOP the best owner's pool (or `owner`'s), under TP the smallest rank, under CP the position
     shards."""
-    world, lay = len(pages), row(layout)
+    world, lay = len(pages), Layout.named(layout)
     if owner is None:
         owners = range(world) if lay.owned else range(1)
         return max(request_capacity(layout, pages, page_size, o) for o in owners)
@@ -157,12 +157,12 @@ class KVAllocator:
 
     @layout.setter
     def layout(self, name: str) -> None:
-        self._row = row(name)
-        self._name = self._row.name
+        self._row = Layout.named(name)
+        self._name = self._row.value
 
     @property
-    def layout_row(self) -> LayoutRow:
-        """The running layout's row of the layout table."""
+    def core_layout(self) -> Layout:
+        """The running layout, as the core defines it (placement, ownership and every rule of them)."""
         return self._row
 
     # ---- queries --------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ def _cache_errors(alloc: KVAllocator, holders: Mapping[int, Holder], blocks: Seq
 
 def _placement_errors(alloc: KVAllocator, holders: Mapping[int, Holder]) -> list[str]:
     errs: list[str] = []
-    lay, T = alloc.layout_row, alloc.world
+    lay, T = alloc.core_layout, alloc.world
     for hid, h in holders.items():
         if not h.pages:
             continue

@@ -17,6 +17,19 @@ from splash.core.config import ConfigError, ModelConfig
 from splash.core.stores import token_stores, values_per_token
 
 
+def key_slots(pages: torch.Tensor, ctx_len: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat slots into a layer's [num_pages * P, D] view, positions) of the keys a page table holds.
+
+    `pages[j]` is the local id of global page j or -1; only positions < ctx_len are returned."""
+    n = pages.shape[0]
+    dev = pages.device
+    pos = torch.arange(n * page_size, device=dev).view(n, page_size)
+    held = (pages >= 0)[:, None].expand(n, page_size)
+    mask = held & (pos < ctx_len)
+    slots = pages[:, None] * page_size + torch.arange(page_size, device=dev)[None, :]
+    return slots[mask], pos[mask]
+
+
 class KVPool:
     """`extra`: the per-token stores beside the latent, name -> (layers that have it, width).
     `latent_layers`: the model layers that have a latent, in order (default 0 .. num_layers-1); a

@@ -4,12 +4,12 @@ list, and a step's view of its slots.
 Unlike the latent, a KDA request's state does not grow with its context: per KDA layer a recurrent
 state `S [H_held, d_k, d_v]` and a conv window `[3 * H_held * d, K - 1]` (the last K-1 q/k/v inputs).
 A rank holds them for `num_slots` requests, allocated once (`StatePool`); a request holds one slot,
-the same index in every KDA layer, from admission to finish / abort / preemption (`SlotAllocator` on
-rank 0, beside the page allocators; the slot id travels in the step plan, `SeqSlice.slot`, as page ids
-do). A slice that starts at position 0 (a fresh request, or a preempted one recomputing from its
-tokens) has its slot zeroed at the start of the step (`StatePool.step`), so a slot never leaks a
-previous holder's state. The recurrent state is float64 for a float64 model, else float32 (bf16
-models too, as vLLM keeps it); the conv window is in the model dtype.
+the same index in every KDA layer, from admission to finish / abort / preemption (rank 0's
+`SlotAllocator`, splash/kv/slots.py, beside the page allocators; the slot id travels in the step plan,
+`SeqSlice.slot`, as page ids do). A slice that starts at position 0 (a fresh request, or a preempted
+one recomputing from its tokens) has its slot zeroed at the start of the step (`StatePool.step`), so
+a slot never leaks a previous holder's state. The recurrent state is float64 for a float64 model,
+else float32 (bf16 models too, as vLLM keeps it); the conv window is in the model dtype.
 """
 
 from __future__ import annotations
@@ -20,45 +20,15 @@ from typing import Any
 import torch
 
 from splash.core.config import ConfigError, ModelConfig
-from splash.model.kda import core_dtype
+from splash.core.stores import state_dtype
+
+_TORCH = {"fp64": torch.float64, "fp32": torch.float32}
 
 
-class OutOfSlots(RuntimeError):
-    """Raised when a slot is asked for with none free; callers check `num_free` first."""
-
-
-class SlotAllocator:
-    """Rank 0's free list of state slots (LIFO, like the page lists)."""
-
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 0:
-            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._used = [False] * num_slots
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise OutOfSlots(f"all {self.num_slots} state slots are taken")
-        s = self._free.pop()
-        self._used[s] = True
-        return s
-
-    def free(self, slot: int) -> None:
-        if slot < 0:
-            return
-        if not self._used[slot]:
-            raise RuntimeError(f"state slot {slot} freed twice (scheduler bookkeeping bug)")
-        self._used[slot] = False
-        self._free.append(slot)
+def core_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the delta rule and its state compute in (the core's one rule, `stores.state_dtype`):
+    float64 for a float64 model, else float32."""
+    return _TORCH[state_dtype(str(dtype).removeprefix("torch."))]
 
 
 class StatePool:

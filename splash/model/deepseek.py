@@ -241,9 +241,7 @@ class DeepseekForCausalLM(nn.Module):
             raise RuntimeError("a KDA hybrid's step needs its requests' state slots: build the "
                                "ForwardContext with state=<the rank's StatePool>")
         if self.cfg.is_sparse and ctx.sparse is None:
-            from splash.attention.sparse import SparseStep
-
-            ctx.sparse = SparseStep(self.cfg.index_topk, ctx)
+            ctx.sparse = ctx.layout.sparse_step(self.cfg.index_topk, ctx)
         x = self.embed_tokens(input_ids, ctx)
         # the step's rotary rows, looked up once and memoised for every layer (no device sync: the
         # plan gives the bound)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splash.core.config import ConfigError, ModelConfig
+from splash.kv.state import core_dtype
 from splash.model import gemm
 from splash.model.loader import CheckpointReader, Span
 
@@ -42,11 +43,6 @@ if TYPE_CHECKING:
 CHUNK = 64  # tokens per chunk of the chunked form (FLA's and transformers' chunk size)
 SUB = 4  # rows of a sub-block of a steeply decaying chunk, whose channel products are summed explicitly
 _SPAN = {torch.float32: 80.0, torch.float64: 1000.0}  # decay span a chunk may factor about its midpoint
-
-
-def core_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What the delta rule and its state compute in: float64 for a float64 model, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def vector_path(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, vec: int = 64) -> torch.Tensor:

@@ -23,7 +23,8 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-from splash.core.config import PRESETS, ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig
+from splash.core.presets import PRESETS
 
 TINY_VERSION = "1"
 # names `--model` takes besides a checkpoint directory

@@ -82,10 +82,11 @@ def server_args(engine: Any, stats: dict[str, Any], model_name: str, launch: dic
 
 def server_info(engine: Any, stats: dict[str, Any], model_name: str, launch: dict[str, Any] | None) -> dict:
     """The whole `/get_server_info` body: splash's stats, then SGLang's names (which win on a clash)."""
-    from splash import __version__
+    from splash.version import __version__
 
+    config = getattr(llm_engine(engine), "config", None)
     return {**stats, **server_args(engine, stats, model_name, launch), "version": __version__,
-            "internal_states": [stats]}
+            "engine_config": config.describe() if config is not None else None, "internal_states": [stats]}
 
 
 def loads(stats: dict[str, Any], include: str | None) -> dict[str, Any]:

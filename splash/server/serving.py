@@ -52,7 +52,7 @@ class Serving:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
-        self.vocab_size = _vocab_size(engine)
+        self.vocab_size: int | None = engine.vocab_size  # (the engine's facts: AsyncEngine's interface)
 
     # ---- checks ---------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -77,7 +77,7 @@ class Serving:
     def max_tokens_for(self, prompt_len: int, requested: int | None, param: str) -> int:
         """The generation budget: refuse what can never fit the context or the KV pool."""
         ctx = self.max_model_len
-        pool = _kv_pool_tokens(self.engine)
+        pool = self.engine.max_request_tokens  # (DP layouts bound a request by its owner's pool)
         if prompt_len >= ctx:
             raise APIError(
                 f"This model's maximum context length is {ctx} tokens. However, your prompt has "
@@ -309,24 +309,3 @@ def _shielded() -> anyio.CancelScope:
     """Protect cleanup from re-cancellation, but never wait on a stuck engine forever."""
     scope = anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True)
     return scope
-
-
-def _vocab_size(engine: Any) -> int | None:
-    for obj, attr in ((engine, "vocab_size"), (getattr(engine, "model_config", None), "vocab_size"),
-                      (getattr(engine, "config", None), "vocab_size"),
-                      (engine.tokenizer, "vocab_size")):
-        v = getattr(obj, attr, None) if obj is not None else None
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
-def _kv_pool_tokens(engine: Any) -> int | None:
-    """Longest context one sequence can ever hold: `max_request_tokens` where the engine knows it
-    (DP layouts bound a request by its owner's pool), else the whole pool."""
-    for attr in ("max_request_tokens", "kv_pool_tokens"):
-        v = getattr(engine, attr, None)
-        v = v() if callable(v) else v
-        if isinstance(v, int) and v > 0:
-            return v
-    return None

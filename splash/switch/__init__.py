@@ -1,5 +1,10 @@
-"""Live attention-layout switching (SPEC §4): rank 0 plans (`SwitchPlanner`), every rank executes
-(`SwitchExecutor` through `SwitchLayout`) during one step. See docs/runtime.md, "Switching"."""
+"""Live attention-layout switching (SPEC §4), both sides of it: rank 0 decides (`controller.py`: the
+schedule, a request, the regret guard or `--layout auto`'s policy in `auto.py` fed by `feedback.py`),
+plans (`planner.py`, `columns.py`) and keeps the replicas' pages (`replicas.py`); every rank executes
+the plan during one step (`executor.py` through `layout.py`, run by `step.py`). It may import the core,
+the config, the step message, kv, model and attention; the worker and rank 0's engine import it, never
+the reverse (the controller sees the engine only through the object it is attached to). See
+docs/runtime.md, "Switching"."""
 
 from splash.switch.executor import SwitchExecutor, SwitchResult, switch_tag
 from splash.switch.layout import SwitchLayout

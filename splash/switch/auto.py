@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from splash.core.config import dtype_bytes
-from splash.core.costmodel import Batch, Theta, step_cost
+from splash.core.costmodel import Batch, step_cost
 from splash.core.layouts import Layout
 from splash.core.policy import PolicyConfig, choose, evaluate
 from splash.core.sizes import AttentionSizes
+from splash.core.theta import Theta
 from splash.kv.allocator import balanced_owners
 from splash.step.plan import LAYOUTS, StepPlan
 from splash.switch.planner import dtype_name
@@ -100,7 +101,7 @@ class AutoLayout:
         rows = {s.req_id: s.num_new for s in plan.seqs}
         contexts = [seq.num_computed + rows.get(seq.seq_id, 0) for seq in live]
         q = [rows.get(seq.seq_id, 0) for seq in live]
-        if self.alloc.layout_row.owned:
+        if self.alloc.core_layout.owned:
             owners = [seq.owner for seq in live]
         else:  # owners by the planner's rule, on contexts and with room everywhere (a price, not a plan)
             owners, _, _ = balanced_owners(contexts, [[0] * self.world] * len(live), [0] * self.world,

@@ -2,7 +2,7 @@
 
 After the scheduler has planned a step in the running layout, the `SwitchController` (owned by the
 LLMEngine) decides whether this step switches - a forced schedule (`--switch-schedule`, parsed in
-splash/switch/options.py), an explicit `request(dst)` (benchmarks), the regret guard's switch
+splash/config.py), an explicit `request(dst)` (benchmarks), the regret guard's switch
 back, or the analytical core's Policy (`--layout auto`) evaluated on the live batch - and if so asks
 the `SwitchPlanner` for a plan over the real page allocators. A refusal is logged with its numbers and
 the step runs as planned, in the current layout. A plan rewrites the step into the destination layout
@@ -28,14 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from splash.config import EngineConfig, parse_schedule
 from splash.core.config import ConfigError
 from splash.core.correction import describe
+from splash.core.prior import load_or_default_theta
 from splash.kv.allocator import request_capacity
 from splash.kv.pool import KVPool
 from splash.step.plan import LAYOUTS, StepPlan
 from splash.switch import LiveRequest, SwitchPlanner, SwitchRefusal
 from splash.switch.auto import AutoLayout, LayoutDecision
-from splash.switch.options import parse_schedule
 from splash.switch.plan import MODES
 from splash.switch.planner import dtype_name
 from splash.switch.replicas import ReplicaPages, replica_pages
@@ -404,21 +407,22 @@ def holds_pages(pages: list[list[int]], owner: int = 0) -> bool:
     return any(row and (row[0] >= 0 or row[-1] >= 0 or max(row) >= 0) for row in pages)
 
 
-def attach_switching(engine: Any, cfg: Any, model: Any, *, auto: bool, schedule: list[tuple[int, str]],
-                     mode: str = "overlapped", theta: str | None = None, margin: float = 0.05,
-                     min_dwell: int = 8, budget: bool = False, device: str | None = None) -> SwitchController:
-    """Give a T-rank engine its SwitchController (always: benchmarks `request()` switches too)."""
+def attach_switching(engine: Any, cfg: Any, model: Any, config: EngineConfig) -> SwitchController:
+    """Give a T-rank engine its SwitchController (always: benchmarks `request()` switches too), from the
+    engine's resolved config: --layout auto (the policy, its theta prior, margin and dwell), the forced
+    schedule, the switch mode, and replica pages withheld when a memory budget sizes the pools."""
     world = engine.allocator.world
-    switching = auto or bool(schedule)
     wp = [0] * world
-    if budget and switching:
+    if config.memory_per_rank is not None and config.switching:
         page_bytes = KVPool.bytes_per_page(cfg, engine.allocator.page_size, model.dtype)
         wp = [replica_pages(model, world, page_bytes)] * world
     th, src = None, ""
-    if auto:
-        from splash.calibration import load_or_default_theta
-        th, src = load_or_default_theta(theta, world, cfg, dtype_name(model.dtype), device)
-    ctl = SwitchController(engine, cfg, model.dtype, schedule=schedule, auto=auto, theta=th, theta_source=src,
-                           margin=margin, min_dwell=min_dwell, mode=mode, weight_pages=wp, budget=budget)
+    if config.auto:
+        th, src = load_or_default_theta(config.theta, world, cfg, dtype_name(model.dtype),
+                                        torch.device(config.device or "cpu").type)
+    ctl = SwitchController(engine, cfg, model.dtype, schedule=config.schedule, auto=config.auto, theta=th,
+                           theta_source=src, margin=config.switch_margin, min_dwell=config.min_dwell_steps,
+                           mode=config.switch_mode, weight_pages=wp,
+                           budget=config.memory_per_rank is not None)
     engine.switcher = ctl
     return ctl

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from splash.attention.registry import row
+from splash.core.layouts import Layout
 from splash.switch.plan import SwitchPlan
 
 WEIGHT_KEYS = ("q_b", "w_uk", "w_uv", "o")
@@ -101,7 +101,7 @@ class SwitchExecutor:
         self.dst_heads = range(*plan.dst_heads[me])
         if self.kda:
             self._init_state(plan, me, T, state.device)
-        P, dev = plan.page_size, pool.device
+        P, dev = pool.page_size, pool.device
         pairs = plan.kv_pairs
         self.send_counts = plan.kv_send_tokens(me)
         self.recv_counts = plan.kv_recv_tokens(me)
@@ -177,7 +177,7 @@ class SwitchExecutor:
             # Debug aid: any later read of a retired page (of any store) turns into NaN logits.
             self.pool.poison(torch.tensor(freed, dtype=torch.long, device=self.pool.device))
         if hasattr(self.model, "attn_sharded"):
-            self.model.attn_sharded = row(self.plan.dst).shards_projections and self.plan.world > 1
+            self.model.attn_sharded = Layout.named(self.plan.dst).sharded and self.plan.world > 1
         self.result.freed = freed
         if self._events:  # the step's end syncs anyway; this sync lets the events be read now
             last = self._events[max(self._events)][1]

@@ -25,6 +25,7 @@ class SwitchLayout(AttentionLayout):
         if dst.name != executor.plan.dst:
             raise ValueError(f"switch plan goes to {executor.plan.dst}, the layout given is {dst.name}")
         self.executor, self.dst = executor, dst
+        self.kernels = dst.kernels
         self.name = dst.name  # type: ignore[misc]
         self.core = dst.core  # type: ignore[misc]
         self.hook_s = 0.0

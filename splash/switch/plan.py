@@ -140,7 +140,6 @@ class SwitchPlan:
     src: str
     dst: str
     world: int
-    page_size: int
     num_layers: int
     num_heads: int
     mode: str  # "overlapped" | "blocking"
@@ -198,7 +197,7 @@ class SwitchPlan:
                 raise ValueError(f"request {s.req_id} is in the step but not in the switch plan; "
                                  "pass every request that holds pages to SwitchPlanner.plan")
             table = self.tables[s.req_id]
-            need = -(-s.end // self.page_size)
+            need = len(s.pages[0]) if s.pages else 0  # the source table, grown for this step's rows
             if len(table[0]) != need:
                 raise ValueError(f"request {s.req_id}: switch table covers {len(table[0])} pages, the step "
                                  f"needs {need}; give LiveRequest.tokens = start + num_new")

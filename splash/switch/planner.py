@@ -28,14 +28,14 @@ from functools import lru_cache
 import numpy as np
 import numpy.ma  # noqa: F401  (np.unique's first call imports it: 10-40 ms, on a switching step's plan)
 
-from splash.attention.registry import row
 from splash.core.config import ModelConfig, normalize_dtype
 from splash.core.layouts import Layout
-from splash.core.manifest import KVPages, Manifest, held_state, switch_manifest
+from splash.core.manifest import Manifest, held_state, switch_manifest
 from splash.core.sizes import AttentionSizes
 from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks
 from splash.step.plan import LAYOUTS
 from splash.switch.columns import Columns, first_bad, request_error, request_scalars
+from splash.switch.manifest_check import kv_pairs, weight_op
 from splash.switch.plan import MODES, Headroom, LayerSwitch, LiveRequest, SwitchPlan, SwitchRefusal
 
 _ids = itertools.count(1)
@@ -48,7 +48,7 @@ def dtype_name(dtype: object) -> str:
 
 def head_range(layout: str, rank: int, world: int, heads: int) -> tuple[int, int]:
     """Heads a rank holds in `layout` (the layout table's rule), as the plan's picklable (start, stop)."""
-    held = row(layout).heads(rank, world, heads)
+    held = Layout.named(layout).heads(rank, world, heads)
     return held.start, held.stop
 
 
@@ -136,7 +136,7 @@ class SwitchPlanner:
         frees = [old[r, gone[r]].tolist() for r in range(T)]
         new_l = fresh.sum(axis=1).tolist()
         growth_l = _growth(dst, own, cols.n, cols.final, T).tolist()
-        kept = row(src).owned  # source owners mean something (DP/DOP)
+        kept = Layout.named(src).owned  # source owners mean something (DP/DOP)
         first = cols.first_own.tolist()
         batch = [(req.context, req.owner if kept else 0, o, k) for req, o, k in zip(live, owners, first)]
         L = self.cfg.num_hidden_layers
@@ -162,7 +162,7 @@ class SwitchPlanner:
         if cols.alias.any():
             table[:, cols.alias] = table[:, cols.rep[cols.alias]]
         try:
-            pairs = _kv_pairs(man.kv_pages(), live, cols, table, fresh, P)
+            pairs = kv_pairs(man.kv_pages(), live, cols, table, fresh, P)
             weight_op = self._weight_op(man, src, dst)
         except Exception:
             for r in range(T):
@@ -181,7 +181,7 @@ class SwitchPlanner:
             layers.append(LayerSwitch(lm.layer, lw.primitive, kv.primitive, floats(lw.send_bytes),
                                       floats(kv.send_bytes), floats(lw.recv_bytes), floats(kv.recv_bytes)))
         plan = SwitchPlan(
-            plan_id=next(_ids), src=src, dst=dst, world=T, page_size=P, num_layers=L, num_heads=H, mode=mode,
+            plan_id=next(_ids), src=src, dst=dst, world=T, num_layers=L, num_heads=H, mode=mode,
             weight_op=weight_op, src_heads=[head_range(src, r, T, H) for r in range(T)],
             dst_heads=[head_range(dst, r, T, H) for r in range(T)], layers=layers, kv_pairs=pairs,
             tables=_split(table, live, cols.off),
@@ -268,17 +268,17 @@ class SwitchPlanner:
         carries the very moves already checked (checking DeepSeek-V3's 128 heads on 8 ranks takes
         1.5 ms, on the switching step's critical path)."""
         if man.sizes is not self.sizes:
-            return _weight_op(man, src, dst, self.world)
+            return weight_op(man, src, dst, self.world)
         key = (src, dst, man.src, man.dst, man.ranks)
         if key not in self._weight_ops:
-            self._weight_ops[key] = _weight_op(man, src, dst, self.world)
+            self._weight_ops[key] = weight_op(man, src, dst, self.world)
         return self._weight_ops[key]
 
     def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest], cols: Columns,
                        free: list[int]) -> list[int] | SwitchRefusal:
         """DP/DOP owners: kept from DP/DOP, else balanced by projected pages (LPT) where they fit."""
-        kept = row(src).owned
-        if not row(dst).owned or kept:
+        kept = Layout.named(src).owned
+        if not Layout.named(dst).owned or kept:
             return [req.owner if kept else 0 for req in live]
         avail = [f - r for f, r in zip(free, self.reserve)]
         # Requests sharing prefix pages go to one owner together (the page lives once, on it): the
@@ -372,117 +372,3 @@ def _split(table: np.ndarray, live: Sequence[LiveRequest], off: np.ndarray) -> d
     """req_id -> its [T][n] destination table, cut from the side-by-side array."""
     rows, at = table.tolist(), off.tolist()
     return {req.req_id: [row[a:b] for row in rows] for req, a, b in zip(live, at, at[1:])}
-
-
-def _kv_pairs(kv: KVPages, live: Sequence[LiveRequest], cols: Columns, table: np.ndarray,
-              fresh: np.ndarray, P: int) -> dict[tuple[int, int], np.ndarray]:
-    """The core's page moves in local page ids; checks them (and its frees) against the tables:
-    every page a rank newly holds must arrive exactly once, from a rank that holds it, and the core's
-    frees must be exactly the pages the tables drop. `table` and `fresh` are [T, pages] laid out as
-    `cols` (the destination table, and the pages a rank newly holds)."""
-    ids, T = [req.req_id for req in live], table.shape[0]
-    i, j, s, r = _checked_rows(kv.moves, (2, 3), ids, T, "moves")
-    col = _check_moves(kv, ids, cols, table, i, j, s, r)
-    _check_counts(r, col, fresh, cols, ids, "moves", "the pages the destination tables need")
-    fi, fj, fr = _checked_rows(kv.frees, (2,), ids, T, "frees")
-    out = (fj < 0) | (fj >= cols.cached[fi]) if len(fj) else fj
-    if out.any():
-        a, b = _run(kv.free_starts, len(fj), int(out.argmax()))
-        raise RuntimeError(f"manifest frees pages {tuple(fj[a:b][:4].tolist())} of request {ids[fi[a]]}, "
-                           f"outside its {cols.cached[fi[a]]} pages (core and placement rule disagree)")
-    _check_counts(fr, cols.off[fi] + fj, cols.mine & (table < 0) & ~cols.alias, cols, ids, "frees",
-                  "the tables'")
-    if not len(col):
-        return {}
-    rows = np.stack([cols.old[s, col], table[r, col], np.minimum(P, cols.context[i] - j * P)], axis=1)
-    key = s * T + r
-    keys, first = np.unique(key, return_index=True)
-    return {(int(k) // T, int(k) % T): rows[key == k] for k in keys[np.argsort(first)]}
-
-
-def _checked_rows(rows: np.ndarray, ranks: tuple[int, ...], ids: list[int], T: int,
-                  what: str) -> list[np.ndarray]:
-    """The columns of the core's move / free rows, after checking they name requests and ranks that
-    exist (a corrupt manifest must give the clear error, not an IndexError or numpy's wrap-around)."""
-    if not len(rows):
-        return list(rows.T)
-    named = rows[:, [0, *ranks]]
-    bad = ((named < 0) | (named >= np.array([len(ids)] + [T] * len(ranks)))).any(axis=1)
-    if bad.any():
-        raise RuntimeError(f"manifest {what} row {rows[int(bad.argmax())].tolist()} names a request or rank "
-                           f"outside the {len(ids)} requests on {T} ranks (core and placement rule disagree)")
-    return list(rows.T)
-
-
-def _check_moves(kv: KVPages, ids: list[int], cols: Columns, table: np.ndarray, i: np.ndarray, j: np.ndarray,
-                 s: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """Each move (a run of rows) must stay inside its request's table, come from a rank that holds the
-    page, go to one that newly holds it, and carry cached history. Returns the moved columns."""
-    if not len(j):
-        return j
-    width = cols.n[i]
-    out = (j < 0) | (j >= width)
-    col = np.where(out, 0, cols.off[i] + j)
-    old = cols.old
-    if old.shape[1]:
-        deny = (old[s, col] < 0) | (table[r, col] < 0) | (old[r, col] >= 0)
-    else:
-        deny = np.zeros_like(out)
-    uncached = ~out & (j >= cols.cached[i])
-    bad = out | deny | uncached
-    if not bad.any():
-        return col
-    a, b = _run(kv.move_starts, len(j), int(bad.argmax()))
-    pages, rid = tuple(j[a:b][:4].tolist()), ids[i[a]]
-    if out[a:b].any():
-        raise RuntimeError(f"manifest moves pages {pages} of request {rid}, outside its {width[a]} pages "
-                           "(core and placement rule disagree)")
-    if deny[a:b].any():
-        raise RuntimeError(f"manifest moves pages {pages} of request {rid} {s[a]}->{r[a]}, which the page "
-                           "tables do not allow (core and placement rule disagree)")
-    raise RuntimeError(f"manifest moves pages {pages} of request {rid}, beyond its {cols.cached[i[a]]} "
-                       "cached pages (core and placement rule disagree)")
-
-
-def _run(starts: np.ndarray, rows: int, row: int) -> tuple[int, int]:
-    """[first, last + 1) rows of the move / free that `row` belongs to."""
-    g = int(np.searchsorted(starts, row, side="right")) - 1
-    return int(starts[g]), int(starts[g + 1]) if g + 1 < len(starts) else rows
-
-
-def _check_counts(rank: np.ndarray, col: np.ndarray, want: np.ndarray, cols: Columns, ids: list[int],
-                  what: str, than: str) -> None:
-    """Per request, over its cached pages: how many of the core's rows name each (rank, column) equals
-    the tables' `want` [T, pages]."""
-    if len(rank):
-        T, N = want.shape
-        got = np.bincount(rank * N + col, minlength=T * N).reshape(T, N)
-        diff = (got != want) & cols.is_cached
-    else:
-        diff = want & cols.is_cached
-    if not diff.any():
-        return
-    i = int(cols.req[int(diff.any(axis=0).argmax())])
-    a = int(cols.off[i])
-    bad = np.argwhere(diff[:, a:a + int(cols.cached[i])])
-    raise RuntimeError(f"manifest {what} (rank, page) {bad[:4].tolist()} of request {ids[i]} differ from "
-                       f"{than} (core and placement rule disagree)")
-
-
-def _weight_op(man: Manifest, src: str, dst: str, T: int) -> str:
-    """'gather' / 'slice' / 'keep', checked against the core's weight moves and frees."""
-    moves, frees = man.weight_moves(), man.weight_frees()
-    if not moves and not frees:
-        return "keep"
-    if moves and not frees and row(src).shards_projections and not row(dst).shards_projections:
-        H = man.sizes.heads
-        per = H // T
-        got = {(m.proj, m.src, m.dst, h) for m in moves for h in range(m.start, m.stop)}
-        want = {(p.name, h // per, r, h) for p in man.sizes.projections for r in range(T) for h in range(H)
-                if h // per != r}
-        if got == want:
-            return "gather"
-    if frees and not moves and not row(src).shards_projections and row(dst).shards_projections:
-        return "slice"
-    raise RuntimeError(f"switch {src}->{dst}: the manifest's weight moves are neither an all-gather of head "
-                       "slices nor a discard; the executor cannot run them")

@@ -14,15 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from splash.attention.registry import row
 from splash.core.config import ConfigError
+from splash.core.layouts import Layout
 from splash.kv.allocator import KVAllocator
 
 
 def replicas(layout: str) -> bool:
     """Whether `layout` holds every head's projections on every rank (DP, CP): the replicas beyond a
     rank's own head slice take pool pages."""
-    return not row(layout).shards_projections
+    return not Layout.named(layout).sharded
 
 
 def replica_bytes(model: Any, world: int) -> int:
@@ -84,7 +84,7 @@ class ReplicaPages:
         replicas' pages are withheld or given back (`switched`)."""
         n = self._distinct.get(dst)
         if n is None:
-            n = self._distinct[dst] = row(dst).distinct(self.capacity(dst)) * self.alloc.page_size
+            n = self._distinct[dst] = Layout.named(dst).distinct(self.capacity(dst)) * self.alloc.page_size
         return n
 
     def reserve(self, dst: str) -> list[int]:

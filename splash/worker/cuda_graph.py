@@ -20,39 +20,32 @@ forward eagerly, which is how CPU tests check the padding and buffers (no CUDA g
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 
+from splash.config import KernelConfig
 from splash.model.context import ForwardContext, SliceCtx
 
 log = logging.getLogger("splash.engine")
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-def enabled() -> bool:
-    """CUDA graphs wanted: not turned off by SPLASH_CUDA_GRAPHS=0 nor by `--enforce-eager`."""
-    from splash.attention import native
-
-    return native.enabled() and os.environ.get("SPLASH_CUDA_GRAPHS", "1") not in ("0", "false", "off", "")
+def enabled(kernels: KernelConfig) -> bool:
+    """CUDA graphs wanted: not turned off by --disable-cuda-graph nor by `--enforce-eager`."""
+    return kernels.cuda_graphs and not kernels.enforce_eager
 
 
-def capture_sizes() -> tuple[int, ...]:
-    """Bucket sizes (SPLASH_CUDA_GRAPH_SIZES="1,2,4,8" overrides the default)."""
-    env = os.environ.get("SPLASH_CUDA_GRAPH_SIZES", "").strip()
-    if not env:
-        return DEFAULT_SIZES
-    sizes = sorted({int(x) for x in env.split(",") if x.strip()})
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"SPLASH_CUDA_GRAPH_SIZES={env!r}: give positive batch sizes, e.g. 1,2,4,8")
-    return tuple(sizes)
+def capture_sizes(kernels: KernelConfig) -> tuple[int, ...]:
+    """Bucket sizes (--cuda-graph-sizes 1,2,4,8 overrides the default)."""
+    return kernels.cuda_graph_sizes or DEFAULT_SIZES
 
 
 def for_runner(runner: Any) -> DecodeGraphs | None:
     """The runner's decode graphs, or None where they do not apply (CPU, T > 1, turned off, a DSA model:
     its selected-key count follows the step's longest context, a shape a captured graph cannot take)."""
-    if runner.device.type != "cuda" or runner.world != 1 or runner.pool is None or not enabled():
+    if (runner.device.type != "cuda" or runner.world != 1 or runner.pool is None
+            or not enabled(runner.layout.kernels)):
         return None
     if getattr(runner.model.cfg, "is_sparse", False):
         return None
@@ -74,7 +67,8 @@ class DecodeGraphs:
     def __init__(self, model: Any, pool: Any, layout: Any, sizes: tuple[int, ...] | None = None,
                  capture: bool = True) -> None:
         self.model, self.kv, self.layout = model, pool, layout
-        self.sizes = tuple(sorted(sizes or capture_sizes()))
+        self.kernels = layout.kernels
+        self.sizes = tuple(sorted(sizes or capture_sizes(self.kernels)))
         self.capture = capture
         P = pool.page_size
         cap = min(int(model.cfg.max_position_embeddings), pool.num_pages * P)
@@ -94,13 +88,14 @@ class DecodeGraphs:
 
     def bucket(self, ctx: ForwardContext) -> int | None:
         """The bucket that serves this step, None when it must run eagerly."""
-        from splash.attention import mha, paged
+        from splash.attention import paged
 
         B = len(ctx.seqs)
         if (B == 0 or ctx.num_rows != B or not ctx.all_held or ctx.max_end > self.cap or B > self.sizes[-1]
-                or ctx.page_table is None or ctx.page_table.shape[1] > self.width or mha.form() == "mha"):
+                or ctx.page_table is None or ctx.page_table.shape[1] > self.width
+                or self.kernels.attention_form == "mha"):
             return None
-        if self.capture and paged.kernel_for(self._probe) != "triton":
+        if self.capture and paged.kernel_for(self._probe, self.kernels.enforce_eager) != "triton":
             return None
         size = next(s for s in self.sizes if s >= B)
         return None if size in self.failed else size

@@ -1,9 +1,14 @@
-"""What every rank needs to build its share of an engine, and the one function that builds it.
+"""The one function that builds a rank's share of an engine from the resolved `EngineConfig`.
 
-Rank 0 resolves the user's options into an `EngineSpec` and sends it to every rank (a "load" plan),
-so worker ranks, including those on other machines, need no flags of their own and cannot disagree
-with rank 0. Every rank - rank 0 included - then runs the same `load_rank`, so a rank's shard, pool
-and layout are built by identical code everywhere.
+Rank 0 resolves the user's options (`EngineConfig.resolved`) and sends the config to every rank (a
+"load" plan), so worker ranks, including those on other machines, need no flags of their own and
+cannot disagree with rank 0. Every rank - rank 0 included - then runs the same `load_rank`, so a rank's
+shard, pool and layout are built by identical code everywhere.
+
+Live switching (auto or a schedule): the KV pool makes room for the projection replicas a switch into
+DP/CP gathers. Under a budget it is sized as if the projections were head-sharded (the largest pool),
+whatever the start layout, and DP/CP withhold the replicas' pages (splash/switch/replicas.py); without
+one, the default pool leaves them free (nothing else would check that they fit).
 """
 
 from __future__ import annotations
@@ -14,36 +19,8 @@ from typing import Any
 
 import torch
 
+from splash.config import EngineConfig
 from splash.core.config import ConfigError, ModelConfig
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """The resolved, picklable engine options a rank builds from."""
-
-    model: str                   # checkpoint directory or "tiny" (resolved on each machine)
-    dtype: str | None            # None: per device (float32 on CPU, bfloat16 on CUDA)
-    layout: str                  # "tp" | "dp" | "cp" | "dop" (T = 1 runs the local layout whatever it says)
-    world: int
-    page_size: int = 16
-    memory_per_rank: int | str | None = None
-    num_kv_pages: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    device_type: str = "cpu"     # "cpu" | "cuda": each rank takes its own device of that type
-    seed: int | None = None
-    expert_parallel: str = "auto"
-    # Live switching (auto or a schedule): the KV pool makes room for the projection replicas a switch
-    # into DP/CP gathers. Under a budget it is sized as if the projections were head-sharded (the
-    # largest pool), whatever the start layout, and DP/CP withhold the replicas' pages (see
-    # splash/switch/replicas.py); without one, the default pool leaves them free (nothing else would
-    # check that they fit: no budget, no Eq 5/6 pages).
-    switching: bool = False
-    attention_form: str = "auto"  # "auto" | "absorbed" | "mha": chunk forms (splash/attention/mha.py)
-    # KDA hybrids: requests whose state a rank holds at once (splash/kv/state.py); None: max_num_seqs.
-    # The slots come out of the same memory budget as the KV pages (sizing.kv_pages).
-    num_state_slots: int | None = None
 
 
 @dataclass
@@ -58,16 +35,19 @@ class RankState:
     state_bytes: int = 0  # what they take
 
 
-def rank_device(spec: EngineSpec, grid: Any) -> torch.device:
+def rank_device(config: EngineConfig, grid: Any) -> torch.device:
     """The grid's device (CUDA: one per local rank), which must be of the type rank 0 asked for."""
-    if grid.device.type != spec.device_type:
+    want = torch.device(config.device or "cpu").type
+    if grid.device.type != want:
         raise ConfigError(f"rank {grid.rank} runs on {grid.device.type} but the engine asked for "
-                          f"{spec.device_type}; give every node the same --device")
+                          f"{want}; give every node the same --device")
     return grid.device
 
 
-def load_rank(spec: EngineSpec, grid: Any) -> RankState:
-    """Load this rank's model shard for the layout, size and allocate its KV pool, build its runner."""
+def load_rank(config: EngineConfig, grid: Any) -> RankState:
+    """Load this rank's model shard for the layout, size and allocate its KV pool, build its runner
+    (`config` resolved: `EngineConfig.resolved`)."""
+    spec = config
     from splash.attention.registry import make_layout
     from splash.kv.pool import KVPool
     from splash.kv.state import StatePool
@@ -77,9 +57,6 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
 
     if spec.seed is not None:
         torch.manual_seed(spec.seed)
-    from splash.attention.mha import set_form
-
-    set_form(spec.attention_form)
     dev = rank_device(spec, grid)
     if dev.type == "cpu":
         from splash.worker.host_malloc import tune
@@ -92,9 +69,9 @@ def load_rank(spec: EngineSpec, grid: Any) -> RankState:
     if spec.world == 1:
         from splash.attention.local import BatchedLocalLayout
 
-        layout = BatchedLocalLayout()  # one rank: all decode rows attended in one batched kernel
+        layout = BatchedLocalLayout(spec.kernels)  # one rank: all decode rows in one batched kernel
     else:
-        layout = make_layout(spec.layout)
+        layout = make_layout(spec.start_layout, spec.kernels)
     tdtype = resolve_dtype(spec.dtype, dev)
     net = load_model(path, tdtype, rank=grid.rank, world=spec.world, attn_sharded=layout.shards_projections,
                      device=dev, expert_parallel=spec.expert_parallel)

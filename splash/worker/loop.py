@@ -127,7 +127,7 @@ register_handler("tables", _on_tables)
 
 
 def _on_weights(state: WorkerState, plan: StepPlan) -> None:
-    from splash.engine.weights import on_weights_plan  # weight updates, memory release (RL)
+    from splash.worker.weights import on_weights_plan  # weight updates, memory release (RL)
 
     on_weights_plan(state, plan)
 

@@ -81,9 +81,9 @@ class ModelRunner:
 
     def context(self, plan: StepPlan, layout: Any) -> Any:
         """The step's ForwardContext under `layout`, from this rank's tables (or the plan's own)."""
-        from splash.model.context import ForwardContext
+        from splash.worker.context import build_context
 
-        return ForwardContext.build(plan.seqs, kv=self.pool, layout=layout, comm=self.comm, rank=self.rank,
+        return build_context(plan.seqs, kv=self.pool, layout=layout, comm=self.comm, rank=self.rank,
                                     world=self.world, device=self.device, stats=self.stats,
                                     tables=self.tables if plan.delta is not None else None, state=self.state)
 
