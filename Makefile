@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	@# torch first, from the CPU wheel on disk: never let pip resolve a CUDA build.
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	@# xgrammar (structured outputs) without its deps: they are here already, bar apache-tvm-ffi, and its
+	@# Linux `triton` requirement (GPU kernels only) would pull a large wheel splash never imports.
+	$(BIN)/python -m pip install -q --no-deps "xgrammar==0.2.8" "apache-tvm-ffi>=0.1.11,<0.2"
 	@touch $(STAMP)
 
 demo: setup

@@ -210,6 +210,25 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] | None = _opt(None, "kernels", "--cuda-graph-sizes", "decode batch "
                                                     "sizes to capture (vLLM's flag), e.g. 1,2,4,8",
                                                     type=str)
+    # ---- chat front end (the server and splash.Engine)
+    chat_template: str | None = _opt(
+        None, "frontend", "--chat-template", "the chat template to use instead of the checkpoint's: a file "
+        "path or the Jinja text itself")
+    tool_call_parser: str | None = _opt(
+        None, "frontend", "--tool-call-parser", "tool-call format of the model (deepseekv3, deepseekv31, "
+        "deepseekv32, glm45, kimi_k2; vLLM's spellings too); default: detected from the chat template")
+    reasoning_parser: str | None = _opt(
+        None, "frontend", "--reasoning-parser", "reasoning format (deepseek-r1, deepseek-v3, glm45, "
+        "kimi_k2); default: detected from the chat template")
+    enable_auto_tool_choice: bool = _opt(
+        False, "frontend", "--enable-auto-tool-choice", "vLLM's flag, accepted: tool_choice auto is on "
+        "whenever a tool-call format is known", action="store_true")
+    grammar_backend: str = _opt(
+        "xgrammar", "frontend", "--grammar-backend", "structured-output backend (SGLang's flag); xgrammar, "
+        "or none to refuse structured outputs", choices=("xgrammar", "none"))
+    generation_config: str = _opt(
+        "auto", "frontend", "--generation-config", "sampling defaults: auto (the checkpoint's "
+        "generation_config.json, vLLM's default), vllm (none), or a folder holding a generation_config.json")
     # ---- RL and debugging
     enable_memory_saver: bool | None = _opt(
         None, "debug", "--enable-memory-saver", "allow /release_memory_occupation (SGLang's flag; off in a "

@@ -530,3 +530,14 @@ def test_dsv32_rejects_what_the_encoder_rejects():
         dsv32.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], thinking=True)
     with pytest.raises(ValueError):  # a tool result needs the assistant's call
         dsv32.render([{"role": "user", "content": "q"}, {"role": "tool", "content": "r"}])
+
+
+def test_number_past_float_range_stays_valid_json():
+    """`1e999` fits JSON (numbers have no range) but not a float: the arguments keep its text rather
+    than writing Infinity, which strict JSON clients refuse; NaN is no JSON number and stays text."""
+    from splash.chat.base import convert_value, dumps
+
+    v = convert_value(" 99e29999", {"number"}, None)
+    assert dumps({"a": v, "b": [1.5, v]}) == '{"a": 99e29999, "b": [1.5, 99e29999]}'
+    json.loads(dumps({"a": v}), parse_constant=lambda c: pytest.fail(f"{c} in the arguments"))
+    assert convert_value("NaN", {"number"}, None) == "NaN"

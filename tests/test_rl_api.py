@@ -120,7 +120,7 @@ def test_generate_and_updates_match_transformers(server, ckpts):
     ("/generate", {"input_ids": []}, "empty"),
     ("/generate", {"text": "hello"}, "tokenizer"),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**6}}, "context"),
-    ("/generate", {"input_ids": [1, 2], "sampling_params": {"min_p": 0.5}}, "min_p"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"min_p": 1.5}}, "min_p"),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"temprature": 0.5}}, "temprature"),
     ("/generate", {"input_ids": [[1, 2], [3]], "rid": "one"}, "rid"),
     ("/generate", {"input_ids": [[1, 2], [3]], "rid": ["a", "a"]}, "unique"),

@@ -8,6 +8,7 @@ response parsed whole and the same response streamed in any chunking give the sa
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -130,8 +131,8 @@ def convert_value(raw: str, types: set[str] | None, string_hint: bool | None) ->
     if streams_as_string(types, string_hint):
         return raw
     text = raw.strip()
-    try:
-        value = json.loads(text)
+    try:  # (NaN and Infinity are no JSON; a number past float range keeps its text: _BigNumber)
+        value = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
     except ValueError:
         low = text.lower()
         if types and "boolean" in types and low in ("true", "false"):
@@ -141,13 +142,43 @@ def convert_value(raw: str, types: set[str] | None, string_hint: bool | None) ->
         # No schema: the hint said non-string, or (GLM) nothing was said: keep JSON unless it is a string.
         return raw if isinstance(value, str) and string_hint is None else value
     names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
-    kind = "null" if value is None else names[type(value)]
+    kind = "null" if value is None else "number" if isinstance(value, _BigNumber) else names[type(value)]
     fits = kind in types or (kind == "integer" and "number" in types)
     return value if fits or "string" not in types else raw
 
 
+class _BigNumber(str):
+    """A JSON number past float range (`1e999`), kept as its text: JSON numbers have no range, and
+    a float would write it as Infinity, which no strict JSON client reads."""
+
+
+def _finite_float(text: str) -> float | _BigNumber:
+    v = float(text)
+    return v if math.isfinite(v) else _BigNumber(text)
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
 def dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    """JSON text of a parsed value, numbers past float range written as they came."""
+    big: list[str] = []
+
+    def mark(v: Any) -> Any:
+        if isinstance(v, _BigNumber):
+            big.append(str(v))
+            return f"\x00{len(big) - 1}\x00"
+        if isinstance(v, dict):
+            return {k: mark(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [mark(x) for x in v]
+        return v
+
+    text = json.dumps(mark(value), ensure_ascii=False)
+    for i, b in enumerate(big):
+        text = text.replace(json.dumps(f"\x00{i}\x00"), b)
+    return text
 
 
 class ToolParser:

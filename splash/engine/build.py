@@ -127,7 +127,8 @@ def build_engine(config: EngineConfig | str | None = None, /, *, rank_group: Any
     from splash.core.stores import token_stores
 
     elem = net.embed.element_size()
-    info = {"model": name, "dtype": dt, "device": str(runner.device), "kv_dtype": dt,
+    info = {"model": name, "model_type": cfg.model_type, "dtype": dt, "device": str(runner.device),
+            "kv_dtype": dt,
             # every per-token store a page holds (the latent; a DSA model's indexer keys), bytes per token
             "kv_bytes_per_token": {s.name: s.values_per_token * elem for s in token_stores(cfg)},
             "nnodes": launch.nnodes, "weight_bytes_per_rank": [f["weight_bytes"] for f in facts],
@@ -136,6 +137,13 @@ def build_engine(config: EngineConfig | str | None = None, /, *, rank_group: Any
     engine = LLMEngine(runner, alloc, sched, tokenizer=tok, eos_token_ids=sorted(eos),
                        vocab_size=cfg.vocab_size, model_name=name, info=info, config=rc)
     engine.checkpoint_path = os.path.abspath(path)  # what a memory resume without backup re-reads
+    engine.generation_defaults = generation_defaults(rc.generation_config, path)
+    if rc.chat_template is not None and tok is not None:  # --chat-template: the server's template
+        from splash.chat.template import resolve_chat_template
+
+        tok.set_chat_template(resolve_chat_template(rc.chat_template))
+    if tok is not None and getattr(tok, "chat_format_warning", None):  # a real model with no chat format
+        log.warning("%s", tok.chat_format_warning)
     if world > 1:
         try:
             attach_switching(engine, cfg, net, rc)
@@ -143,6 +151,29 @@ def build_engine(config: EngineConfig | str | None = None, /, *, rank_group: Any
             engine.shutdown()
             raise
     return engine
+
+
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(choice: str, path: str) -> dict[str, Any]:
+    """The sampling defaults of a checkpoint's generation_config.json (vLLM's `--generation-config`):
+    "auto" reads the model's, "vllm" none, a folder that one's; only the keys both peers apply."""
+    if choice == "vllm":
+        return {}
+    folder = path if choice == "auto" else choice
+    file = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(file):
+        if choice != "auto":
+            raise ConfigError(f"--generation-config {choice!r}: no generation_config.json there; give a "
+                              f"folder holding one, or auto / vllm")
+        return {}
+    import json
+
+    with open(file, encoding="utf-8") as f:
+        d = json.load(f)
+    return {k: d[k] for k in GENERATION_KEYS
+            if isinstance(d.get(k), (int, float)) and not isinstance(d[k], bool)}
 
 
 def _load_tokenizer(path: str) -> Any:

@@ -21,7 +21,7 @@ class Decoder(Protocol):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -29,6 +29,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self.stop = list(stop or [])
+        self.include_stop = include_stop  # (vLLM's include_stop_str_in_output: the stop string is kept)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self._pending: list[int] = []
 
@@ -74,7 +75,7 @@ class IncrementalDetokenizer:
                 best = (i, s)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
         return best[1]
 
     def flush(self) -> None:

@@ -60,6 +60,8 @@ class LLMEngine(RLControl, Recovery):
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
+        self.grammar: Any = None  # GrammarBackend, made when a request first asks for structured output
+        self.generation_defaults: dict[str, Any] = {}  # the checkpoint's sampling defaults (the server's)
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.info = dict(info or {})  # static facts for `stats()` (layout, ranks, dtype, ...)
@@ -83,6 +85,16 @@ class LLMEngine(RLControl, Recovery):
         if self.config.enable_memory_saver is not None:  # (unset: LLM's default, on; a server turns it off)
             self.memory_saver = self.config.enable_memory_saver
         self._routing: Any = None  # RoutingRecorder, made when a request first asks for routed experts
+
+    def grammar_backend(self) -> Any:
+        """The structured-output compiler (xgrammar over this model's vocabulary), made on first use and
+        shared with the sampler; the server compiles through it too (a bad schema is a 400 up front)."""
+        if self.grammar is None:
+            from splash.engine.grammar import GrammarBackend
+
+            self.grammar = GrammarBackend(self.tokenizer, self.vocab_size or 0, self.eos_token_ids)
+            self.sampler.grammar = self.grammar
+        return self.grammar
 
     # ---- properties ------------------------------------------------------------------------------
     @property
@@ -187,7 +199,10 @@ class LLMEngine(RLControl, Recovery):
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                                   params.skip_special_tokens)
+                                                   params.skip_special_tokens,
+                                                   params.include_stop_str_in_output)
+            if params.structured_outputs is not None:  # (a bad schema: GrammarError, a ValueError)
+                seq.guide = self.grammar_backend().guide(params.structured_outputs)
             if params.logprobs is not None:
                 seq.logprobs = []
             if params.return_top_p_token_ids:
@@ -280,7 +295,8 @@ class LLMEngine(RLControl, Recovery):
                 seq.prompt_high = hi
         to_sample = [seq for seq, sl in zip(st.seqs, st.plan.seqs) if sl.sample]
         if to_sample:
-            rows = [SampleRow(seq.params, len(seq.output_token_ids), seq.generator) for seq in to_sample]
+            rows = [SampleRow(seq.params, len(seq.output_token_ids), seq.generator, seq.guide,
+                              seq.prompt_token_ids, seq.output_token_ids) for seq in to_sample]
             sampled = self.sampler(logits, rows)
             now = time.time()
             for seq, s in zip(to_sample, sampled):
@@ -324,6 +340,9 @@ class LLMEngine(RLControl, Recovery):
         """Add a sampled token and decide whether the sequence ends here (vLLM's stop order)."""
         p = seq.params
         seq.output_token_ids.append(tok)
+        # the structured output is complete (its stop token was taken), or the grammar refused a token
+        # its own mask allowed: either way nothing more may follow
+        grammar_done = seq.guide is not None and (not seq.guide.accept([tok]) or seq.guide.terminated)
         self.generation_tokens_total += 1
         m = seq.group.metrics
         if m.first_token_time is None:
@@ -348,7 +367,9 @@ class LLMEngine(RLControl, Recovery):
                 if hit is not None:
                     seq.finish("stop", hit)
                     return
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+        if grammar_done:
+            seq.finish("stop")
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             seq.finish("length")
 
     def _seq_finished(self, seq: Seq, changed: dict[str, Request]) -> None:

@@ -61,6 +61,7 @@ class Sequence:
     cached_blocks: list[Any] = field(default_factory=list)
     num_cached_tokens: int = 0
     cache_epoch: int = 0  # the prefix cache's epoch at admission: it registers pages only in that one
+    guide: Any = None  # structured outputs: its grammar matcher (splash/engine/grammar.py), else None
 
     def keep_routing(self, start: int, ids: Any) -> None:
         """Routed experts of positions start.. (a recompute after preemption replaces later ones)."""

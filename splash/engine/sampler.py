@@ -1,4 +1,5 @@
-"""Turning a step's logits into next tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Turning a step's logits into next tokens: greedy, temperature, min-p, top-k, top-p, seeds, logprobs
+(after each row's own requests on its logits - grammar, min_tokens, bias, penalties: logits.py).
 
 Batched over rows: one argmax for greedy rows, one sort for the rest. Random draws use the
 exponential-race trick (argmax of p / E, E ~ Exp(1)), which samples exactly from p and lets each
@@ -9,19 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from splash.engine.sampling import SamplingParams
-
-
-@dataclass
-class SampleRow:
-    """What the sampler needs to know about one row."""
-
-    params: SamplingParams
-    num_generated: int  # tokens this sequence already generated (for min_tokens)
-    generator: torch.Generator | None = None
+from splash.engine.logits import SampleRow, apply_min_p, process
 
 
 @dataclass
@@ -31,14 +24,6 @@ class Sampled:
     # return_top_p_token_ids: the tokens the draw was made from (top-k/top-p kept set, most likely
     # first; greedy: the token itself), which an RL trainer replays as the same truncation
     top_p_ids: list[int] | None = None
-
-
-def _blocked_ids(row: SampleRow, eos_ids: Sequence[int]) -> list[int]:
-    """Tokens that may not end the sequence yet (min_tokens): EOS and the stop token ids."""
-    if row.num_generated >= row.params.min_tokens:
-        return []
-    ids = [] if row.params.ignore_eos else list(eos_ids)
-    return ids + list(row.params.stop_token_ids)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
@@ -57,6 +42,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 class Sampler:
     def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
+        self.grammar: Any = None  # the engine's GrammarBackend, once a request asks for structured output
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sampled]:
@@ -65,12 +51,7 @@ class Sampler:
         if logits.dtype in (torch.bfloat16, torch.float16):
             logits = logits.float()
         raw = logits
-        blocked = [_blocked_ids(r, self.eos_token_ids) for r in rows]
-        if any(blocked):
-            logits = logits.clone()
-            for i, ids in enumerate(blocked):
-                if ids:
-                    logits[i, [t for t in ids if 0 <= t < logits.shape[1]]] = float("-inf")
+        logits = process(logits, rows, self.eos_token_ids, self.grammar)
 
         tokens = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -85,6 +66,9 @@ class Sampler:
             top_p = torch.tensor([rows[i].params.top_p for i in rand], dtype=logits.dtype,
                                  device=logits.device)
             scaled = logits.index_select(0, idx) / temp.unsqueeze(1)
+            min_p = torch.tensor([rows[i].params.min_p for i in rand], dtype=logits.dtype,
+                                 device=logits.device)
+            scaled = apply_min_p(scaled, min_p)
             filtered, order = _filter_top_k_top_p(scaled, top_k, top_p)
             probs = filtered.softmax(dim=-1)
             noise = torch.empty_like(probs).exponential_()

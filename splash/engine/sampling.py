@@ -2,8 +2,60 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on what a request may generate (vLLM's `structured_outputs`; SGLang's `json_schema`,
+    `regex`, `ebnf`; OpenAI's `response_format`), applied by a grammar matcher on rank 0
+    (splash/engine/grammar.py). Exactly one kind: `json` (a JSON schema, dict or text), `json_object`
+    (any JSON object), `regex`, `choice` (one of these strings), `grammar` (EBNF, xgrammar's dialect:
+    GBNF-like) or `structural_tag` (xgrammar's structural-tag JSON: tool calls in a model's own format).
+    `start_after`: token ids that must be generated first (a reasoning model's end-of-thinking): the
+    constraint applies to what follows them, as both peers do."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    start_after: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_ = [k for k in GUIDE_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice, "
+                             f"grammar or structural_tag; got {', '.join(set_) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c
+                                                                    for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        for k in ("regex", "grammar", "structural_tag"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ValueError(f"{k} must be a non-empty string")
+        object.__setattr__(self, "start_after", tuple(int(t) for t in self.start_after))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in GUIDE_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar (the cache key): its kind and canonical text."""
+        v = getattr(self, self.kind)
+        if isinstance(v, dict):
+            v = json.dumps(v, sort_keys=True)
+        elif isinstance(v, tuple):
+            v = json.dumps(list(v))
+        return self.kind, str(v)
 
 
 @dataclass
@@ -32,6 +84,16 @@ class SamplingParams:
     # The kept set (top-k/top-p) of each draw, and logprobs renormalised over it (slime's top-p replay,
     # SGLang's custom_params.return_top_p_token_ids); needs a filter unless greedy.
     return_top_p_token_ids: bool = False
+    # Both peers' sampling controls: penalties (vLLM's: repetition over prompt and output, presence and
+    # frequency over the output), min_p (relative to the most likely token), OpenAI's logit_bias
+    # ({token id: bias added to its logit}), and a stop string kept in the text.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def needs_prompt_rows(self) -> bool:
@@ -93,3 +155,26 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if not number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logit_bias is not None:
+            for t, b in self.logit_bias.items():
+                if not integer(t) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {t!r}")
+                if not number(b) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError("include_stop_str_in_output must be true or false")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes this request's logits."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)

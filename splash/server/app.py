@@ -168,10 +168,11 @@ def create_app(engine: Any, model_name: str | None = None, api_key: str | None =
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(serving, req, request)
 
-    from splash.server import native, weights
+    from splash.server import native, tokens, weights
 
     native.install(app, serving, engine, name, launch)  # /generate, /abort_request, /v1/loads, ...
     weights.install(app, engine)  # /update_weights_from_*, /release_memory_occupation, ...
+    tokens.install(app, serving)  # /tokenize, /detokenize, /version
 
     @app.get("/health")
     async def health() -> Response:

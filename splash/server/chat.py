@@ -1,4 +1,7 @@
-"""POST /v1/chat/completions: messages through the tokenizer's chat template, assistant turns out."""
+"""POST /v1/chat/completions: messages (tools, tool calls and results, reasoning included) through the
+model's chat template, assistant turns out: reasoning apart from content, tool calls parsed in the
+model's own format (whole, or streamed name first then argument pieces), a response format or a required
+tool call enforced by grammar (splash/server/chat_parse.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from splash.engine.outputs import CompletionOutput
+from splash.server.chat_parse import ChatPlan, ChoiceParser, plan_chat
 from splash.server.errors import APIError
 from splash.server.protocol import (
     ChatChoice,
@@ -20,6 +24,8 @@ from splash.server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    FunctionCall,
+    ToolCall,
     TopLogProb,
     UsageInfo,
     stream_chunk,
@@ -53,22 +59,26 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-    prompt = await serving.chat_prompt(req.messages, req.add_generation_prompt)
+    plan = plan_chat(req, serving.tool_parser, serving.reasoning_parser, serving.special_ids)
+    prompt = await serving.chat_prompt(req, plan.tools)
+    if plan.structured is not None:
+        await serving.compile_guide(plan.structured, plan.structured_param or "response_format")
     if req.max_completion_tokens is not None:
         requested, pname = req.max_completion_tokens, "max_completion_tokens"
     else:
         requested, pname = req.max_tokens, "max_tokens"
     max_tokens = serving.max_tokens_for(len(prompt), requested, pname)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(req, max_tokens, top)
+    params = serving.sampling_params(req, max_tokens, top, structured=plan.structured,
+                                     skip_special_tokens=False if plan.parses else None)
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
-        return sse_response(_stream(serving, req, prompt, params, rid, created))
-    return await until_disconnect(request, _full(serving, req, prompt, params, rid, created))
+        return sse_response(_stream(serving, req, plan, prompt, params, rid, created))
+    return await until_disconnect(request, _full(serving, req, plan, prompt, params, rid, created))
 
 
-async def _full(serving: Serving, req: ChatCompletionRequest, prompt, params, rid: str, created: int
-                ) -> JSONResponse:
+async def _full(serving: Serving, req: ChatCompletionRequest, plan: ChatPlan, prompt, params, rid: str,
+                created: int) -> JSONResponse:
     final = None
     async with contextlib.aclosing(serving.generate([prompt], [params], rid)) as gen:
         async for _, out in gen:
@@ -80,28 +90,40 @@ async def _full(serving: Serving, req: ChatCompletionRequest, prompt, params, ri
     for o in sorted(final.outputs, key=lambda o: o.index):
         completion_tokens += len(o.token_ids)
         lp = chat_logprobs(serving, o, 0, params.logprobs) if params.logprobs is not None else None
-        choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text), logprobs=lp,
-                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        parser = ChoiceParser(plan)
+        reasoning, content, calls = parser.whole(o.text)
+        msg = ChatResponseMessage(content=content, reasoning_content=reasoning,
+                                  tool_calls=[ToolCall(id=c.id, function=FunctionCall(name=c.name,
+                                                                                      arguments=c.arguments))
+                                              for c in calls])
+        choices.append(ChatChoice(index=o.index, message=msg, logprobs=lp,
+                                  finish_reason=parser.finish_reason(o.finish_reason),
+                                  stop_reason=o.stop_reason,
+                                  token_ids=list(o.token_ids) if req.return_token_ids else None))
     usage = UsageInfo.of(len(prompt), completion_tokens, final.num_cached_tokens)
     resp = ChatCompletionResponse(id=rid, created=created, model=serving.model_name, choices=choices,
-                                  usage=usage)
-    return JSONResponse(resp.model_dump())
+                                  usage=usage,
+                                  prompt_token_ids=list(prompt) if req.return_token_ids else None)
+    return JSONResponse(resp.model_dump(exclude_none=False))
 
 
-async def _stream(serving: Serving, req: ChatCompletionRequest, prompt, params, rid: str, created: int
-                  ) -> AsyncIterator[str]:
+async def _stream(serving: Serving, req: ChatCompletionRequest, plan: ChatPlan, prompt, params, rid: str,
+                  created: int) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
+    parsers = {i: ChoiceParser(plan) for i in range(req.n)}
     completion_tokens = cached = 0
 
-    def chunk(choice: ChatStreamChoice) -> str:
-        return sse(stream_chunk("chat.completion.chunk", rid, created, serving.model_name, [choice], None,
-                                include_usage))
+    def chunk(choice: ChatStreamChoice, extra: dict | None = None) -> str:
+        body = stream_chunk("chat.completion.chunk", rid, created, serving.model_name, [choice], None,
+                            include_usage)
+        return sse({**body, **(extra or {})})
 
     # OpenAI opens every choice with the assistant role and empty content before any token.
+    first = {"prompt_token_ids": list(prompt)} if req.return_token_ids else None
     for i in range(req.n):
-        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")), first)
     async with contextlib.aclosing(serving.generate([prompt], [params], rid)) as gen:
         async for _, out in gen:
             completion_tokens = sum(len(o.token_ids) for o in out.outputs)
@@ -110,16 +132,22 @@ async def _stream(serving: Serving, req: ChatCompletionRequest, prompt, params, 
                 t0, k0 = sent_text.get(o.index, 0), sent_tokens.get(o.index, 0)
                 if t0 < 0:
                     continue
-                delta, new_tokens = o.text[t0:], len(o.token_ids) - k0
-                if delta or new_tokens > 0:
+                done = o.finish_reason is not None
+                text, new_tokens = o.text[t0:], len(o.token_ids) - k0
+                if text or new_tokens > 0 or done:
+                    p = parsers[o.index]
+                    r, c, calls = p.feed(text, final=done)
                     lp = (chat_logprobs(serving, o, k0, params.logprobs) if params.logprobs is not None
-                          else None)
-                    yield chunk(ChatStreamChoice(index=o.index, delta=DeltaMessage(content=delta),
-                                                 logprobs=lp))
+                          and new_tokens > 0 else None)
+                    ids = list(o.token_ids[k0:]) if req.return_token_ids and new_tokens > 0 else None
+                    if r or c or calls or lp is not None or ids:
+                        delta = DeltaMessage(content=c if (c or not (r or calls)) else None,
+                                             reasoning_content=r or None, tool_calls=calls or None)
+                        yield chunk(ChatStreamChoice(index=o.index, delta=delta, logprobs=lp, token_ids=ids))
                     sent_text[o.index], sent_tokens[o.index] = len(o.text), len(o.token_ids)
-                if o.finish_reason is not None:
+                if done:
                     yield chunk(ChatStreamChoice(index=o.index, delta=DeltaMessage(),
-                                                 finish_reason=o.finish_reason))
+                                                 finish_reason=parsers[o.index].finish_reason(o.finish_reason)))
                     sent_text[o.index] = -1
     if include_usage:
         usage = UsageInfo.of(len(prompt), completion_tokens, cached)

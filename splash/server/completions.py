@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from splash.engine.outputs import CompletionOutput, RequestOutput
 from splash.server.errors import APIError
+from splash.server.guides import structured_from
 from splash.server.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -93,7 +94,11 @@ async def create_completion(serving: Serving, req: CompletionRequest, request: R
     scored = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
     # max_tokens 0 (echo only): the engine samples one token, which the answer leaves out
     budgets = [max(1, serving.max_tokens_for(len(p), req.max_tokens, "max_tokens")) for p in prompts]
-    params = [serving.sampling_params(req, m, req.logprobs, prompt_logprobs=scored) for m in budgets]
+    structured, param = structured_from(req)
+    if structured is not None:
+        await serving.compile_guide(structured, param or "response_format")
+    params = [serving.sampling_params(req, m, req.logprobs, prompt_logprobs=scored, structured=structured)
+              for m in budgets]
     echo = _prompt_texts(serving, req.prompt, prompts) if req.echo else None
     rid, created = new_id("cmpl"), int(time.time())
     if req.stream:
@@ -130,8 +135,11 @@ async def _full(serving: Serving, req: CompletionRequest, prompts, params, rid: 
                 lp = completion_logprobs(serving, o, 0, req.logprobs, start)
                 lp = _join(head, lp) if head is not None else lp
             text = (echo[i] if echo else "") + o.text
+            ids = req.return_token_ids
             choices.append(CompletionChoice(index=i * req.n + o.index, text=text, logprobs=lp,
-                                            finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                                            finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                            token_ids=list(o.token_ids) if ids else None,
+                                            prompt_token_ids=list(prompts[i]) if ids else None))
     choices.sort(key=lambda c: c.index)
     usage = UsageInfo.of(sum(len(p) for p in prompts), completion_tokens,
                          sum(out.num_cached_tokens for out in final.values()))
@@ -165,7 +173,9 @@ async def _stream(serving: Serving, req: CompletionRequest, prompts, params, rid
                     # the prompt first: snapshots come once a token is sampled, so its prefill is done
                     head = prompt_logprobs(serving, out, req.logprobs) if req.logprobs is not None else None
                     offsets[key] = sum(len(t) for t in head.tokens) if head else 0
-                    yield chunk(CompletionChoice(index=key, text=echo[i], logprobs=head))
+                    yield chunk(CompletionChoice(index=key, text=echo[i], logprobs=head,
+                                                 prompt_token_ids=list(prompts[i]) if req.return_token_ids
+                                                 else None))
                     sent_text[key], sent_tokens[key] = 0, 0
                 t0, k0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
                 if t0 < 0:
@@ -176,7 +186,10 @@ async def _stream(serving: Serving, req: CompletionRequest, prompts, params, rid
                     if req.logprobs is not None:
                         lp = completion_logprobs(serving, o, k0, req.logprobs, offsets.get(key, 0))
                         offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
-                    yield chunk(CompletionChoice(index=key, text=delta, logprobs=lp))
+                    ids = list(o.token_ids[k0:]) if req.return_token_ids else None
+                    first = list(prompts[i]) if req.return_token_ids and k0 == 0 and not echo else None
+                    yield chunk(CompletionChoice(index=key, text=delta, logprobs=lp, token_ids=ids,
+                                                 prompt_token_ids=first))
                     sent_text[key], sent_tokens[key] = len(o.text), len(o.token_ids)
                 if o.finish_reason is not None:
                     yield chunk(CompletionChoice(index=key, text="", finish_reason=o.finish_reason,

@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from splash.engine.outputs import CompletionOutput, RequestOutput
 from splash.engine.sampling import SamplingParams
 from splash.server.errors import APIError
+from splash.server.guides import control_fields, structured_from
 from splash.server.native_protocol import AbortRequest, GenerateRequest, NativeSamplingParams, PauseRequest
 from splash.server.serving import Serving, finite
 from splash.server.streaming import DONE, sse, sse_response, until_disconnect
@@ -72,6 +73,8 @@ class _Batch:
             if getattr(req, name) not in (neutral, None):
                 raise APIError(f"{name} is not supported", param=name, code="unsupported_parameter")
         self.sampling = sps
+        self.guide_params: list[str | None] = [None] * n
+        self.params_made = 0
         self.params = [self._params(p, sp, lp, k, st)
                        for p, sp, lp, k, st in zip(prompts, sps, self.want_lp, self.top, self.starts)]
         self.n = [p.n for p in self.params]
@@ -112,6 +115,10 @@ class _Batch:
             raise APIError("stop strings need a tokenizer; this model has none: use stop_token_ids",
                            param="sampling_params.stop")
         top_k = sp.top_k if s.vocab_size is None or sp.top_k <= s.vocab_size else -1
+        structured, param = structured_from(sp, "sampling_params.")
+        if structured is not None:
+            self.guide_params[self.params_made] = param.removeprefix("sampling_params.") if param else None
+        self.params_made += 1
         try:
             return SamplingParams(
                 n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=top_k,
@@ -122,7 +129,9 @@ class _Batch:
                 return_routed_experts=self.req.return_routed_experts,
                 # SGLang's logprobs are of the distribution drawn from (temperature applied)
                 logprob_temperature=True, return_top_p_token_ids=sp.return_top_p_token_ids,
-                prompt_logprobs=k if start >= 0 else None, prompt_logprobs_start=max(start, 0))
+                prompt_logprobs=k if start >= 0 else None, prompt_logprobs_start=max(start, 0),
+                structured_outputs=structured,
+                **control_fields(sp, s.vocab_size, s.defaults, "sampling_params."))
         except ValueError as e:
             raise APIError(str(e), param="sampling_params", code="invalid_value") from None
 
@@ -246,7 +255,11 @@ async def generate(serving: Serving, req: GenerateRequest, request: Request) -> 
 async def batch(serving: Serving, req: GenerateRequest) -> _Batch:
     """A /generate body checked and resolved (every bad input raises APIError before anything runs)."""
     prompts, batched = await _prompts(serving, req)
-    return _Batch(serving, req, prompts, batched)
+    b = _Batch(serving, req, prompts, batched)
+    for i, p in enumerate(b.params):  # a bad schema, regex or grammar: 400 before anything is queued
+        if p.structured_outputs is not None:
+            await serving.compile_guide(p.structured_outputs, f"sampling_params.{b.guide_params[i]}")
+    return b
 
 
 async def result(b: _Batch) -> dict[str, Any] | list[dict[str, Any]]:
@@ -358,7 +371,10 @@ def install(app: FastAPI, serving: Serving, engine: Any, model_name: str,
     @r.get("/server_info")
     async def get_server_info() -> JSONResponse:
         stats = await run_in_threadpool(engine.stats)
-        return JSONResponse(server_info.server_info(engine, stats, model_name, launch))
+        info = server_info.server_info(engine, stats, model_name, launch)
+        info.update(tool_call_parser=serving.tool_parser, reasoning_parser=serving.reasoning_parser,
+                    grammar_backend="xgrammar" if serving.grammar_enabled else None)
+        return JSONResponse(info)
 
     @r.get("/v1/loads")
     async def v1_loads(include: str | None = None) -> JSONResponse:

@@ -57,13 +57,6 @@ class NativeSamplingParams(_Native):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = []
-        for name, neutral in (("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                              ("repetition_penalty", 1.0)):
-            if getattr(self, name) != neutral:
-                out.append((name, f"{name} is not supported; send {neutral:g} or leave it out"))
-        for name in ("json_schema", "regex", "ebnf", "logit_bias"):
-            if getattr(self, name):
-                out.append((name, f"{name} is not supported"))
         flag = (self.custom_params or {}).get("return_top_p_token_ids", False)
         if not isinstance(flag, bool):
             out.append(("custom_params", f"custom_params.return_top_p_token_ids must be true or false, got "

@@ -28,7 +28,7 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, vLLM extras)."""
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, vLLM and SGLang extras)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -39,26 +39,34 @@ class _SamplingFields(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # vLLM extensions that `vllm bench serve`-style clients send.
+    # vLLM extensions (`vllm bench serve`-style clients, agent frameworks, RL loops)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids (streamed too)
+    # Structured outputs: OpenAI's response_format; vLLM's structured_outputs (json, regex, choice, grammar,
+    # json_object, structural_tag) and its older guided_* names; SGLang's regex / ebnf / json_schema.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
-        """(field, reason) for settings splash would otherwise silently ignore."""
-        out = []
-        if self.presence_penalty:
-            out.append(("presence_penalty", "presence_penalty is not supported; send 0"))
-        if self.frequency_penalty:
-            out.append(("frequency_penalty", "frequency_penalty is not supported; send 0"))
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported"))
-        return out
+        """(field, reason) for settings splash would otherwise silently ignore (none left here)."""
+        return []
 
 
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
@@ -106,11 +114,16 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    # Clients echo assistant turns back with extra keys (refusal, audio, ...): keep them, ignore them.
+    # Clients echo assistant turns back with extra keys (refusal, audio, ...): kept, and the template sees
+    # the message whole (tool_calls, tool_call_id, reasoning_content, name included).
     model_config = ConfigDict(extra="allow")
+
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -120,23 +133,17 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
+    chat_template: str | None = None  # this request's template (Jinja text) instead of the model's
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables: thinking, ...
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang's: reasoning_content apart from content
+    reasoning_effort: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-
-    def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        if self.tools:
-            out.append(("tools", "tool calling is not supported"))
-        if self.tool_choice not in (None, "none", "auto"):
-            out.append(("tool_choice", "tool calling is not supported"))
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            out.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
-        return out
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -191,6 +198,8 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
+    prompt_token_ids: list[int] | None = None  # return_token_ids (this choice's prompt)
 
 
 class CompletionResponse(_Response):
@@ -218,9 +227,22 @@ class ChatChoiceLogProbs(_Response):
     refusal: list[ChatLogProb] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
     refusal: str | None = None
 
 
@@ -230,6 +252,7 @@ class ChatChoice(_Response):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(_Response):
@@ -240,11 +263,14 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {index, id, type, function: {name, arguments}}
 
 
 class ChatStreamChoice(_Response):
@@ -252,6 +278,7 @@ class ChatStreamChoice(_Response):
     delta: DeltaMessage
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new tokens
 
 
 def stream_chunk(obj: str, rid: str, created: int, model: str, choices: list[BaseModel],

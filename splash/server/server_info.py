@@ -73,6 +73,10 @@ def server_args(engine: Any, stats: dict[str, Any], model_name: str, launch: dic
         "disaggregation_mode": "null", "encoder_only": False, "enable_metrics": True,
         "skip_server_warmup": True,
         "weight_version": getattr(eng, "weight_version", "default"),
+        # the chat front end: the template's kind (jinja | deepseek_v32 | plain | None: no chat format, and
+        # why), the tool-call and reasoning formats in use, structured outputs' backend
+        "chat_format": getattr(tok, "chat_format", None),
+        "chat_format_warning": getattr(tok, "chat_format_warning", None),
     }
     for k, v in (launch or {}).items():  # host, port, dist_init_addr as the server was started
         if v is not None:

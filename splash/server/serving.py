@@ -20,8 +20,9 @@ from starlette.concurrency import run_in_threadpool
 
 from splash.engine.async_engine import EngineDeadError, EngineError
 from splash.engine.outputs import RequestOutput
-from splash.engine.sampling import SamplingParams
+from splash.engine.sampling import SamplingParams, StructuredOutputs
 from splash.server.errors import APIError
+from splash.server.guides import control_fields
 from splash.server.metrics import RequestTimer, ServerMetrics
 from splash.server.protocol import ChatMessage, _SamplingFields
 
@@ -53,6 +54,20 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size: int | None = engine.vocab_size  # (the engine's facts: AsyncEngine's interface)
+        llm = getattr(engine, "engine", engine)
+        # the checkpoint's generation_config.json sampling defaults (vLLM's --generation-config auto)
+        self.defaults: dict[str, Any] = dict(getattr(llm, "generation_defaults", None) or {})
+        config = getattr(llm, "config", None)
+        template = getattr(self.tokenizer, "chat_template", None)
+        model_type = (getattr(llm, "info", None) or {}).get("model_type")
+        from splash.chat.detect import detect_reasoning_parser, detect_tool_parser
+
+        # the model's tool-call and reasoning formats: the flags, else read off its chat template
+        self.tool_parser: str | None = (getattr(config, "tool_call_parser", None)
+                                        or detect_tool_parser(template, model_type))
+        self.reasoning_parser: str | None = (getattr(config, "reasoning_parser", None)
+                                             or detect_reasoning_parser(template, model_type))
+        self.grammar_enabled = getattr(config, "grammar_backend", "xgrammar") != "none"
 
     # ---- checks ---------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -109,8 +124,10 @@ class Serving:
         return requested
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        top_k = req.top_k if req.top_k is not None else -1
+                        prompt_logprobs: int | None = None, structured: StructuredOutputs | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
+        d = self.defaults
+        top_k = req.top_k if req.top_k is not None else int(d.get("top_k", -1))
         if self.vocab_size is not None and top_k > self.vocab_size:
             top_k = -1  # every token: the same distribution as "disabled"
         stop_ids = list(req.stop_token_ids or [])
@@ -128,8 +145,8 @@ class Serving:
         try:
             return SamplingParams(
                 n=req.n,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
+                temperature=float(d.get("temperature", 1.0)) if req.temperature is None else req.temperature,
+                top_p=float(d.get("top_p", 1.0)) if req.top_p is None else req.top_p,
                 top_k=top_k,
                 seed=req.seed,
                 max_tokens=max_tokens,
@@ -138,8 +155,11 @@ class Serving:
                 stop_token_ids=stop_ids,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=(req.skip_special_tokens if skip_special_tokens is None
+                                     else skip_special_tokens),
                 prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured,
+                **control_fields(req, self.vocab_size, d),
             )
         except ValueError as e:
             raise APIError(str(e), param=str(e).split(" ", 1)[0], code="invalid_value") from None
@@ -165,9 +185,12 @@ class Serving:
             self.check_ids(ids, "prompt")
         return out
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        """The conversation as the template sees it: each message whole (tool_calls, tool_call_id,
+        reasoning_content, name and any other key the client sent), text parts joined."""
         conv = []
         for i, m in enumerate(messages):
+            msg = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
                 parts = []
                 for j, part in enumerate(m.content):
@@ -175,15 +198,30 @@ class Serving:
                         raise APIError(f"content part of type {part.type!r} is not supported; only text",
                                        param=f"messages[{i}].content[{j}].type", code="unsupported_content")
                     parts.append(part.text)
-                text = "".join(parts)
-            else:
-                text = m.content or ""
-            msg = {"role": m.role, "content": text}
-            if m.name:
-                msg["name"] = m.name
+                msg["content"] = "".join(parts)
+            elif m.content is None and not m.tool_calls:
+                msg["content"] = ""
             conv.append(msg)
+        return conv
+
+    async def chat_prompt(self, req: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat request's prompt ids: its messages, tools, template (the request's, else the
+        server's) and template variables, rendered as transformers renders them."""
+        conv = self.messages(req.messages)
+        kw = dict(getattr(req, "chat_template_kwargs", None) or {})
+        if getattr(req, "continue_final_message", False):
+            if conv[-1]["role"] != "assistant":
+                raise APIError("continue_final_message needs the last message to be the assistant's",
+                               param="continue_final_message", code="invalid_value")
+            asked = "add_generation_prompt" in req.model_fields_set
+            if asked and getattr(req, "add_generation_prompt", True):
+                raise APIError("continue_final_message and add_generation_prompt cannot both be true",
+                               param="continue_final_message", code="invalid_value")
+        opts = {"tools": tools, "chat_template": getattr(req, "chat_template", None),
+                "continue_final_message": bool(getattr(req, "continue_final_message", False)), **kw}
+        add = bool(getattr(req, "add_generation_prompt", True)) and not opts["continue_final_message"]
         try:
-            ids = await run_in_threadpool(self.apply_chat_template, conv, add_generation_prompt)
+            ids = await run_in_threadpool(self.apply_chat_template, conv, add, opts)
         except APIError:
             raise
         except Exception as e:  # a template that rejects this conversation (e.g. role order)
@@ -191,6 +229,23 @@ class Serving:
                            code="invalid_messages") from None
         self.check_ids(ids, "messages")
         return ids
+
+    def special_ids(self, text: str) -> list[int]:
+        """The token ids of a marker such as `</think>` (one added token in the formats that use it)."""
+        tok = self.tokenizer
+        try:
+            return list(tok.encode(text, add_special_tokens=False))
+        except TypeError:
+            return list(tok.encode(text))
+
+    async def compile_guide(self, spec: Any, param: str) -> None:
+        """Compile a structured-output constraint up front (a bad one: 400 naming `param`)."""
+        if not self.grammar_enabled:
+            raise APIError("structured outputs are off on this server (--grammar-backend none)", param=param,
+                           code="unsupported_parameter")
+        from splash.server.guides import compile_guide
+
+        await compile_guide(self.engine, spec, param)
 
     def encode(self, text: str) -> list[int]:
         tok = self.tokenizer
@@ -202,11 +257,13 @@ class Serving:
         except TypeError:
             return list(tok.encode(text))
 
-    def apply_chat_template(self, conv: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def apply_chat_template(self, conv: list[dict[str, Any]], add_generation_prompt: bool,
+                            opts: dict[str, Any] | None = None) -> list[int]:
         if not hasattr(self.tokenizer, "apply_chat_template"):
             raise APIError("this model has no tokenizer with a chat template; use /v1/completions",
                            param="messages", code="no_chat_template")
-        out = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+        opts = {k: v for k, v in (opts or {}).items() if v is not None and v is not False}
+        out = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **opts)
         if isinstance(out, str):
             return self.encode(out)
         if isinstance(out, dict):  # transformers-style BatchEncoding
