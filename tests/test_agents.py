@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -38,6 +39,9 @@ ASK = [{"role": "system", "content": "You are a helpful agent."},
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = write_agent_checkpoint(tmp_path_factory.mktemp("agent") / "v31")
+    gen = json.loads((Path(ckpt) / "generation_config.json").read_text())
+    gen.update(temperature=0.0, repetition_penalty=1.5)  # defaults a request that says nothing gets
+    (Path(ckpt) / "generation_config.json").write_text(json.dumps(gen))
     srv = ServeProcess(["--model", ckpt, "--dtype", "float32", "--max-model-len", "2048", "--num-kv-pages",
                         "96", "--max-num-seqs", "8", "--served-model-name", "agent"])
     yield srv
@@ -116,8 +120,8 @@ def test_agent_loop_sends_calls_and_results_back(server, client):
     call in the model's own format), as /tokenize renders it and as the completion's prompt ids show."""
     r1 = client.chat.completions.create(model="agent", messages=ASK, tools=[WEATHER], tool_choice="required",
                                         temperature=1.0, seed=3, max_tokens=400)
-    call = r1.choices[0].message.tool_calls[0]
-    (name, args), = validate_calls([call])
+    calls = validate_calls(r1.choices[0].message.tool_calls)
+    call = r1.choices[0].message.tool_calls[-1]
     convo = ASK + [r1.choices[0].message.model_dump(exclude_none=True),
                    {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"},
                    {"role": "user", "content": "And tomorrow?"}]
@@ -127,7 +131,7 @@ def test_agent_loop_sends_calls_and_results_back(server, client):
                         json={"tokens": r2.model_extra["prompt_token_ids"]}).json()["prompt"]
     # (the arguments reach the template parsed, as transformers' and the peers' servers hand them over)
     sent = re.findall(r"<｜tool▁call▁begin｜>(\w+)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", prompt, re.S)
-    assert [(n, json.loads(a)) for n, a in sent] == [(name, args)]
+    assert [(n, json.loads(a)) for n, a in sent] == calls
     assert "<｜tool▁output▁begin｜>Sunny, 24 C<｜tool▁output▁end｜><｜User｜>And tomorrow?" in prompt
     tok = httpx.post(server.url + "/tokenize", timeout=30,
                      json={"messages": convo, "tools": TOOLS}).json()
@@ -153,8 +157,8 @@ def test_response_formats_hold_on_noise(client):
                                         extra_body={"structured_outputs": {"choice": ["sunny", "rain"]}})
     assert ch.choices[0].message.content in ("sunny", "rain")
     eb = client.completions.create(model="agent", prompt="Count:", temperature=1.0, seed=5, max_tokens=40,
-                                   extra_body={"ebnf": 'root ::= "n=" [0-9]+ ";"'})
-    assert re.fullmatch(r"n=[0-9]+;", eb.choices[0].text)
+                                   extra_body={"ebnf": 'root ::= "n=" [0-9] [0-9]? [0-9]? ";"'})
+    assert re.fullmatch(r"n=[0-9]{1,3};", eb.choices[0].text)
 
 
 def test_constraint_holds_after_free_reasoning(server, client):
@@ -206,6 +210,18 @@ def test_sampling_controls_are_accepted_and_deterministic(client):
     r = client.completions.create(model="agent", prompt="x", max_tokens=4, temperature=0.0,
                                   logit_bias={str(tid): 100.0}, extra_body={"return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == [tid] * 4
+
+
+def test_generation_config_supplies_the_defaults(client):
+    """The checkpoint's generation_config.json says temperature 0 and repetition_penalty 1.5: a request
+    that sets neither gets both (vLLM's --generation-config auto), whatever its seed."""
+    kw = dict(model="agent", prompt="The weather", max_tokens=32)
+    a = client.completions.create(seed=1, **kw).choices[0].text
+    assert a == client.completions.create(seed=2, **kw).choices[0].text
+    assert a == client.completions.create(temperature=0.0, extra_body={"repetition_penalty": 1.5},
+                                          **kw).choices[0].text
+    assert a != client.completions.create(temperature=0.0, extra_body={"repetition_penalty": 1.0},
+                                          **kw).choices[0].text
 
 
 def test_tokens_routes(server):

@@ -6,6 +6,7 @@ checkpoint, dtype, batch and greedy decoding in the same process, and the ratio 
 Both sides get one short warm-up run, then --repeat timed runs; the fastest of each side counts.
 The prefix cache is flushed before each timed run: the same prompts again would be cached prefills.
 With --peer vllm, vLLM's CPU engine runs the same prompts instead, per batch shape (bench/offline_peer.py).
+With --json-schema, constrained against unconstrained decoding (bench/structured.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def register(kinds: argparse._SubParsersAction) -> None:
                         "index_topk >= the context (dense); use --batch 1 and a small --output-len")
     p.add_argument("--contexts", default="1024,4096,16384", metavar="N,N",
                    help="prompt lengths for --sparse-vs-dense (default 1024,4096,16384)")
+    p.add_argument("--json-schema", default=None, metavar="FILE|builtin",
+                   help="decode tok/s constrained by this JSON schema against unconstrained, at each of "
+                        "--batches, with the grammar's time per step (builtin: an agent-style schema)")
+    p.add_argument("--batches", default="1,16,64", metavar="B,B",
+                   help="batch sizes for --json-schema (default 1,16,64)")
     from splash.bench.offline_peer import add_peer_args
 
     add_peer_args(p)
@@ -129,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
         from splash.bench import sparse
 
         return sparse.run(args)
+    if args.json_schema:
+        from splash.bench import structured
+
+        return structured.run(args)
     try:
         offline_peer.check_args(args)
         res, prompts, tokens, eng = run_splash(args)

@@ -53,7 +53,7 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
                    help="with --peer: seconds the peer's run may take (a first start compiles ~100 s)")
     p.add_argument("--plot", default=None, metavar="FILE", type=output_file,
                    help="with --peer: write a bar chart of tok/s per shape (PNG); with --sparse-vs-dense: "
-                        "tok/s by context")
+                        "tok/s by context; with --json-schema: tok/s per batch")
 
 
 def check_args(args: argparse.Namespace) -> None:

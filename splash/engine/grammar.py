@@ -115,6 +115,9 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled (not served from the cache)
+        # wall seconds spent masking logits (fill + apply) and advancing matchers (`bench offline
+        # --json-schema` reports them per step)
+        self.seconds = {"mask": 0.0, "accept": 0.0}
 
     def compile(self, spec: StructuredOutputs) -> Any:
         """The compiled grammar of `spec` (cached); GrammarError naming what is wrong."""

@@ -342,7 +342,11 @@ class LLMEngine(RLControl, Recovery):
         seq.output_token_ids.append(tok)
         # the structured output is complete (its stop token was taken), or the grammar refused a token
         # its own mask allowed: either way nothing more may follow
-        grammar_done = seq.guide is not None and (not seq.guide.accept([tok]) or seq.guide.terminated)
+        grammar_done = False
+        if seq.guide is not None:
+            t0 = time.perf_counter()
+            grammar_done = not seq.guide.accept([tok]) or seq.guide.terminated
+            self.grammar.seconds["accept"] += time.perf_counter() - t0
         self.generation_tokens_total += 1
         m = seq.group.metrics
         if m.first_token_time is None:

@@ -14,6 +14,7 @@ across layouts and switches.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,10 +57,12 @@ def process(logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: Sequence[i
     logits = logits.clone()
     V = logits.shape[1]
     if guided:
+        t0 = time.perf_counter()
         bitmask = grammar.allocate(len(guided))
         live = [j for j, i in enumerate(guided) if rows[i].guide.fill(bitmask, j)]
         if live:
             grammar.apply(logits, bitmask[live], [guided[j] for j in live])
+        grammar.seconds["mask"] += time.perf_counter() - t0
     for i, ids in enumerate(blocked):
         if ids:
             logits[i, [t for t in ids if 0 <= t < V]] = float("-inf")
