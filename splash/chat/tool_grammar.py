@@ -19,12 +19,12 @@ json_schema, checked with xgrammar 0.2.8), which the server hands the engine as
 - deepseekv32 (DSML): `<｜DSML｜function_calls>` then `<｜DSML｜invoke name="NAME">` with
   `<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>` lines, after an optional "\\n\\n".
 
-JSON arguments follow the whole `parameters` schema (xgrammar's JSON-schema grammar: declared
-properties in schema order, whitespace runs of at most MAX_WHITESPACE). The key/value formats write
-the schema's properties in schema order, every required one and any optional ones: a value the parser keeps as raw text (the
-property's schema types are string only) is text of the string's constraints (enum/const, pattern,
-min/maxLength), anything else is JSON of the property's schema (DSML's string="false"), a string
-too where the types mix string with others (`["string", "null"]`: `"text"`, quoted).
+JSON arguments follow the whole `parameters` schema (xgrammar's JSON-schema grammar: declared properties
+in schema order, whitespace runs of at most MAX_WHITESPACE). The key/value formats write the schema's
+properties in schema order, every required one and any optional ones: a value the parser keeps as raw
+text (the property's schema types are string only) is text of the string's constraints (enum/const,
+pattern, min/maxLength), anything else is JSON of the property's schema (DSML's string="false"), a
+string too where the types mix string with others (`["string", "null"]`: `"text"`, quoted).
 
 No text the grammar allows can end a value early in the parser: free text and JSON strings exclude
 the family's special tokens, and the strings whose length is bounded (JSON strings with a min or
