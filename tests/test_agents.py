@@ -176,6 +176,27 @@ def test_constraint_holds_after_free_reasoning(server, client):
         jsonschema.validate(json.loads(m.content), SCHEMA)
         seen_reasoning |= bool(m.model_extra.get("reasoning_content"))
     assert seen_reasoning, "no seed reasoned before answering"
+    # streamed: reasoning deltas, then content deltas; SGLang's stream_reasoning false sends the reasoning
+    # in one delta, once complete; both join to the unstreamed split
+    kw = dict(model="agent", messages=ASK, temperature=1.0, seed=0, max_tokens=300, logit_bias={tid: 3.0},
+              response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
+    whole = client.chat.completions.create(extra_body={"chat_template_kwargs": {"thinking": True}},
+                                           **kw).choices[0].message
+    for held in (False, True):
+        parts: list[tuple[str, str]] = []
+        for chunk in client.chat.completions.create(stream=True, extra_body={
+                "chat_template_kwargs": {"thinking": True}, "stream_reasoning": not held}, **kw):
+            for ch in chunk.choices:
+                if ch.delta.model_extra.get("reasoning_content"):
+                    parts.append(("r", ch.delta.model_extra["reasoning_content"]))
+                if ch.delta.content:
+                    parts.append(("c", ch.delta.content))
+        kinds = [k for k, _ in parts]
+        assert kinds == sorted(kinds, reverse=True), "content before the reasoning ended"
+        assert "".join(s for k, s in parts if k == "r") == (whole.model_extra.get("reasoning_content") or "")
+        assert "".join(s for k, s in parts if k == "c") == whole.content
+        if held:
+            assert kinds.count("r") <= 1
 
 
 @pytest.mark.parametrize("body,param", [

@@ -407,6 +407,7 @@ class LLMEngine(RLControl, Recovery):
             **self.info,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_waiting_tokens": sum(s.num_tokens for s in self.scheduler.waiting),  # (routers' load)
             "num_requests": len(self.requests),
             "kv_pages_used": sum(used),
             "kv_pages_total": sum(total),

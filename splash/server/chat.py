@@ -113,6 +113,7 @@ async def _stream(serving: Serving, req: ChatCompletionRequest, plan: ChatPlan, 
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     parsers = {i: ChoiceParser(plan) for i in range(req.n)}
+    held: dict[int, str] = {}  # reasoning not yet sent (stream_reasoning false)
     completion_tokens = cached = 0
 
     def chunk(choice: ChatStreamChoice, extra: dict | None = None) -> str:
@@ -137,6 +138,9 @@ async def _stream(serving: Serving, req: ChatCompletionRequest, plan: ChatPlan, 
                 if text or new_tokens > 0 or done:
                     p = parsers[o.index]
                     r, c, calls = p.feed(text, final=done)
+                    if not req.stream_reasoning:  # held back until the reasoning is complete
+                        held[o.index] = held.get(o.index, "") + r
+                        r = held.pop(o.index) if (c or calls or done) else ""
                     lp = (chat_logprobs(serving, o, k0, params.logprobs) if params.logprobs is not None
                           and new_tokens > 0 else None)
                     ids = list(o.token_ids[k0:]) if req.return_token_ids and new_tokens > 0 else None

@@ -121,5 +121,6 @@ def control_fields(req: Any, vocab_size: int | None, defaults: dict[str, Any], p
                                param=f"{prefix}logit_bias", code="invalid_value")
             ids[t] = float(v)
         out["logit_bias"] = ids
-    out["include_stop_str_in_output"] = bool(getattr(req, "include_stop_str_in_output", False))
+    out["include_stop_str_in_output"] = bool(getattr(req, "include_stop_str_in_output", False)
+                                             or getattr(req, "no_stop_trim", False))
     return out

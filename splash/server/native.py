@@ -69,7 +69,8 @@ class _Batch:
         if req.token_ids_logprob:
             raise APIError("token_ids_logprob is not supported", param="token_ids_logprob")
         for name, neutral in (("return_hidden_states", False), ("lora_path", None), ("image_data", None),
-                              ("session_params", None), ("custom_logit_processor", None)):
+                              ("session_params", None), ("custom_logit_processor", None),
+                              ("background", False), ("return_bytes", False), ("return_entropy", False)):
             if getattr(req, name) not in (neutral, None):
                 raise APIError(f"{name} is not supported", param=name, code="unsupported_parameter")
         self.sampling = sps
@@ -254,6 +255,7 @@ async def generate(serving: Serving, req: GenerateRequest, request: Request) -> 
 
 async def batch(serving: Serving, req: GenerateRequest) -> _Batch:
     """A /generate body checked and resolved (every bad input raises APIError before anything runs)."""
+    serving.check_model(req.model)
     prompts, batched = await _prompts(serving, req)
     b = _Batch(serving, req, prompts, batched)
     for i, p in enumerate(b.params):  # a bad schema, regex or grammar: 400 before anything is queued
@@ -380,6 +382,11 @@ def install(app: FastAPI, serving: Serving, engine: Any, model_name: str,
     async def v1_loads(include: str | None = None) -> JSONResponse:
         stats = await run_in_threadpool(engine.stats)
         return JSONResponse(server_info.loads(stats, include))
+
+    @r.get("/get_load")
+    async def get_load() -> JSONResponse:
+        stats = await run_in_threadpool(engine.stats)
+        return JSONResponse(server_info.get_load(stats))
 
     @r.get("/get_model_info")
     @r.get("/model_info")

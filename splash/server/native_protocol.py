@@ -81,13 +81,21 @@ class GenerateRequest(_Native):
     stream: bool = False
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0)  # routed experts of positions [start, seqlen - 1)
-    # SGLang fields accepted at their neutral value only
+    model: str | None = None  # sglang-router forwards it (null unless the client set it): this server's name
+    # SGLang's logging switches (sglang-router sends both on every request); splash logs no single request
+    log_metrics: bool = True
+    no_logs: bool = False
+    # SGLang fields accepted at their neutral value only (sglang-router sends return_hidden_states and the
+    # last three, neutral)
     return_hidden_states: bool = False
     lora_path: str | None = None
     image_data: Any = None
     session_params: Any = None
     custom_logit_processor: str | None = None
     data_parallel_rank: int | None = None
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
 
 
 class AbortRequest(_Native):

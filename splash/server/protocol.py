@@ -51,6 +51,8 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False  # SGLang's name for the same (sglang-router sends it on every request)
+    return_hidden_states: bool = False  # SGLang's; only false (sglang-router sends it)
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids (streamed too)
     # Structured outputs: OpenAI's response_format; vLLM's structured_outputs (json, regex, choice, grammar,
     # json_object, structural_tag) and its older guided_* names; SGLang's regex / ebnf / json_schema.
@@ -65,7 +67,10 @@ class _SamplingFields(_Request):
     json_schema: str | dict[str, Any] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
-        """(field, reason) for settings splash would otherwise silently ignore (none left here)."""
+        """(field, reason) for settings splash would otherwise silently ignore."""
+        if self.return_hidden_states:
+            return [("return_hidden_states", "hidden states are not returned; send return_hidden_states "
+                                             "false")]
         return []
 
 
@@ -140,6 +145,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     separate_reasoning: bool = True  # SGLang's: reasoning_content apart from content
+    stream_reasoning: bool = True  # SGLang's: false sends the reasoning in one delta once it is complete
     reasoning_effort: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None

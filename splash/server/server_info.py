@@ -1,9 +1,10 @@
-"""What `/get_server_info` (`/server_info`) and `/v1/loads` say, in SGLang's names with splash's values.
+"""What `/get_server_info` (`/server_info`), `/v1/loads` and `/get_load` say: SGLang's names, splash's values.
 
 slime's `--rollout-external` compares its own launch options with the server's info key by key
 (`enable_memory_saver` always; `enable_return_routed_experts`, `dtype` when it sets them) and reads
 `tp_size`/`pp_size`/`ep_size` to plan weight transfers; routers read `disaggregation_mode`; slime waits
-for an idle engine by polling `/v1/loads?include=core`. Every value here is what splash does: a flag
+for an idle engine by polling `/v1/loads?include=core`; SGLang's router (sglang-router) polls `/get_load`
+for its power-of-two policy and its own `/get_loads`. Every value here is what splash does: a flag
 splash has no counterpart for is reported only where SGLang's default describes splash's behaviour
 (no speculative decoding, no PD disaggregation, no remote code, one scheduler), and left out otherwise.
 The live layout has no SGLang flag; splash's own keys (`layout`, `layout_mode`, ...) sit beside these.
@@ -93,6 +94,27 @@ def server_info(engine: Any, stats: dict[str, Any], model_name: str, launch: dic
             "engine_config": config.describe() if config is not None else None, "internal_states": [stats]}
 
 
+def used_tokens(stats: dict[str, Any]) -> int:
+    """Distinct tokens the KV pages of live requests hold (TP's replicas count once). Prefix-cache pages no
+    request holds count as free, as SGLang leaves its evictable tokens out of the load."""
+    from splash.core.layouts import Layout
+
+    page = int(stats.get("page_size", 1))
+    per_rank, layout = stats.get("kv_pages_used_per_rank"), stats.get("layout")
+    if per_rank and layout:
+        return Layout.named(layout).distinct([int(u) * page for u in per_rank])
+    return int(stats.get("kv_pages_used", 0)) * page
+
+
+def get_load(stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """`/get_load`: SGLang's older load route, one entry per DP rank (splash has one scheduler). The router
+    sums `num_tokens` over the entries for power-of-two and its `/get_loads` (-1 when the route fails):
+    the KV tokens live requests hold plus the tokens of those still waiting, as SGLang counts them."""
+    running, waiting = int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0))
+    return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
+             "num_tokens": used_tokens(stats) + int(stats.get("num_waiting_tokens", 0))}]
+
+
 def loads(stats: dict[str, Any], include: str | None) -> dict[str, Any]:
     """`/v1/loads`: one scheduler (dp_rank 0); `include` a comma list of LOAD_SECTIONS (core always)."""
     asked = {s.strip() for s in (include or "core").split(",") if s.strip()}
@@ -101,8 +123,7 @@ def loads(stats: dict[str, Any], include: str | None) -> dict[str, Any]:
         raise APIError(f"include={bad[0]!r} is unknown; use a comma list of {', '.join(LOAD_SECTIONS)}",
                        param="include")
     running, waiting = int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0))
-    page = int(stats.get("page_size", 1))
-    used = int(stats.get("kv_pages_used", 0)) * page
+    used = used_tokens(stats)
     load: dict[str, Any] = {
         "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
         "num_total_reqs": running + waiting, "num_used_tokens": used,
