@@ -22,6 +22,7 @@ def test_structured_bench_json_table_and_plot(tmp_path, capsys):
             assert s["steps"] > 0 and s["tokens"] == s["steps"] * r["batch"]
             assert s["tok_per_s"] == pytest.approx(s["tokens"] / s["seconds"])
         assert r["free"]["mask_s"] == 0 and r["json_schema"]["mask_s"] > 0  # only the constrained side masks
+        assert 0 < r["json_schema"]["forward_s"] < r["json_schema"]["seconds"]
         assert r["ratio"] == pytest.approx(r["json_schema"]["tok_per_s"] / r["free"]["tok_per_s"])
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(argv) == 0

@@ -61,6 +61,7 @@ class LLMEngine(RLControl, Recovery):
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.grammar: Any = None  # GrammarBackend, made when a request first asks for structured output
+        self.forward_seconds = 0.0  # wall seconds in the ranks' forward (runner.execute), all steps
         self.generation_defaults: dict[str, Any] = {}  # the checkpoint's sampling defaults (the server's)
         self.vocab_size = vocab_size
         self.model_name = model_name
@@ -275,7 +276,9 @@ class LLMEngine(RLControl, Recovery):
         prompt_rows = prompt_logprobs.rows_of(st.seqs, st.plan.seqs)  # None unless a request asked
         if prompt_rows is not None:
             st.plan.row_logprobs = prompt_rows[0]
+        t0 = time.perf_counter()
         logits = self.runner.execute(st.plan)
+        self.forward_seconds += time.perf_counter() - t0  # (the rest of a step is rank 0's host work)
         st.executed = True
         if self.switcher is not None:
             self.switcher.after_execute(st)
