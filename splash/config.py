@@ -229,6 +229,26 @@ class EngineConfig:
     generation_config: str = _opt(
         "auto", "frontend", "--generation-config", "sampling defaults: auto (the checkpoint's "
         "generation_config.json, vLLM's default), vllm (none), or a folder holding a generation_config.json")
+    # ---- speculative decoding (splash/engine/spec.py)
+    speculative_algorithm: str | None = _opt(
+        None, "speculative", "--speculative-algorithm", "draft tokens to verify each decode step: NGRAM "
+        "(looked up in the request's own prompt and output; any model). EAGLE / MTP need the checkpoint's "
+        "MTP layers, which splash does not load yet", type=str.upper, choices=("NGRAM", "EAGLE", "MTP"))
+    speculative_num_draft_tokens: int | None = _opt(
+        None, "speculative", "--speculative-num-draft-tokens", "rows verified per speculating request and "
+        "step: its last token plus this minus one drafts (SGLang's meaning; default 4)", type=positive_int)
+    speculative_num_steps: int | None = _opt(
+        None, "speculative", "--speculative-num-steps", "drafts per step of a chain (SGLang's topk 1): "
+        "num_draft_tokens - 1", type=positive_int)
+    speculative_ngram_min_match: int = _opt(
+        1, "speculative", "--speculative-ngram-min-match-window-size", "NGRAM: the shortest suffix looked "
+        "up (vLLM's prompt_lookup_min)", type=positive_int)
+    speculative_ngram_max_match: int = _opt(
+        4, "speculative", "--speculative-ngram-max-match-window-size", "NGRAM: the longest suffix looked "
+        "up, tried first (vLLM's prompt_lookup_max)", type=positive_int)
+    speculative_config: str | None = _opt(
+        None, "speculative", "--speculative-config", "vLLM's JSON form, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}'")
     # ---- RL and debugging
     enable_memory_saver: bool | None = _opt(
         None, "debug", "--enable-memory-saver", "allow /release_memory_occupation (SGLang's flag; off in a "
@@ -238,7 +258,65 @@ class EngineConfig:
                              action="store_true")
 
     def __post_init__(self) -> None:
+        if self.speculative_config:
+            self._read_speculative_config()
         self._check()
+        self._check_speculative()
+
+    def _read_speculative_config(self) -> None:
+        """vLLM's --speculative-config JSON into the SGLang-named fields (one source of truth)."""
+        import json
+
+        try:
+            cfg = json.loads(self.speculative_config) if isinstance(self.speculative_config, str) \
+                else dict(self.speculative_config)
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
+            raise ConfigError(f"--speculative-config is not a JSON object: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError("--speculative-config must be a JSON object such as {\"method\": \"ngram\", "
+                              "\"num_speculative_tokens\": 3}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        extra = sorted(set(cfg) - known)
+        if extra:
+            raise ConfigError(f"--speculative-config: {', '.join(extra)} not supported; splash reads "
+                              f"{', '.join(sorted(known))}")
+        method = str(cfg.get("method", "ngram")).upper()
+        n = cfg.get("num_speculative_tokens", 3)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"--speculative-config: num_speculative_tokens must be >= 1, got {n!r}")
+        kw = {"speculative_algorithm": {"DEEPSEEK_MTP": "MTP"}.get(method, method),
+              "speculative_num_steps": n, "speculative_num_draft_tokens": n + 1}
+        if "prompt_lookup_max" in cfg:
+            kw["speculative_ngram_max_match"] = cfg["prompt_lookup_max"]
+        if "prompt_lookup_min" in cfg:
+            kw["speculative_ngram_min_match"] = cfg["prompt_lookup_min"]
+        for k, v in kw.items():
+            object.__setattr__(self, k, v)
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            if self.speculative_num_draft_tokens or self.speculative_num_steps:
+                raise ConfigError("--speculative-num-draft-tokens / --speculative-num-steps need "
+                                  "--speculative-algorithm NGRAM")
+            return
+        algo = str(algo).upper()
+        object.__setattr__(self, "speculative_algorithm", algo)
+        if algo in ("EAGLE", "MTP"):
+            raise ConfigError(f"--speculative-algorithm {algo} drafts with the checkpoint's MTP layers, "
+                              "which splash does not load yet; use --speculative-algorithm NGRAM")
+        if algo != "NGRAM":
+            raise ConfigError(f"unknown --speculative-algorithm {algo!r}; splash has NGRAM")
+        steps, drafts = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is not None and drafts is not None and drafts != steps + 1:
+            raise ConfigError(f"--speculative-num-draft-tokens ({drafts}) must be --speculative-num-steps "
+                              f"({steps}) + 1 for a chain (topk 1); give one of them")
+        lo, hi = self.speculative_ngram_min_match, self.speculative_ngram_max_match
+        for name, v in (("min", lo), ("max", hi)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"--speculative-ngram-{name}-match-window-size must be >= 1, got {v!r}")
+        if lo > hi:
+            raise ConfigError(f"the n-gram window {lo}..{hi} is empty: min must not exceed max")
 
     # ---- validation --------------------------------------------------------------------------------
     def _check(self) -> None:
@@ -315,6 +393,15 @@ class EngineConfig:
     def switching(self) -> bool:
         """Live switches can happen (auto or a schedule): pools leave room for projection replicas."""
         return self.world > 1 and (self.auto or bool(self.schedule))
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per speculating request and step (0: speculative decoding off)."""
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        return (self.speculative_num_draft_tokens or 4) - 1
 
     @property
     def kernels(self) -> KernelConfig:

@@ -189,7 +189,13 @@ def test_median_and_bad_input():
     assert wire.median(Counter({5: 2, 9: 2})) == 5
     m = Mirror(2, "tp")
     m.send(m.plan({1: 9}))
-    bad = StepPlan(9, "tp", [1], [SeqSlice(1, 9, 1, 0, [[3], [3]], True)])  # shrank without a drop
+    # a table whose tail was returned (a speculative step's rejected rows): the ranks drop it and take
+    # it whole again; in a switch step (tables replaced) that cannot happen and is refused
+    shrunk = StepPlan(9, "tp", [1], [SeqSlice(1, 1, 1, 0, [[3], [3]], True)])
+    m.send(shrunk)
+    assert [tabs.row(1) for tabs in m.ranks] == [[3], [3]]
+    bad = StepPlan(10, "tp", [1], [SeqSlice(1, 1, 1, 0, [[3], [3]], True)], kind="switch",
+                   tables={1: [[3, 4], [3, 4]]})
     with pytest.raises(RuntimeError, match="shrank"):
         m.enc.encode(bad)
     with pytest.raises(ValueError, match="page tables for 1 ranks"):

@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
             llm.shutdown()
     if args.json:
         rows = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "index": c.index,
-                 "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason}
+                 "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
+                 "spec_verify_ct": c.spec_verify_ct}
                 for o in outs for c in o.outputs]
         engine = {k: stats[k] for k in ("model", "dtype", "device", "layout", "ranks", "nnodes",
                                          "kv_pool_tokens", "kv_distinct_tokens", "kv_pool_tokens_per_rank",
@@ -112,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
                                          "max_num_seqs", "max_num_batched_tokens", "prompt_tokens_total",
                                          "generation_tokens_total", "num_preemptions", "steps",
                                          "decode_plan_bytes_p50",
-                                         "layout_mode", "num_switches", "switches_total", "switch_refusals")
+                                         "layout_mode", "num_switches", "switches_total", "switch_refusals",
+                                         "speculative_algorithm", "spec_verify_ct", "spec_draft_tokens",
+                                         "spec_accepted_tokens", "spec_accept_length")
                   if k in stats}
         print(json.dumps({"outputs": rows, "engine": engine}))
         return 0
@@ -126,4 +129,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"engine: {stats.get('model')} {stats.get('dtype')} on {stats.get('device')}, layout "
           f"{stats.get('layout')} x {stats.get('ranks')}, KV pool {stats.get('kv_pool_tokens_per_rank')} "
           f"tokens per rank, {stats.get('kv_distinct_tokens')} distinct")
+    if stats.get("spec_verify_ct"):
+        print(f"speculative ({stats.get('speculative_algorithm')}): {stats['spec_verify_ct']} verify slices, "
+              f"{stats['spec_accepted_tokens']} of {stats['spec_draft_tokens']} drafts accepted, "
+              f"{stats['spec_accept_length']:.2f} tokens per verify")
     return 0

@@ -86,6 +86,34 @@ class LLMEngine(RLControl, Recovery):
         if self.config.enable_memory_saver is not None:  # (unset: LLM's default, on; a server turns it off)
             self.memory_saver = self.config.enable_memory_saver
         self._routing: Any = None  # RoutingRecorder, made when a request first asks for routed experts
+        self.spec_verify_ct = 0  # speculative decoding: verify slices run, drafts in them, drafts accepted
+        self.spec_drafts = 0
+        self.spec_accepted = 0
+        self._spec_init()
+
+    def _spec_init(self) -> None:
+        """Speculative decoding (splash/engine/spec.py): the scheduler asks for drafts of each decoding
+        sequence; off for models with per-request state (their state cannot take back rejected rows)."""
+        k = self.config.num_drafts
+        if not k:
+            return
+        if self.allocator.slots is not None:
+            log.warning("speculative decoding is off: this model keeps per-request recurrent state (KDA), "
+                        "which rejected draft rows would leave advanced")
+            return
+        from splash.engine.spec import can_speculate, ngram_propose
+
+        lo, hi = self.config.speculative_ngram_min_match, self.config.speculative_ngram_max_match
+
+        def propose(seq: Seq, room: int) -> list[int]:
+            p = seq.params
+            n_out = len(seq.output_token_ids)
+            if not can_speculate(p, n_out, seq.guide):
+                return []
+            cap = min(k, room) if p.max_tokens is None else min(k, room, p.max_tokens - n_out - 1)
+            return ngram_propose(seq.token_slice(0, seq.num_tokens), cap, lo, hi) if cap > 0 else []
+
+        self.scheduler.proposer = propose
 
     def grammar_backend(self) -> Any:
         """The structured-output compiler (xgrammar over this model's vocabulary), made on first use and
@@ -298,15 +326,26 @@ class LLMEngine(RLControl, Recovery):
                 seq.prompt_high = hi
         to_sample = [seq for seq, sl in zip(st.seqs, st.plan.seqs) if sl.sample]
         if to_sample:
-            rows = [SampleRow(seq.params, len(seq.output_token_ids), seq.generator, seq.guide,
-                              seq.prompt_token_ids, seq.output_token_ids) for seq in to_sample]
-            sampled = self.sampler(logits, rows)
+            # each sampled slice's logits rows: one, or a verify slice's last token and drafts
+            first, n = [], 0
+            for seq in to_sample:
+                first.append(n)
+                n += 1 + len(seq.draft)
+            plain = [i for i, seq in enumerate(to_sample) if not seq.draft]
+            rows = [SampleRow(s.params, len(s.output_token_ids), s.generator, s.guide, s.prompt_token_ids,
+                              s.output_token_ids) for s in (to_sample[i] for i in plain)]
+            idx = first if len(plain) == n else [first[i] for i in plain]
+            sampled = dict(zip(plain, self.sampler(logits if len(plain) == n else logits[idx], rows)))
             now = time.time()
-            for seq, s in zip(to_sample, sampled):
-                if seq.top_p_ids is not None and s.top_p_ids is not None:
-                    seq.top_p_ids.append(s.top_p_ids)
-                self._append(seq, s.token_id, s.logprobs, now)
+            for i, seq in enumerate(to_sample):
                 changed[seq.group.request_id] = seq.group
+                s = sampled.get(i)
+                if s is not None:
+                    if seq.top_p_ids is not None and s.top_p_ids is not None:
+                        seq.top_p_ids.append(s.top_p_ids)
+                    self._append(seq, s.token_id, s.logprobs, now)
+                else:
+                    self._verify(seq, logits[first[i]:first[i] + 1 + len(seq.draft)], now)
                 if seq.status.done:
                     self._seq_finished(seq, changed)
         outs = self._collect(changed, final_only)
@@ -338,6 +377,29 @@ class LLMEngine(RLControl, Recovery):
             if seq.params.return_routed_experts:
                 seq.keep_routing(sl.start, ids[row:row + sl.num_new])
             row += sl.num_new
+
+    def _verify(self, seq: Seq, rows: torch.Tensor, now: float) -> None:
+        """A verify slice's logits [1 + drafts, V]: accept drafts, append the tokens (stopping where a
+        stop rule ends the sequence), and count the accepted rows as computed."""
+        from splash.engine.spec import accept_greedy, accept_sampled, row_logprobs, target_probs
+
+        p, draft = seq.params, seq.draft
+        if p.greedy:
+            targets = rows.argmax(dim=-1).tolist()
+            toks = targets[:accept_greedy(targets, draft) + 1]
+        else:
+            toks = accept_sampled(target_probs(rows, p), draft, seq.generator)
+        seq.spec_verify_ct += 1
+        seq.spec_accepted += len(toks) - 1
+        self.spec_verify_ct += 1
+        self.spec_drafts += len(draft)
+        self.spec_accepted += len(toks) - 1
+        for j, tok in enumerate(toks):
+            lp = row_logprobs(rows[j], tok, p) if p.logprobs is not None else None
+            self._append(seq, tok, lp, now)
+            if seq.status.done:
+                return
+        self.scheduler.accept(seq, len(toks) - 1)
 
     def _append(self, seq: Seq, tok: int, logprobs: dict[int, float] | None, now: float) -> None:
         """Add a sampled token and decide whether the sequence ends here (vLLM's stop order)."""
@@ -432,6 +494,14 @@ class LLMEngine(RLControl, Recovery):
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_preemptions": self.scheduler.num_preemptions,
+            "speculative_algorithm": self.config.speculative_algorithm if self.scheduler.proposer else None,
+            "speculative_num_draft_tokens": self.config.num_drafts + 1 if self.scheduler.proposer else None,
+            "spec_verify_ct": self.spec_verify_ct,
+            "spec_draft_tokens": self.spec_drafts,
+            "spec_accepted_tokens": self.spec_accepted,
+            # tokens per verify slice (SGLang's spec_accept_length: the accepted drafts plus the bonus)
+            "spec_accept_length": (1 + self.spec_accepted / self.spec_verify_ct if self.spec_verify_ct
+                                   else None),
             "steps": self.steps,
             "decode_plan_bytes_p50": self._plan_bytes_p50(),
             **(self.switcher.stats() if self.switcher is not None else {}),

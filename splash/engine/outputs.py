@@ -23,6 +23,8 @@ class CompletionOutput:
     routed_experts: Any = None
     # With SamplingParams.return_top_p_token_ids: per generated token, the ids it was drawn from
     top_p_token_ids: list[list[int]] | None = None
+    # Speculative decoding: verify steps it took part in (SGLang's meta_info `spec_verify_ct`)
+    spec_verify_ct: int = 0
 
 
 @dataclass

@@ -62,6 +62,9 @@ class Sequence:
     num_cached_tokens: int = 0
     cache_epoch: int = 0  # the prefix cache's epoch at admission: it registers pages only in that one
     guide: Any = None  # structured outputs: its grammar matcher (splash/engine/grammar.py), else None
+    draft: list[int] = field(default_factory=list)  # drafts the step being run verifies (spec.py)
+    spec_verify_ct: int = 0  # verify steps it took part in (SGLang's meta_info name)
+    spec_accepted: int = 0  # drafts accepted in them
 
     def keep_routing(self, start: int, ids: Any) -> None:
         """Routed experts of positions start.. (a recompute after preemption replaces later ones)."""
@@ -122,6 +125,7 @@ class Sequence:
             stop_reason=self.stop_reason,
             routed_experts=self.routed_experts() if self.status.done and self.routing else None,
             top_p_token_ids=list(self.top_p_ids) if self.top_p_ids is not None else None,
+            spec_verify_ct=self.spec_verify_ct,
         )
 
 

@@ -23,6 +23,7 @@ need at prompt + max_tokens - so ranks stay balanced as requests grow, not just 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splash.engine.request import SeqStatus, Sequence
@@ -92,6 +93,8 @@ class Scheduler:
         # Sequences whose pages were released since the last plan with rows: the next such plan tells
         # the ranks to forget their tables (StepPlan.dropped).
         self.dropped: list[int] = []
+        # Speculative decoding (splash/engine/spec.py): drafts for a decoding sequence, or None (off).
+        self.proposer: Callable[[Sequence, int], list[int]] | None = None
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     @property
@@ -285,6 +288,17 @@ class Scheduler:
             errs.append(f"projected pages per owner {self.projected} != the charges {load}")
         return errs
 
+    def _draft(self, seq: Sequence, k: int, budget: int) -> list[int]:
+        """Drafts to verify with `seq`'s next row: only in decode (one known row), within the step's
+        token budget and the context, and only where its pages can grow without preempting anyone."""
+        if self.proposer is None or k != 1 or seq.num_tokens - seq.num_computed != 1 or budget < 2:
+            return []
+        room = min(budget - 1, self.cfg.max_model_len - seq.num_tokens)
+        draft = self.proposer(seq, room) if room > 0 else []
+        while draft and not self.alloc.can_grow(seq.pages, seq.num_computed + 1 + len(draft), seq.owner):
+            draft = draft[:-1]
+        return draft
+
     # ---- the step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         budget = self.cfg.max_num_batched_tokens
@@ -317,12 +331,15 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            self.alloc.grow(seq.pages, seq.num_computed + k, seq.owner)
+            seq.draft = self._draft(seq, k, budget)
+            end = seq.num_computed + k + len(seq.draft)
+            self.alloc.shrink(seq.pages, end)  # (pages an earlier verify's rejected rows reached into)
+            self.alloc.grow(seq.pages, end, seq.owner)
             if self.alloc.cache is not None:
                 self._offer(seq)
             picked.append((seq, k))
             taken.add(seq.seq_id)
-            budget -= k
+            budget -= k + len(seq.draft)
 
         # Admit queued sequences, oldest first; not in a step that had to preempt (they would thrash).
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
@@ -361,6 +378,7 @@ class Scheduler:
                 seq.num_computed = len(blocks) * self.alloc.page_size
                 seq.num_cached_tokens = seq.num_computed
             k = self.cfg.chunk(seq.num_tokens - seq.num_computed, budget)
+            seq.draft = []
             seq.owner = owner
             self.charge(seq)
             seq.status = SeqStatus.RUNNING
@@ -374,31 +392,47 @@ class Scheduler:
 
         slices: list[SeqSlice] = []
         ids: list[int] = []
-        for seq, k in picked:
+        num_sample: list[int] | None = None
+        for i, (seq, k) in enumerate(picked):
             start = seq.num_computed
             ids.extend(seq.token_slice(start, start + k))
+            if seq.draft:  # a verify slice: the last token and the drafts, logits for every row
+                ids.extend(seq.draft)
+                if num_sample is None:
+                    num_sample = [1] * len(picked)
+                num_sample[i] = 1 + len(seq.draft)
             # `pages` is the sequence's live table, not a copy (rank 0 reads it while the step runs;
             # copying every table every step was O(pages)): later steps grow it, a release empties it.
-            slices.append(SeqSlice(req_id=seq.seq_id, start=start, num_new=k, owner=seq.owner,
-                                   pages=seq.pages, sample=start + k == seq.num_tokens, slot=seq.slot))
+            slices.append(SeqSlice(req_id=seq.seq_id, start=start, num_new=k + len(seq.draft),
+                                   owner=seq.owner, pages=seq.pages, sample=start + k == seq.num_tokens,
+                                   slot=seq.slot))
         dropped: list[int] = []
         if slices:  # a plan without rows never runs: its drops wait for the next one
             dropped, self.dropped = self.dropped, []
-        plan = StepPlan(step=self.step_no, layout=self.layout, input_ids=ids, seqs=slices, dropped=dropped)
+        plan = StepPlan(step=self.step_no, layout=self.layout, input_ids=ids, seqs=slices, dropped=dropped,
+                        num_sample=num_sample)
         self.step_no += 1
         return ScheduledStep(plan=plan, seqs=[s for s, _ in picked])
 
     def complete(self, step: ScheduledStep) -> None:
-        """The step ran: its rows are now in the KV cache (and its full prefix pages ready to share)."""
-        cache = self.alloc.cache
+        """The step ran: its rows are now in the KV cache (and its full prefix pages ready to share). A
+        verify slice counts its known row only; `accept` adds the drafts the sampler accepted."""
         for seq, sl in zip(step.seqs, step.plan.seqs):
             if seq.status is SeqStatus.RUNNING:
-                seq.num_computed = sl.start + sl.num_new
-                if cache is not None:
-                    full = seq.num_computed // self.alloc.page_size
-                    if full > len(seq.cached_blocks):  # generated pages too (a conversation's next turn)
-                        self._register(seq, full)
-                    # the pages this step completed: those from the one its first row fell in
-                    for b in seq.cached_blocks[sl.start // self.alloc.page_size:full]:
-                        if b is not None:
-                            b.ready = True
+                self._computed(seq, sl.start, sl.start + sl.num_new - len(seq.draft))
+
+    def accept(self, seq: Sequence, n: int) -> None:
+        """`n` of `seq`'s verified drafts were accepted: their rows' KV is now the sequence's."""
+        if seq.status is SeqStatus.RUNNING and n > 0:
+            self._computed(seq, seq.num_computed, seq.num_computed + n)
+
+    def _computed(self, seq: Sequence, start: int, end: int) -> None:
+        seq.num_computed = end
+        if self.alloc.cache is not None:
+            full = end // self.alloc.page_size
+            if full > len(seq.cached_blocks):  # generated pages too (a conversation's next turn)
+                self._register(seq, full)
+            # the pages rows start..end completed: those from the one its first row fell in
+            for b in seq.cached_blocks[start // self.alloc.page_size:full]:
+                if b is not None:
+                    b.ready = True

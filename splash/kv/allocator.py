@@ -257,6 +257,20 @@ class KVAllocator:
             for r in range(self.world):
                 table[r].append(self.take(r, 1)[0] if r in holders else -1)
 
+    def shrink(self, table: list[list[int]], tokens: int) -> None:
+        """Return the pages of `table` past those `tokens` positions need (a speculative step's rejected
+        rows reached into them); a cached block's page only drops its reference, as in `release`."""
+        keep = pages_for(tokens, self.page_size)
+        if not table or len(table[0]) <= keep:
+            return
+        tail = [row[keep:] for row in table]
+        cache = self.cache
+        held = ([cache.release_column([row[j] for row in tail]) for j in range(len(tail[0]))]
+                if cache is not None else [False] * len(tail[0]))
+        for r, row in enumerate(table):
+            self.ranks[r].free([p for p, k in zip(tail[r], held) if not k and p >= 0])
+            del row[keep:]
+
     def release(self, table: list[list[int]]) -> None:
         """Return every page of `table` to its rank (a cached block's: one reference fewer) and empty
         the table."""

@@ -153,7 +153,11 @@ class _EngineCounters(Collector):
               ("splash:prefix_cache_queries", "prefix_cache_queries",
                "Prompt tokens looked up in the prefix cache (vLLM's name)."),
               ("splash:prefix_cache_hits", "prefix_cache_hits", "Of those, tokens found cached."),
-              ("splash:num_preemptions", "num_preemptions", "Sequences preempted (KV dropped, recomputed)."))
+              ("splash:num_preemptions", "num_preemptions", "Sequences preempted (KV dropped, recomputed)."),
+              ("splash:spec_verify", "spec_verify_ct",
+               "Speculative verify slices run (one per request and step)."),
+              ("splash:spec_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
+              ("splash:spec_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted."))
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name

@@ -148,6 +148,9 @@ class _Batch:
             "completion_tokens": len(o.token_ids), "cached_tokens": ro.num_cached_tokens,
             "weight_version": weight_version,
             "e2e_latency": time.time() - self.t0}
+        if o.spec_verify_ct:  # SGLang's: verify steps, and tokens per verify step (1 + accepted drafts)
+            meta["spec_verify_ct"] = o.spec_verify_ct
+            meta["spec_accept_length"] = len(o.token_ids) / o.spec_verify_ct
         if self.want_lp[i]:
             # one entry per generated token, always a number: the engine keeps a logprob with every token
             lps = o.logprobs or []

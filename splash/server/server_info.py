@@ -6,7 +6,8 @@ slime's `--rollout-external` compares its own launch options with the server's i
 for an idle engine by polling `/v1/loads?include=core`; SGLang's router (sglang-router) polls `/get_load`
 for its power-of-two policy and its own `/get_loads`. Every value here is what splash does: a flag
 splash has no counterpart for is reported only where SGLang's default describes splash's behaviour
-(no speculative decoding, no PD disaggregation, no remote code, one scheduler), and left out otherwise.
+(no PD disaggregation, no remote code, one scheduler), and left out otherwise; speculative decoding
+reports its algorithm (NGRAM) and draft count when on.
 The live layout has no SGLang flag; splash's own keys (`layout`, `layout_mode`, ...) sit beside these.
 """
 
@@ -70,7 +71,9 @@ def server_args(engine: Any, stats: dict[str, Any], model_name: str, launch: dic
         "enable_memory_saver": bool(getattr(eng, "memory_saver", False)),
         "enable_return_routed_experts": bool(facts["moe_layers"]),
         "disable_radix_cache": not stats.get("prefix_caching", False),
-        "schedule_policy": "fcfs", "stream_interval": 1, "speculative_algorithm": None,
+        "schedule_policy": "fcfs", "stream_interval": 1,
+        "speculative_algorithm": stats.get("speculative_algorithm"),
+        "speculative_num_draft_tokens": stats.get("speculative_num_draft_tokens"),
         "disaggregation_mode": "null", "encoder_only": False, "enable_metrics": True,
         "skip_server_warmup": True,
         "weight_version": getattr(eng, "weight_version", "default"),

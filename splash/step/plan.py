@@ -78,6 +78,9 @@ class StepPlan:
     # Rank 0 only, never sent: rows beyond the sampled ones whose next-token logprobs rank 0 wants
     # (prompt logprobs); None in every step where no request asked, which then costs nothing.
     row_logprobs: RowLogprobs | None = None
+    # Rank 0 only, never sent: per slice, how many of its last rows rank 0 needs logits of (a speculating
+    # request's verify rows: its last token and its drafts); None: the last row of each `sample` slice.
+    num_sample: list[int] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -96,8 +99,12 @@ class StepPlan:
         return [p for s in self.seqs for p in range(s.start, s.end)]
 
     def sample_rows(self) -> list[int]:
-        """Rows whose logits rank 0 samples from (the last row of each `sample` slice)."""
-        return [r + s.num_new - 1 for r, s in zip(self.row_starts(), self.seqs) if s.sample]
+        """Rows whose logits rank 0 samples from: the last row of each `sample` slice, or its last
+        `num_sample[i]` rows (speculative verification), in row order."""
+        if self.num_sample is None:
+            return [r + s.num_new - 1 for r, s in zip(self.row_starts(), self.seqs) if s.sample]
+        return [r + s.num_new - n + j for r, s, n in zip(self.row_starts(), self.seqs, self.num_sample)
+                if s.sample for j in range(n)]
 
     def validate(self, page_size: int, world: int) -> None:
         """Raise ValueError if the plan is internally inconsistent (cheap; used by tests and debug)."""

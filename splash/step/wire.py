@@ -108,13 +108,17 @@ class PlanEncoder:
                                  f"expected {T}")
             have = now.get(s.req_id, 0 if s.req_id in gone else known.get(s.req_id, 0))
             n = len(pages[0])
+            if n < have and s.req_id not in now:  # its tail was returned (speculative rows rejected):
+                drops.append(s.req_id)  # the ranks drop the table and take it whole again below
+                gone.add(s.req_id)
+                have = 0
             if n > have:
                 grow_idx.append(k)
                 grow.append(np.asarray([row[have:] for row in pages], dtype=np.int32).reshape(T, n - have))
                 now[s.req_id] = n
             elif n < have:
-                raise RuntimeError(f"request {s.req_id}: its table shrank from {have} to {n} pages without "
-                                   "being dropped (scheduler bookkeeping bug)")
+                raise RuntimeError(f"request {s.req_id}: its table shrank from {have} to {n} pages in a "
+                                   "switch step (scheduler bookkeeping bug)")
         B, N = len(seqs), len(plan.input_ids)
         one_row = N == B and all(s.num_new == 1 for s in seqs)
         all_sample = all(s.sample for s in seqs)

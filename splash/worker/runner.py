@@ -25,9 +25,11 @@ ROW_CHUNK = 256  # prompt-logprob rows whose logits exist at once (bounds [rows,
 
 
 def decoded(plan: StepPlan, msg: Any) -> StepPlan:
-    """The step message as every rank decodes it, with what only rank 0 needs kept (row_logprobs)."""
+    """The step message as every rank decodes it, with what only rank 0 needs kept (row_logprobs,
+    num_sample)."""
     out = wire.decode(msg)
     out.row_logprobs = plan.row_logprobs
+    out.num_sample = plan.num_sample
     return out
 
 
