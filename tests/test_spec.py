@@ -241,3 +241,22 @@ def test_server_reports_speculation():
         assert verify >= meta["spec_verify_ct"] and drafts >= verify
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("model", ["tiny-dsa", "tiny-glm5"])
+def test_sparse_attention_models_speculate_exactly(model):
+    """DeepSeek-V3.2's and GLM-5's sparse attention (an indexer's top-k per query row): verify rows pick
+    their keys as decode rows would, so greedy tokens and logprobs equal the engine's without drafts."""
+    prompts = [list(range(3, 60)), [5, 6, 7, 8, 9] * 8, list(range(100, 140))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    outs = []
+    for kw in ({}, {"speculative_algorithm": "NGRAM"}):
+        eng = build_engine(model=model, num_kv_pages=256, **{**ENGINE, "max_num_batched_tokens": 16}, **kw)
+        try:
+            outs.append(serve(eng, prompts, params))
+            verify = eng.spec_verify_ct
+        finally:
+            eng.shutdown()
+    assert verify > 0
+    assert [o.token_ids for o in outs[0].values()] == [o.token_ids for o in outs[1].values()]
+    assert max(same_logprobs(outs[0][i], outs[1][i]) for i in outs[0]) < 1e-9
