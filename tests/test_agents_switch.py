@@ -96,3 +96,22 @@ def test_constrained_answers_survive_all_12_switches(group, ckpt):
             jsonschema.validate(json.loads(text), SCHEMA), text
         else:
             assert re.fullmatch(REGEX, text), text
+
+
+def test_constrained_answers_survive_preemption(ckpt):
+    """A pool too small for every answer at once: requests are preempted and recomputed mid-answer; the
+    guide only ever saw accepted tokens, so each answer equals the one served with room to spare."""
+    reqs = requests(ckpt)
+    roomy = build_engine(model=ckpt, **{**ENGINE, "dtype": "float32"})
+    try:
+        ref = serve(roomy, reqs)
+    finally:
+        roomy.shutdown()
+    tight = build_engine(model=ckpt, **{**ENGINE, "dtype": "float32", "num_kv_pages": 100})
+    try:
+        got = serve(tight, reqs)
+        preempted = tight.scheduler.num_preemptions
+    finally:
+        tight.shutdown()
+    assert preempted > 0, "the pool was meant to force preemption"
+    assert got == ref

@@ -79,8 +79,9 @@ def run_splash(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]
     stats = llm.stats()
     res = _rates(args.batch, args.input_len, args.output_len, dt)
     res.update(engine={k: stats[k] for k in ("model", "dtype", "device", "layout", "ranks", "kv_pool_tokens",
-                                             "max_num_batched_tokens", "steps",
-                                             "decode_plan_bytes_p50") if k in stats})
+                                             "max_num_batched_tokens", "steps", "decode_plan_bytes_p50",
+                                             "speculative_algorithm", "spec_verify_ct", "spec_draft_tokens",
+                                             "spec_accepted_tokens", "spec_accept_length") if k in stats})
     return res, prompts, tokens, eng
 
 
@@ -168,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
     for name, r in rows:
         print(f"{name:12}{r['seconds']:>10.3f}{r['output_tokens_per_s']:>12.1f}{r['total_tokens_per_s']:>13.1f}"
               f"{r['requests_per_s']:>9.2f}")
+    if e.get("spec_verify_ct"):
+        print(f"speculative ({e['speculative_algorithm']}): {e['spec_accepted_tokens']} of "
+              f"{e['spec_draft_tokens']} drafts accepted over all runs, {e['spec_accept_length']:.2f} "
+              f"tokens per verify")
     if "speedup" in doc:
         print(f"splash / transformers output throughput: {doc['speedup']:.2f}x "
               f"(greedy agreement {doc['greedy_agreement']:.0%})")
