@@ -22,8 +22,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,7 +31,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_utils import REPO, ServeProcess, free_port
+from serve_utils import LoopbackProcess, ServeProcess, free_port
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (it is in the dev extras: "
                                             "pip install -e '.[dev]')")
@@ -48,15 +46,18 @@ LOAD_POLL_S = 1  # the router polls /get_load this often (its --worker-startup-c
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # its log is coloured even into a file
 
 
-class RouterProcess:
+class RouterProcess(LoopbackProcess):
     """`python -m sglang_router.launch_router` on a free loopback port; ready once /readiness counts every
     worker healthy. Its log is kept for failure messages."""
 
+    name = "sglang-router"
+    tail = 6000
+
     def __init__(self, worker_urls: list[str], policy: str, startup_timeout: float = 60.0) -> None:
         self.policy = policy
+        self.want = len(worker_urls)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-router-", suffix=".log", delete=False)
         self.hf_home = tempfile.mkdtemp(prefix="sglang-router-hf-")
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                "--port", str(self.port), "--worker-urls", *worker_urls, "--policy", policy,
@@ -66,38 +67,17 @@ class RouterProcess:
         # its tokenizer lookup of model path "tiny" goes to the hub: a closed loopback port fails it at once
         env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1",
                "HF_HOME": self.hf_home}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + startup_timeout
-        want = len(worker_urls)
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with {self.proc.returncode}:\n{self.output()}")
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"sglang-router did not count {want} healthy workers within "
-                                   f"{startup_timeout}s:\n{self.output()}")
-            try:
-                r = httpx.get(self.url + "/readiness", timeout=2.0)
-                if r.status_code == 200 and r.json().get("healthy_workers") == want:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        super().__init__(cmd, env, startup_timeout)
+
+    def ready(self) -> bool:
+        r = httpx.get(self.url + "/readiness", timeout=2.0)
+        return r.status_code == 200 and r.json().get("healthy_workers") == self.want
 
     def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return ANSI.sub("", Path(self.log.name).read_text(errors="replace"))[-6000:]
+        return ANSI.sub("", super().output())
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+        self.stop(timeout=15)
         shutil.rmtree(self.hf_home, ignore_errors=True)
 
 
