@@ -232,8 +232,9 @@ class EngineConfig:
     # ---- speculative decoding (splash/engine/spec.py)
     speculative_algorithm: str | None = _opt(
         None, "speculative", "--speculative-algorithm", "draft tokens to verify each decode step: NGRAM "
-        "(looked up in the request's own prompt and output; any model). EAGLE / MTP need the checkpoint's "
-        "MTP layers, which splash does not load yet", type=str.upper, choices=("NGRAM", "EAGLE", "MTP"))
+        "(looked up in the request's own prompt and output; any model), or EAGLE / MTP (the same: drafts "
+        "by the checkpoint's own MTP layers, DeepSeek-V3/V3.2 and GLM-5)", type=str.upper,
+        choices=("NGRAM", "EAGLE", "MTP"))
     speculative_num_draft_tokens: int | None = _opt(
         None, "speculative", "--speculative-num-draft-tokens", "rows verified per speculating request and "
         "step: its last token plus this minus one drafts (SGLang's meaning; default 4)", type=positive_int)
@@ -302,11 +303,11 @@ class EngineConfig:
             return
         algo = str(algo).upper()
         object.__setattr__(self, "speculative_algorithm", algo)
-        if algo in ("EAGLE", "MTP"):
-            raise ConfigError(f"--speculative-algorithm {algo} drafts with the checkpoint's MTP layers, "
-                              "which splash does not load yet; use --speculative-algorithm NGRAM")
-        if algo != "NGRAM":
-            raise ConfigError(f"unknown --speculative-algorithm {algo!r}; splash has NGRAM")
+        if algo == "EAGLE":  # (SGLang's name for drafting with the checkpoint's MTP layers)
+            algo = "MTP"
+            object.__setattr__(self, "speculative_algorithm", algo)
+        if algo not in ("NGRAM", "MTP"):
+            raise ConfigError(f"unknown --speculative-algorithm {algo!r}; splash has NGRAM, MTP (EAGLE)")
         steps, drafts = self.speculative_num_steps, self.speculative_num_draft_tokens
         if steps is not None and drafts is not None and drafts != steps + 1:
             raise ConfigError(f"--speculative-num-draft-tokens ({drafts}) must be --speculative-num-steps "

@@ -179,3 +179,40 @@ class SimpleRunner:
         hidden = self.model(torch.tensor(seq.ids[seq.cached:seq.cached + n]), ctx.positions, ctx)
         seq.cached += n
         return self.model.compute_logits(hidden)
+
+
+def add_mtp_layer(path: str | os.PathLike[str], seed: int = 0, noise: float = 0.5) -> str:
+    """Give the checkpoint at `path` one MTP layer (DeepSeek-V3's names, layer num_hidden_layers): a copy
+    of its last decoder layer with seeded noise, unit norms, a random eh_proj, the LM head and embedding
+    as shared_head.head / embed_tokens; config.json gets num_nextn_predict_layers = 1. transformers
+    ignores the layer (it warns about the extra tensors)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.fspath(path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    n = cfg["num_hidden_layers"]
+    g = torch.Generator().manual_seed(seed)
+    file = os.path.join(path, "model.safetensors")
+    w = load_file(file)
+    p, last = f"model.layers.{n}", f"model.layers.{n - 1}."
+    for k, t in list(w.items()):
+        if k.startswith(last):
+            if t.ndim > 1:
+                t = t + noise * t.std() * torch.randn(t.shape, generator=g, dtype=t.dtype)
+            w[f"{p}." + k[len(last):]] = t.clone()
+    d = cfg["hidden_size"]
+    one = torch.ones(d, dtype=w["model.norm.weight"].dtype)
+    w.update({f"{p}.enorm.weight": one.clone(), f"{p}.hnorm.weight": one.clone(),
+              f"{p}.shared_head.norm.weight": one.clone(),
+              f"{p}.eh_proj.weight": torch.randn(d, 2 * d, generator=g, dtype=one.dtype) / (2 * d) ** 0.5,
+              f"{p}.embed_tokens.weight": w["model.embed_tokens.weight"].clone(),
+              f"{p}.shared_head.head.weight": w.get("lm_head.weight", w["model.embed_tokens.weight"]).clone(),
+              })
+    save_file(w, file, metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return path

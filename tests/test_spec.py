@@ -191,8 +191,7 @@ def test_switches_between_speculative_steps_change_nothing(group2, ckpt):
 
 
 @pytest.mark.parametrize("kw,needle", [
-    ({"speculative_algorithm": "MTP"}, "MTP layers"),
-    ({"speculative_algorithm": "EAGLE"}, "MTP layers"),
+    ({"speculative_algorithm": "MEDUSA"}, "unknown --speculative-algorithm"),
     ({"speculative_num_steps": 2}, "need --speculative-algorithm"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 2, "speculative_num_draft_tokens": 4},
      "must be --speculative-num-steps"),

@@ -111,6 +111,12 @@ class ModelConfig:
     # False: the MLA layers apply no rotary embedding (Kimi-Linear's NoPE MLA; the d_r part of the
     # keys is still shared and cached, just not rotated).
     use_rope: bool = True
+    # Multi-token prediction (DeepSeek-V3/V3.2, GLM-5): MTP layers the checkpoint carries after its last
+    # decoder layer (`num_nextn_predict_layers`, layer ids num_hidden_layers + i), and how many of them
+    # serving loads (`draft_layers`: speculative decoding with MTP on; 0 otherwise, so their KV costs
+    # nothing when unused).
+    num_nextn_predict_layers: int = 0
+    draft_layers: int = 0
     # Checkpoint quantisation (e.g. DeepSeek-V3's FP8 128x128 block scales), as read from config.json.
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
 
@@ -133,7 +139,9 @@ class ModelConfig:
         """"full" (an indexer of its own), "shared" (the previous full layer's top-k) or None (dense)."""
         if not self.is_sparse:
             return None
-        return "full" if self.indexer_types is None else self.indexer_types[layer]
+        if self.indexer_types is None or layer >= self.num_hidden_layers:  # (an MTP layer: its own)
+            return "full"
+        return self.indexer_types[layer]
 
     @property
     def indexer_layers(self) -> tuple[int, ...]:
@@ -148,6 +156,24 @@ class ModelConfig:
     def layer_kind(self, layer: int) -> str:
         """"mla" or "kda": what the attention of `layer` is."""
         return "kda" if self.kda_layers and layer in self.kda_layers else "mla"
+
+    @property
+    def mtp_layers(self) -> tuple[int, ...]:
+        """The MTP layers serving loads (draft model of speculative decoding): ids after the last layer."""
+        return tuple(range(self.num_hidden_layers, self.num_hidden_layers + self.draft_layers))
+
+    @property
+    def num_attn_layers(self) -> int:
+        """Layers with attention weights and KV a layout places and a switch moves: the decoder's and
+        the served MTP layers'."""
+        return self.num_hidden_layers + self.draft_layers
+
+    def with_draft(self, on: bool) -> ModelConfig:
+        """This config serving its MTP layers (speculative decoding with MTP) or not."""
+        if on and not self.num_nextn_predict_layers:
+            raise ConfigError(f"{self.name} has no MTP layers (num_nextn_predict_layers is 0 in its config): "
+                              "use --speculative-algorithm NGRAM, or a checkpoint with MTP layers")
+        return dataclasses.replace(self, draft_layers=self.num_nextn_predict_layers if on else 0)
 
     @property
     def mla_layers(self) -> tuple[int, ...]:
@@ -274,6 +300,7 @@ class ModelConfig:
             eos_token_id=get("eos_token_id"),
             pad_token_id=get("pad_token_id"),
             quantization_config=get("quantization_config"),
+            num_nextn_predict_layers=int(get("num_nextn_predict_layers") or 0),
             **sparse,
             **hybrid,
         )

@@ -183,7 +183,8 @@ class AttentionSizes:
 
     @property
     def layers(self) -> int:
-        return self.cfg.num_hidden_layers
+        """Layers with attention weights and KV: the decoder's and any served MTP layer's."""
+        return self.cfg.num_attn_layers
 
     @property
     def heads(self) -> int:
@@ -221,7 +222,7 @@ class AttentionSizes:
     # -- hybrids (KDA layers) -------------------------------------------------------------------
     @property
     def mla_layers(self) -> tuple[int, ...]:
-        return self.cfg.mla_layers
+        return self.cfg.mla_layers + self.cfg.mtp_layers
 
     @property
     def kda_layers(self) -> tuple[int, ...]:

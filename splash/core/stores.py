@@ -10,9 +10,14 @@ derived from the ownership model (`splash.core.layouts`):
 | `index_k`   | DSA layers | token   | index_head_dim        | no    | repl.   | owner | position | owner   |
 | `kda_state` | KDA layers | request | H_l * d * d (fp32)    | yes   | heads   | owner | repl.    | heads   |
 | `kda_conv`  | KDA layers | request | 3 * H_l * d * (K - 1) | yes   | heads   | owner | repl.    | heads   |
+| `mtp_latent`| MTP layers | token   | d_c + d_r             | no    | repl.   | owner | position | owner   |
+| `mtp_index_k`| MTP of DSA| token   | index_head_dim        | no    | repl.   | owner | position | owner   |
 
 (repl.: every rank; position: page j on rank j % T; heads: each rank its head slice of every request.
-H_l, d, K: a KDA layer's heads, head dim and conv kernel; a hybrid's latent lives in its MLA layers only.)
+H_l, d, K: a KDA layer's heads, head dim and conv kernel; a hybrid's latent lives in its MLA layers only.
+The `mtp_*` rows are the draft model's KV (speculative decoding with the checkpoint's MTP layers, only
+while it is on): a per-token store of the request like the latent, in the same pages; `base` names the
+store whose tensor holds it as extra layers, so the pool, attention and switches need nothing new.)
 
 Per-token stores share the latent's pages: one page id names the same positions in every per-token
 store (sibling tensors of one pool, as SGLang and vLLM keep the indexer's keys), so the allocator,
@@ -52,6 +57,7 @@ class Store:
     heads: bool = False  # a head axis (sharded with head-sharded projections); per-token stores have none
     head_count: int = 0  # heads along that axis (KDA: linear_num_heads); width divides evenly by it
     dtype: str = "kv"  # "kv": the KV dtype; "state": the recurrent-state dtype; "act": the activations'
+    base: str = ""  # a per-token store kept as extra layers of another's tensor (MTP layers' KV)
 
     @property
     def values_per_token(self) -> int:
@@ -74,6 +80,10 @@ def stores(cfg: ModelConfig) -> tuple[Store, ...]:
         kda = tuple(cfg.kda_layers or ())
         out.append(Store("kda_state", H * d * d, kda, "request", True, H, "state"))
         out.append(Store("kda_conv", 3 * H * d * max(K - 1, 0), kda, "request", True, H, "act"))
+    if cfg.draft_layers:
+        out.append(Store("mtp_latent", cfg.latent_dim, cfg.mtp_layers, base="latent"))
+        if cfg.is_sparse:
+            out.append(Store("mtp_index_k", cfg.index_head_dim, cfg.mtp_layers, base="index_k"))
     return tuple(out)
 
 

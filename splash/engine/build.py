@@ -77,7 +77,7 @@ def build_engine(config: EngineConfig | str | None = None, /, *, rank_group: Any
         raise ConfigError(f"node {launch.node_rank} runs worker ranks {list(launch.ranks)} only; start it "
                           "with `splash generate|serve ... --node-rank R` (or engine.group.run_worker_node)")
     path = resolve_model_path(config.model)
-    cfg = ModelConfig.from_hf(path)
+    cfg = ModelConfig.from_hf(path).with_draft(config.speculative_algorithm == "MTP")
     if world > 1:
         cfg.check_ranks(world)  # refuse before starting any process
     dev = parse_device(config.device)

@@ -52,6 +52,15 @@ class GroupRunner:
         self.group.send(msg)
         return self.local.execute(decoded(plan, msg))
 
+    def draft(self, plan: StepPlan) -> torch.Tensor | None:
+        """The draft phase of speculative decoding with MTP layers (ModelRunner.draft) on every rank."""
+        return self.group.guarded(self._draft, plan)
+
+    def _draft(self, plan: StepPlan) -> torch.Tensor | None:
+        msg = self.encoder.encode(plan)
+        self.group.send(msg)
+        return self.local.draft(decoded(plan, msg))
+
     def decode_plan_bytes_p50(self) -> int | None:
         """Median bytes of the step message over forward steps with no prefill rows."""
         return self.encoder.decode_bytes_p50()

@@ -95,6 +95,7 @@ class LLMEngine(RLControl, Recovery):
         """Speculative decoding (splash/engine/spec.py): the scheduler asks for drafts of each decoding
         sequence; off for models with per-request state (their state cannot take back rejected rows)."""
         k = self.config.num_drafts
+        self.mtp: Any = None  # the MTP draft phase after each step (splash/engine/mtp.py), when on
         if not k:
             return
         if self.allocator.slots is not None:
@@ -103,6 +104,17 @@ class LLMEngine(RLControl, Recovery):
             return
         from splash.engine.spec import can_speculate, ngram_propose
 
+        if self.config.speculative_algorithm == "MTP":
+            from splash.engine.mtp import MtpDrafter
+
+            def room(seq: Seq) -> int:
+                p, n_out = seq.params, len(seq.output_token_ids)
+                if not can_speculate(p, n_out, seq.guide):
+                    return 0
+                return k if p.max_tokens is None else max(0, min(k, p.max_tokens - n_out - 1))
+
+            self.mtp = MtpDrafter(self.scheduler, self.runner, k, room)
+            return
         lo, hi = self.config.speculative_ngram_min_match, self.config.speculative_ngram_max_match
 
         def propose(seq: Seq, room: int) -> list[int]:
@@ -348,6 +360,10 @@ class LLMEngine(RLControl, Recovery):
                     self._verify(seq, logits[first[i]:first[i] + 1 + len(seq.draft)], now)
                 if seq.status.done:
                     self._seq_finished(seq, changed)
+        if self.mtp is not None:
+            t0 = time.perf_counter()
+            self.mtp.after_step(st)
+            self.forward_seconds += time.perf_counter() - t0
         outs = self._collect(changed, final_only)
         if self.on_step:
             info = {"step": self.steps, "rows": st.plan.num_rows, "sampled": len(to_sample),

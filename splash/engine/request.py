@@ -63,6 +63,7 @@ class Sequence:
     cache_epoch: int = 0  # the prefix cache's epoch at admission: it registers pages only in that one
     guide: Any = None  # structured outputs: its grammar matcher (splash/engine/grammar.py), else None
     draft: list[int] = field(default_factory=list)  # drafts the step being run verifies (spec.py)
+    next_draft: list[int] = field(default_factory=list)  # MTP drafts for its next step (engine/mtp.py)
     spec_verify_ct: int = 0  # verify steps it took part in (SGLang's meta_info name)
     spec_accepted: int = 0  # drafts accepted in them
 

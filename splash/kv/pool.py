@@ -66,9 +66,13 @@ class KVPool:
                   device: torch.device | str | None = None) -> KVPool:
         """A pool holding every per-token store of `cfg` (the latent, and the indexer keys of a DSA model)."""
         ts = token_stores(cfg)
-        extra = {s.name: (s.layers, s.width) for s in ts if s.name != "latent"}
+        layers = {s.name: tuple(s.layers) for s in ts if not s.base}
+        for s in ts:  # a store kept in another's tensor: its layers are that tensor's extra rows
+            if s.base:
+                layers[s.base] += tuple(s.layers)
+        extra = {s.name: (layers[s.name], s.width) for s in ts if s.name != "latent" and not s.base}
         # the latent's layers: what the stores table says (a hybrid's MLA layers only)
-        lat = next((tuple(s.layers) for s in ts if s.name == "latent"), tuple(range(cfg.num_hidden_layers)))
+        lat = layers.get("latent", tuple(range(cfg.num_hidden_layers)))
         if cfg.is_hybrid:
             lat = tuple(i for i in lat if cfg.layer_kind(i) == "mla")
         return cls(len(lat), num_pages, page_size, cfg.latent_dim, dtype, device, extra, latent_layers=lat)

@@ -47,14 +47,16 @@ def resolve_model_path(model: str | os.PathLike[str]) -> str:
 
 def load_model(path: str | os.PathLike[str], dtype: str | torch.dtype | None = None, rank: int = 0,
                world: int = 1, attn_sharded: bool = True, device: str | torch.device | None = None, *,
-               expert_parallel: str = "auto", shard_lm_head: bool = False) -> DeepseekForCausalLM:
+               expert_parallel: str = "auto", shard_lm_head: bool = False,
+               cfg: ModelConfig | None = None) -> DeepseekForCausalLM:
     """Load one rank's share of a DeepSeek-family checkpoint ('tiny' for the built-in model).
 
     Outside attention the share is fixed (see DeepseekForCausalLM): `expert_parallel` "auto" | "ep" |
     "tp" picks how routed experts split; `shard_lm_head` makes the LM head vocab-parallel (then every
-    rank must call `compute_logits(rows, comm)`)."""
+    rank must call `compute_logits(rows, comm)`). `cfg`: the checkpoint's config as served (its MTP
+    layers loaded when `cfg.draft_layers`), read from the checkpoint when None."""
     p = resolve_model_path(path)
-    cfg = ModelConfig.from_hf(p)
+    cfg = cfg or ModelConfig.from_hf(p)
     return DeepseekForCausalLM.from_pretrained(p, resolve_dtype(dtype, device), rank=rank, world=world,
                                                attn_sharded=attn_sharded, device=device, cfg=cfg,
                                                expert_parallel=expert_parallel, shard_lm_head=shard_lm_head)

@@ -30,6 +30,7 @@ from splash.model.layers import MLP, RMSNorm, check_activation
 from splash.model.loader import CheckpointReader, RenamedReader
 from splash.model.mla import MLA
 from splash.model.moe import MoE
+from splash.model.mtp import MTPLayer
 from splash.model.rope import Rotary
 from splash.model.shard import even_range, span
 
@@ -153,6 +154,11 @@ class DeepseekForCausalLM(nn.Module):
                                                  expert_parallel, kda_heads)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype, self.device)
+        # the served MTP layers (cfg.draft_layers: speculative decoding with MTP on), else none
+        self.mtp = nn.ModuleList(
+            MTPLayer(DecoderLayer(cfg, i, self.rotary, heads, dtype, self.device, rank, world,
+                                  expert_parallel, kda_heads), d, v, cfg.rms_norm_eps, dtype, self.device)
+            for i in cfg.mtp_layers)
         self.register_buffer("lm_head", None if cfg.tie_word_embeddings
                              else torch.empty(len(self.head_rows), d, dtype=dtype, device=self.device))
 
@@ -166,6 +172,12 @@ class DeepseekForCausalLM(nn.Module):
         self.embed = reader.get("model.embed_tokens.weight", dt, dev, rows=span(self.embed_rows, expect[0]))
         for i, layer in enumerate(self.layers):
             layer.load(reader, f"model.layers.{i}", dev)
+        for m in self.mtp:
+            name = f"model.layers.{m.idx}.eh_proj.weight"
+            if not reader.has(name):
+                raise ConfigError(f"the checkpoint has no MTP layer {m.idx} ({name} is missing): use "
+                                  "--speculative-algorithm NGRAM, or a checkpoint with its MTP layers")
+            m.load(reader, f"model.layers.{m.idx}", dev)
         self.norm.load(reader, "model.norm.weight", dev)
         if not self.cfg.tie_word_embeddings:
             self.lm_head = reader.get("lm_head.weight", dt, dev, rows=span(self.head_rows, expect[0]))
@@ -174,7 +186,7 @@ class DeepseekForCausalLM(nn.Module):
     def fuse(self) -> None:
         """Weights that share an input run as one GEMM where that is bit-identical (CPU, float32/bf16):
         q_a with kv_a, gate with up (dense MLP, shared experts). Views keep every weight's name."""
-        for layer in self.layers:
+        for layer in self.attn_layers():
             layer.self_attn.fuse()
             mlp = layer.mlp
             if isinstance(mlp, MLP):
@@ -182,15 +194,28 @@ class DeepseekForCausalLM(nn.Module):
             elif mlp.shared is not None:
                 mlp.shared.fuse()
 
+    def attn_layers(self) -> list[DecoderLayer]:
+        """Every decoder block whose attention a layout places: the model's, then the served MTP layers'
+        (layer ids 0 .. cfg.num_attn_layers - 1, in order)."""
+        return [*self.layers, *(m.block for m in self.mtp)]
+
+    def layer(self, idx: int) -> DecoderLayer:
+        """The decoder block of checkpoint layer `idx` (an MTP layer's block past the last)."""
+        n = len(self.layers)
+        return self.layers[idx] if idx < n else self.mtp[idx - n].block
+
     def weight_counts(self) -> dict[str, int]:
         """Elements this rank holds per part: attention, mlp (dense), experts (routed), shared,
         router, embed, lm_head, norms. What the fixed parallelism splits is mlp/experts/shared/embed."""
-        parts = ("attention", "indexer", "mlp", "experts", "shared", "router", "embed", "lm_head", "norms")
+        parts = ("attention", "indexer", "mlp", "experts", "shared", "router", "embed", "lm_head", "norms",
+                 "mtp")
         out = dict.fromkeys(parts, 0)
         for name, b in self.named_buffers():
             if b is None or name.startswith("rotary."):
                 continue
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.startswith("mtp.") and not name.split(".", 3)[2] == "block":
+                part = "mtp"  # the MTP layers' own tensors (their blocks count as layers do)
+            elif name.endswith("layernorm.weight") or name == "norm.weight":
                 part = "norms"
             elif ".indexer." in name:
                 part = "indexer"
@@ -249,6 +274,28 @@ class DeepseekForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer.forward(x, ctx)
         return x
+
+    @torch.inference_mode()
+    def draft_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
+                      depth: int = 0) -> torch.Tensor:
+        """MTP layer `depth` over the rows of `ctx`: [N] next tokens, [N, d] normed hidden states (the
+        target's after the final norm, or a draft row's `draft_head` output) -> [N, d] its output."""
+        if self.cfg.is_sparse and ctx.sparse is None:
+            ctx.sparse = ctx.layout.sparse_step(self.cfg.index_topk, ctx)
+        self.rotary.tables(ctx.positions, bound=ctx.max_end or None)
+        return self.mtp[depth](self.embed_tokens(next_ids, ctx), hidden, ctx)
+
+    @torch.inference_mode()
+    def draft_head(self, x: torch.Tensor, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed rows, logits) of MTP layer `depth`'s output rows: the logits give its drafts, the
+        normed rows are the hidden state the next draft of a chain reads."""
+        m = self.mtp[depth]
+        h = m.head_norm(x)
+        head = m.head if m.head is not None else (self.embed if self.lm_head is None else self.lm_head)
+        if m.head is None and self.head_sharded:
+            raise ConfigError("an MTP layer without its own shared_head needs a replicated LM head "
+                              "(drop shard_lm_head)")
+        return h, gemm.linear(h, head)
 
     def embed_tokens(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """[N] -> [N, d]; vocab-parallel: held rows looked up, others zero, then summed over ranks

@@ -67,6 +67,8 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
     d = {k: getattr(cfg, k) for k in keys}
     d.update(architectures=[arch], model_type=cfg.model_type, num_key_value_heads=cfg.num_attention_heads,
              rope_parameters=rope, rope_theta=cfg.rope_theta, dtype="float32", initializer_range=0.02)
+    if cfg.num_nextn_predict_layers:
+        d["num_nextn_predict_layers"] = cfg.num_nextn_predict_layers
     if cfg.is_sparse:
         # DSA: the indexer's dims; transformers' dense/MoE pattern written out as its save_pretrained does
         # (it derives the same from first_k_dense_replace, ignoring moe_layer_freq); GLM-5's per-layer
@@ -114,9 +116,15 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         s.update({f"{p}.gate_proj.weight": (inter, d), f"{p}.up_proj.weight": (inter, d),
                   f"{p}.down_proj.weight": (d, inter)})
 
-    for i in range(cfg.num_hidden_layers):
+    n = cfg.num_hidden_layers
+    for i in range(n + cfg.num_nextn_predict_layers):  # MTP layers last (earlier tensors stay as they were)
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
+        if i >= n:  # an MTP layer's own tensors (splash/model/mtp.py), then a decoder layer's
+            v = cfg.vocab_size
+            s.update({f"{p}.enorm.weight": (d,), f"{p}.hnorm.weight": (d,), f"{p}.eh_proj.weight": (d, 2 * d),
+                      f"{p}.shared_head.norm.weight": (d,), f"{p}.shared_head.head.weight": (v, d),
+                      f"{p}.embed_tokens.weight": (v, d)})
         s[f"{p}.input_layernorm.weight"] = (d,)
         s[f"{p}.post_attention_layernorm.weight"] = (d,)
         if cfg.q_lora_rank:
@@ -190,6 +198,10 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
             t = dt + torch.log(-torch.expm1(-dt))
         elif name == "model.embed_tokens.weight":
             t = torch.randn(shape, generator=g)
+        elif name.endswith(".embed_tokens.weight"):  # an MTP layer's copies of the embedding and head
+            t = out["model.embed_tokens.weight"].clone()
+        elif name.endswith("shared_head.head.weight"):
+            t = out.get("lm_head.weight", out["model.embed_tokens.weight"]).clone()
         else:
             t = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
             if name.endswith(("o_proj.weight", "down_proj.weight")):

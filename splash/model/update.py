@@ -96,7 +96,14 @@ def full_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if model.lm_head is not None:
         out["lm_head.weight"] = (v, d)
-    for i, layer in enumerate(model.layers):
+    for m in getattr(model, "mtp", ()):  # served MTP layers: their own tensors (their blocks below)
+        p = f"model.layers.{m.idx}"
+        out.update({f"{p}.enorm.weight": (d,), f"{p}.hnorm.weight": (d,), f"{p}.eh_proj.weight": (d, 2 * d),
+                    f"{p}.shared_head.norm.weight": (d,), f"{p}.embed_tokens.weight": (v, d)})
+        if m.head is not None:
+            out[f"{p}.shared_head.head.weight"] = (v, d)
+    for layer in model.attn_layers():
+        i = layer.idx
         p = f"model.layers.{i}"
         out[f"{p}.input_layernorm.weight"] = (d,)
         out[f"{p}.post_attention_layernorm.weight"] = (d,)
@@ -163,6 +170,8 @@ def required_names(model: Any, stacked_experts: bool) -> set[str]:
     """The names a *complete* checkpoint provides (what `load_weights` reads), in one expert form."""
     names = set()
     for n in full_shapes(model):
+        if n.startswith("model.layers.") and n.endswith(".embed_tokens.weight"):
+            continue  # an MTP layer's copy of the embedding: accepted, not read
         if ".experts." in n:
             stacked = n.endswith(("experts.gate_up_proj", "experts.down_proj"))
             if stacked != stacked_experts:
@@ -182,8 +191,17 @@ def targets(model: Any, name: str) -> list[Target]:
     if name == "model.norm.weight":
         return [Target(model.norm.weight)]
     parts = name.split(".")
-    layer = model.layers[int(parts[2])]
     rest = ".".join(parts[3:])
+    idx = int(parts[2])
+    if idx >= len(model.layers):  # a served MTP layer's own tensors
+        m = model.mtp[idx - len(model.layers)]
+        own = {"enorm.weight": m.enorm.weight, "hnorm.weight": m.hnorm.weight, "eh_proj.weight": m.eh_proj,
+               "shared_head.norm.weight": m.head_norm.weight, "shared_head.head.weight": m.head}
+        if rest == "embed_tokens.weight":
+            return []  # (a copy of the model's embedding, which the MTP layer reads)
+        if rest in own and own[rest] is not None:
+            return [Target(own[rest])]
+    layer = model.layer(idx)
     if rest == "input_layernorm.weight":
         return [Target(layer.input_layernorm.weight)]
     if rest == "post_attention_layernorm.weight":

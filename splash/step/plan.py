@@ -18,8 +18,10 @@ LAYOUTS = tuple(lay.value for lay in CORE_LAYOUTS)  # the names plans carry ("tp
 # (splash/worker/loop.py): "load" carries an EngineSpec in `payload` and
 # makes every rank (re)build its model shard and KV pool, "unload" drops them, "stats" gathers each
 # rank's CommStats to rank 0, "tables" gathers each rank's page tables (tests, debugging), "shutdown"
-# ends the worker processes.
-PLAN_KINDS = ("forward", "switch", "load", "unload", "stats", "tables", "shutdown")
+# ends the worker processes; "draft" (speculative decoding with MTP layers, after a step) runs the
+# draft model over the step's accepted rows and chains drafts (its payload a DraftWork; sent as a step
+# message, since it grows tables).
+PLAN_KINDS = ("forward", "switch", "draft", "load", "unload", "stats", "tables", "shutdown")
 STEP_KINDS = ("forward", "switch")
 
 
@@ -56,6 +58,17 @@ class RowLogprobs:
     targets: list[int]
     top: int = 0
     result: Any = None
+
+
+@dataclass
+class DraftWork:
+    """The payload of a "draft" plan: its slices are the rows the last step made final (per request
+    [start, start + num_new), their inputs the *next* token of each row), `src[i]` the first row of slice
+    i in that step's hidden states, and `chain[i]` the drafts to chain from slice i's last row (0: none;
+    chain step j writes the draft KV of position start + num_new + j - 1, which its table covers)."""
+
+    src: list[int]
+    chain: list[int]
 
 
 @dataclass

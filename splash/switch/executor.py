@@ -81,7 +81,7 @@ class SwitchExecutor:
         if T != plan.world:
             raise ValueError(f"switch plan is for {plan.world} ranks, the communicator has {T}")
         self.rank = me
-        self.attn = [layer.self_attn for layer in model.layers]
+        self.attn = [layer.self_attn for layer in model.attn_layers()]  # (+ served MTP layers)
         self.kda = frozenset(plan.kda_layers)  # a hybrid's KDA layers: weights + request states, no KV
         n_mla = plan.num_layers - len(self.kda)
         if len(self.attn) != plan.num_layers or pool.num_layers != n_mla:

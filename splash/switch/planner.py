@@ -139,7 +139,7 @@ class SwitchPlanner:
         kept = Layout.named(src).owned  # source owners mean something (DP/DOP)
         first = cols.first_own.tolist()
         batch = [(req.context, req.owner if kept else 0, o, k) for req, o, k in zip(live, owners, first)]
-        L = self.cfg.num_hidden_layers
+        L = self.cfg.num_attn_layers  # (served MTP layers included: their weights and KV switch too)
         man, in_transit, w_growth = None, [0.0] * T, [0.0] * T
         if not dry_run or self.weight_headroom is not None:  # (only the weights check reads its bytes)
             man = switch_manifest(self.sizes, Layout(src), Layout(dst), batch, T, P)

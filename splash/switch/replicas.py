@@ -29,7 +29,7 @@ def replica_bytes(model: Any, world: int) -> int:
     """Bytes of attention projections a rank holds beyond its 1/T head slice when they are replicated
     (what a switch into DP/CP gathers, and a switch into TP/DOP drops)."""
     full = 0
-    for layer in model.layers:  # (a hybrid's KDA layers have their own head count)
+    for layer in model.attn_layers():  # (a hybrid's KDA layers have their own head count)
         a = layer.self_attn
         held = sum(t.numel() * t.element_size() for t in a.head_tensors().values())
         full += held * a.total_heads // max(1, len(a.heads))  # every head's blocks, whatever is held now

@@ -63,7 +63,7 @@ def load_rank(config: EngineConfig, grid: Any) -> RankState:
 
         tune()  # activations' memory reused across steps, not page-faulted back in
     path = resolve_model_path(spec.model)
-    cfg = ModelConfig.from_hf(path)
+    cfg = ModelConfig.from_hf(path).with_draft(spec.speculative_algorithm == "MTP")
     if spec.world > 1:
         cfg.check_ranks(spec.world)
     if spec.world == 1:
@@ -74,7 +74,7 @@ def load_rank(config: EngineConfig, grid: Any) -> RankState:
         layout = make_layout(spec.start_layout, spec.kernels)
     tdtype = resolve_dtype(spec.dtype, dev)
     net = load_model(path, tdtype, rank=grid.rank, world=spec.world, attn_sharded=layout.shards_projections,
-                     device=dev, expert_parallel=spec.expert_parallel)
+                     device=dev, expert_parallel=spec.expert_parallel, cfg=cfg)
     max_model_len = int(spec.max_model_len or cfg.max_position_embeddings)
     weights = weight_bytes(net)
     reserve = reserve_bytes(cfg, tdtype, spec.max_num_batched_tokens, spec.max_num_seqs)

@@ -135,6 +135,13 @@ def _on_weights(state: WorkerState, plan: StepPlan) -> None:
 register_handler("weights", _on_weights)
 
 
+def _on_draft(state: WorkerState, plan: StepPlan) -> None:
+    state.runner.draft(plan)  # speculative decoding with MTP layers: the draft phase after a step
+
+
+register_handler("draft", _on_draft)
+
+
 def set_data_timeout(grid: Any, timeout_s: float | None, control: bool = False) -> None:
     """Lower the data-plane groups' timeout after start-up (and the control group's, on rank 0).
 

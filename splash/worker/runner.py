@@ -50,6 +50,9 @@ class ModelRunner:
         self.tables = RankTables()  # this rank's page tables of the live requests (from step messages)
         self.state: Any = None  # a KDA hybrid's StatePool (splash/kv/state.py): its requests' slots
         self._encoder: wire.PlanEncoder | None = None
+        # speculative decoding with MTP layers: the last step's hidden states [N, d], which the draft
+        # phase after it reads (None while the model serves no MTP layer)
+        self.last_hidden: torch.Tensor | None = None
         self.graphs: Any = None  # CUDA graphs of decode steps (splash/worker/cuda_graph.py), CUDA only
         # (CUDA graphs skip KDA hybrids for now: for_runner returns None for them)
         if self.device.type == "cuda":
@@ -70,24 +73,75 @@ class ModelRunner:
         if plan.delta is not None:
             plan.delta.apply(self.tables, self.rank)
         if plan.kind == "switch":
-            return run_switch_step(self, plan)
-        if plan.kind != "forward":
+            out = run_switch_step(self, plan)
+        elif plan.kind != "forward":
             raise ValueError(f"a {plan.kind!r} plan is not a step; the runner runs {', '.join(STEP_KINDS)}")
-        ctx = self.context(plan, self.layout)
-        ids = self.input_ids(plan)
-        if self.graphs is not None:
-            out = self.graphs.run(ids, ctx)
-            if out is not None:
-                return out
-        return self.model(ids, ctx.positions, ctx)
+        else:
+            ctx = self.context(plan, self.layout)
+            ids = self.input_ids(plan)
+            out = self.graphs.run(ids, ctx) if self.graphs is not None else None
+            if out is None:
+                out = self.model(ids, ctx.positions, ctx)
+        if getattr(self.model, "mtp", None):
+            self.last_hidden = out
+        return out
+
+    @torch.inference_mode()
+    def draft(self, plan: StepPlan) -> torch.Tensor | None:
+        """The draft phase after a step (speculative decoding with MTP layers, splash/engine/mtp.py), the
+        same on every rank: the MTP layer over the rows the step made final (their hidden states after the
+        final norm, the next tokens' embeddings), which writes their draft KV, then `chain[i]` greedy
+        drafts from each slice's last row, one MTP row per request and draft. -> [slices with a chain,
+        max chain] draft ids (-1 past a slice's own), or None."""
+        if plan.delta is None:  # a plan as rank 0's engine made it (T = 1): through the message
+            plan = decoded(plan, self.encoder.encode(plan))
+        plan.delta.apply(self.tables, self.rank)
+        hidden, self.last_hidden = self.last_hidden, None
+        if not plan.seqs:
+            return None
+        if hidden is None:
+            raise RuntimeError(f"rank {self.rank}: a draft plan arrived without a step before it")
+        from splash.model.context import to_device
+        from splash.step.plan import SeqSlice
+
+        work, m, dev = plan.payload, self.model, self.device
+        src = np.concatenate([np.arange(a, a + s.num_new) for a, s in zip(work.src, plan.seqs)])
+        h = m.norm(hidden.index_select(0, to_device(torch.from_numpy(src), dev)))
+        x = m.draft_forward(self.input_ids(plan), h, self.context(plan, self.layout))
+        chain = [(i, n) for i, n in enumerate(work.chain) if n > 0]
+        if not chain:
+            return None
+        ends = np.cumsum([s.num_new for s in plan.seqs]) - 1
+        rows = to_device(torch.tensor([int(ends[i]) for i, _ in chain], dtype=torch.long), dev)
+        hn, logits = m.draft_head(x.index_select(0, rows))
+        tok = logits.argmax(dim=-1)
+        out = torch.full((len(chain), max(n for _, n in chain)), -1, dtype=torch.long, device=dev)
+        out[:, 0] = tok
+        seqs = [plan.seqs[i] for i, _ in chain]
+        cur = list(range(len(chain)))  # rows of `out` still chaining; `hn` holds theirs
+        for j in range(1, out.shape[1]):  # chain step j: position end + j - 1, input draft j - 1
+            keep = [k for k, c in enumerate(cur) if chain[c][1] > j]
+            if len(keep) < len(cur):
+                hn = hn.index_select(0, to_device(torch.tensor(keep, dtype=torch.long), dev))
+                cur = [cur[k] for k in keep]
+            at = to_device(torch.tensor(cur, dtype=torch.long), dev)
+            step = [SeqSlice(seqs[c].req_id, seqs[c].end + j - 1, 1, seqs[c].owner, [], True) for c in cur]
+            hn, logits = m.draft_head(m.draft_forward(out.index_select(0, at)[:, j - 1], hn,
+                                                      self.context_of(step, self.layout)))
+            out[at, j] = logits.argmax(dim=-1)
+        return out
 
     def context(self, plan: StepPlan, layout: Any) -> Any:
         """The step's ForwardContext under `layout`, from this rank's tables (or the plan's own)."""
+        return self.context_of(plan.seqs, layout, own=plan.delta is None)
+
+    def context_of(self, seqs: Any, layout: Any, own: bool = False) -> Any:
+        """A ForwardContext of `seqs` under `layout`: from this rank's tables, or (`own`) the slices'."""
         from splash.worker.context import build_context
 
-        return build_context(plan.seqs, kv=self.pool, layout=layout, comm=self.comm, rank=self.rank,
-                                    world=self.world, device=self.device, stats=self.stats,
-                                    tables=self.tables if plan.delta is not None else None, state=self.state)
+        return build_context(seqs, kv=self.pool, layout=layout, comm=self.comm, rank=self.rank,
+                             world=self.world, device=self.device, stats=self.stats,
+                             tables=None if own else self.tables, state=self.state)
 
     def input_ids(self, plan: StepPlan) -> torch.Tensor:
         from splash.model.context import to_device
