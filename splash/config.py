@@ -241,6 +241,11 @@ class EngineConfig:
     speculative_num_steps: int | None = _opt(
         None, "speculative", "--speculative-num-steps", "drafts per step of a chain (SGLang's topk 1): "
         "num_draft_tokens - 1", type=positive_int)
+    speculative_policy: str = _opt(
+        "auto", "speculative", "--speculative-policy", "auto: the scheduler picks the depth (0 = off) each "
+        "step from the cost model, the requests' measured acceptance and the engine's step times (on in "
+        "a narrow tail, off while the batch is wide); always: every decode step verifies the full depth "
+        "(SGLang's and vLLM's behaviour)", choices=("auto", "always"))
     speculative_ngram_min_match: int = _opt(
         1, "speculative", "--speculative-ngram-min-match-window-size", "NGRAM: the shortest suffix looked "
         "up (vLLM's prompt_lookup_min)", type=positive_int)

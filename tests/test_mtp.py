@@ -29,7 +29,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [3, 4, 3, 4, 3, 4, 3, 4, 3],
            [90, 1, 33, 4, 8, 61]]
 NEW = 16
 ENGINE = dict(dtype="float64", page_size=4, max_num_seqs=8, max_num_batched_tokens=12, device="cpu",
-              speculative_algorithm="MTP")
+              speculative_algorithm="MTP", speculative_policy="always")
 CIRCUIT = ["tp", "dp", "cp", "dop", "tp", "cp", "dp", "dop", "cp", "tp", "dop", "dp", "tp"]
 ALL12 = ",".join(f"{i + 2}:{lay}" for i, lay in enumerate(CIRCUIT[1:]))
 

@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_threa
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [3, 4, 3, 4, 3, 4, 3, 4, 3], list(range(10, 31)),
            [90, 1, 33, 4, 8, 61], [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12]]
 NEW = 20
-ENGINE = dict(dtype="float64", page_size=4, max_num_seqs=8, max_num_batched_tokens=12, device="cpu")
+ENGINE = dict(dtype="float64", page_size=4, max_num_seqs=8, max_num_batched_tokens=12, device="cpu",
+              speculative_policy="always")  # (every step its full depth: runs comparable step by step)
 CIRCUIT = ["tp", "dp", "cp", "dop", "tp", "cp", "dp", "dop", "cp", "tp", "dop", "dp", "tp"]
 ALL12 = ",".join(f"{i + 2}:{lay}" for i, lay in enumerate(CIRCUIT[1:]))
 

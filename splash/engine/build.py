@@ -144,6 +144,10 @@ def build_engine(config: EngineConfig | str | None = None, /, *, rank_group: Any
         tok.set_chat_template(resolve_chat_template(rc.chat_template))
     if tok is not None and getattr(tok, "chat_format_warning", None):  # a real model with no chat format
         log.warning("%s", tok.chat_format_warning)
+    if engine.scheduler.proposer is not None and rc.speculative_policy == "auto":
+        from splash.engine.spec import attach_depth_policy
+
+        attach_depth_policy(engine, cfg, net.dtype, world)
     if world > 1:
         try:
             attach_switching(engine, cfg, net, rc)

@@ -96,6 +96,7 @@ class LLMEngine(RLControl, Recovery):
         sequence; off for models with per-request state (their state cannot take back rejected rows)."""
         k = self.config.num_drafts
         self.mtp: Any = None  # the MTP draft phase after each step (splash/engine/mtp.py), when on
+        self.depth: Any = None  # `--speculative-policy auto`: spec.DepthPolicy (attached by engine/build.py)
         if not k:
             return
         if self.allocator.slots is not None:
@@ -111,7 +112,8 @@ class LLMEngine(RLControl, Recovery):
                 p, n_out = seq.params, len(seq.output_token_ids)
                 if not can_speculate(p, n_out, seq.guide):
                     return 0
-                return k if p.max_tokens is None else max(0, min(k, p.max_tokens - n_out - 1))
+                cap = k if self.depth is None else self.depth.k
+                return cap if p.max_tokens is None else max(0, min(cap, p.max_tokens - n_out - 1))
 
             self.mtp = MtpDrafter(self.scheduler, self.runner, k, room)
             return
@@ -122,7 +124,8 @@ class LLMEngine(RLControl, Recovery):
             n_out = len(seq.output_token_ids)
             if not can_speculate(p, n_out, seq.guide):
                 return []
-            cap = min(k, room) if p.max_tokens is None else min(k, room, p.max_tokens - n_out - 1)
+            depth = k if self.depth is None else self.depth.k
+            cap = min(depth, room) if p.max_tokens is None else min(depth, room, p.max_tokens - n_out - 1)
             return ngram_propose(seq.token_slice(0, seq.num_tokens), cap, lo, hi) if cap > 0 else []
 
         self.scheduler.proposer = propose
@@ -318,7 +321,8 @@ class LLMEngine(RLControl, Recovery):
             st.plan.row_logprobs = prompt_rows[0]
         t0 = time.perf_counter()
         logits = self.runner.execute(st.plan)
-        self.forward_seconds += time.perf_counter() - t0  # (the rest of a step is rank 0's host work)
+        t_exec = time.perf_counter()
+        self.forward_seconds += t_exec - t0  # (the rest of a step is rank 0's host work)
         st.executed = True
         if self.switcher is not None:
             self.switcher.after_execute(st)
@@ -360,10 +364,20 @@ class LLMEngine(RLControl, Recovery):
                     self._verify(seq, logits[first[i]:first[i] + 1 + len(seq.draft)], now)
                 if seq.status.done:
                     self._seq_finished(seq, changed)
+        if self.depth is not None:
+            self._decide_depth()
+        draft_s = 0.0
         if self.mtp is not None:
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             self.mtp.after_step(st)
-            self.forward_seconds += time.perf_counter() - t0
+            draft_s = time.perf_counter() - t1
+            self.forward_seconds += draft_s
+        if self.depth is not None and all(sl.sample and sl.num_new == 1 + len(seq.draft)
+                                          for seq, sl in zip(st.seqs, st.plan.seqs)):
+            # (the ranks' time: the forward and the draft phase, not rank 0's sampling or pricing)
+            self.depth.observe([sl.start + sl.num_new for sl in st.plan.seqs],
+                               [sl.num_new for sl in st.plan.seqs], t_exec - t0 + draft_s,
+                               self.allocator.layout)
         outs = self._collect(changed, final_only)
         if self.on_step:
             info = {"step": self.steps, "rows": st.plan.num_rows, "sampled": len(to_sample),
@@ -371,6 +385,15 @@ class LLMEngine(RLControl, Recovery):
             for hook in self.on_step:
                 hook(info)
         return outs
+
+    def _decide_depth(self) -> None:
+        """Speculation depth of the next step (DepthPolicy) from the running batch as it stands."""
+        sch = self.scheduler
+        decoding = [s for s in sch.running if s.num_tokens - s.num_computed == 1]
+        pending = sum(s.num_tokens - s.num_computed for s in sch.running if s.num_tokens - s.num_computed > 1)
+        pending += sum(s.num_tokens for s in sch.waiting)
+        others = min(pending, max(0, sch.cfg.max_num_batched_tokens - len(decoding)))
+        self.depth.decide(decoding, others, self.allocator.layout)
 
     def _arm_routing(self, seqs: list[Seq]) -> Any:
         """Record routed experts in this step if some sequence in it asked for them."""
@@ -407,6 +430,8 @@ class LLMEngine(RLControl, Recovery):
             toks = accept_sampled(target_probs(rows, p), draft, seq.generator)
         seq.spec_verify_ct += 1
         seq.spec_accepted += len(toks) - 1
+        if self.depth is not None:
+            self.depth.verified(seq, len(draft), len(toks) - 1)
         self.spec_verify_ct += 1
         self.spec_drafts += len(draft)
         self.spec_accepted += len(toks) - 1
@@ -512,6 +537,10 @@ class LLMEngine(RLControl, Recovery):
             "num_preemptions": self.scheduler.num_preemptions,
             "speculative_algorithm": self.config.speculative_algorithm if self.scheduler.proposer else None,
             "speculative_num_draft_tokens": self.config.num_drafts + 1 if self.scheduler.proposer else None,
+            "speculative_policy": self.config.speculative_policy if self.scheduler.proposer else None,
+            "speculative_depth": (None if not self.scheduler.proposer else
+                                  self.depth.k if self.depth is not None else self.config.num_drafts),
+            "spec_depth_changes": self.depth.changes if self.depth is not None else 0,
             "spec_verify_ct": self.spec_verify_ct,
             "spec_draft_tokens": self.spec_drafts,
             "spec_accepted_tokens": self.spec_accepted,

@@ -61,7 +61,7 @@ class MtpDrafter:
                     or seq.num_tokens <= end:
                 continue  # finished, preempted, or nothing final (the next token is not known yet)
             k = self.can_speculate(seq) if seq.num_tokens == end + 1 else 0
-            k = min(k, self.k, self.scheduler.cfg.max_model_len - seq.num_tokens)
+            k = min(k, self.scheduler.cfg.max_model_len - seq.num_tokens)
             while k > 1 and not alloc.can_grow(seq.pages, end + k - 1, seq.owner):
                 k -= 1  # (its chain writes the draft KV of positions end .. end + k - 2)
             if k > 1:

@@ -66,6 +66,7 @@ class Sequence:
     next_draft: list[int] = field(default_factory=list)  # MTP drafts for its next step (engine/mtp.py)
     spec_verify_ct: int = 0  # verify steps it took part in (SGLang's meta_info name)
     spec_accepted: int = 0  # drafts accepted in them
+    spec_rejected: int = 0  # verifies that stopped at a rejected draft (the depth policy's estimate)
 
     def keep_routing(self, start: int, ids: Any) -> None:
         """Routed experts of positions start.. (a recompute after preemption replaces later ones)."""

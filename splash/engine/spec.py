@@ -21,6 +21,7 @@ recurrent state (KDA hybrids: rejected rows would leave the state advanced) deco
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,3 +110,123 @@ def row_logprobs(row: torch.Tensor, token: int, params: Any) -> dict[int, float]
         for t, x in zip(i.tolist(), v.tolist()):
             d.setdefault(t, x)
     return d
+
+
+class DepthPolicy:
+    """`--speculative-policy auto`: the depth (0 = off) of the next step, chosen as splash/core/spec_depth.py
+    prices it, from the live decoding batch, each request's measured acceptance and the engine's own
+    step times.
+
+    Acceptance: per request, accepted drafts and rejections (a verify that stopped short), shrunk towards
+    the engine-wide rate (starting at 0.5). Step times: per batch-size bucket and depth, the ratio of
+    measured to predicted time of the pure-decode steps run there (EMA); a depth not yet run in a bucket
+    borrows the nearest measured depth's ratio and is priced `explore` times lower, so the policy tries a
+    depth the prior misjudges once instead of never (then its own measurements decide). Rank 0 only."""
+
+    KEEP = 7
+    STALE = 256
+
+    def __init__(self, sizes: Any, theta: Any, layout: Any, cfg: Any, explore: float = 0.8) -> None:
+        self.sizes, self.theta, self.layout, self.cfg = sizes, theta, layout, cfg
+        self.explore = explore
+        self.k = cfg.max_depth  # start speculating: acceptance is measured only by trying
+        self.steps_at = 0
+        self.accepted = 0  # engine-wide drafts accepted / verifies that stopped at a rejection
+        self.rejected = 0
+        # (bucket, depth) -> the last few measured / predicted ratios and the decision they were last
+        # fed at: the median rules (one slow warm-up step does not condemn a depth), and a ratio not
+        # refreshed for STALE decisions is forgotten, so a depth turned off is tried again later
+        self.samples: dict[tuple[int, int], tuple[deque[float], int]] = {}
+        self.decisions = 0
+        self.changes = 0
+
+    @property
+    def prior(self) -> float:
+        return (self.accepted + 2.0) / (self.accepted + self.rejected + 4.0)
+
+    def verified(self, seq: Any, drafts: int, accepted: int) -> None:
+        """Count one verify of `seq`: `accepted` of `drafts` drafts."""
+        self.accepted += accepted
+        self.rejected += int(accepted < drafts)
+        seq.spec_rejected += int(accepted < drafts)
+
+    @property
+    def ratio(self) -> dict[tuple[int, int], float]:
+        """The ratio in force per (bucket, depth): the median of its recent samples, if fresh."""
+        return {key: float(np.median(rs)) for key, (rs, at) in self.samples.items()
+                if self.decisions - at <= self.STALE}
+
+    def _ratios(self, b: int) -> dict[int, float]:
+        known = {k: r for (bb, k), r in self.ratio.items() if bb == b}
+        out = {}
+        for k in range(self.cfg.max_depth + 1):
+            if k in known:
+                out[k] = known[k]
+            elif known:
+                near = min(known, key=lambda j: (abs(j - k), j))
+                out[k] = known[near] * self.explore
+            else:
+                out[k] = 1.0 if k == self.k else self.explore
+        return out
+
+    def decide(self, decoding: list[Any], other_rows: int, layout: str) -> int:
+        """The depth of the next step for these decoding sequences (and `other_rows` prefill rows)."""
+        from splash.core.correction import bucket
+        from splash.core.layouts import Layout
+        from splash.core.spec_depth import acceptance_rate, choose_depth, price_depths
+
+        self.steps_at += 1
+        if not decoding:
+            return self.k
+        prior = self.prior
+        acc = [acceptance_rate(s.spec_accepted, s.spec_rejected, prior) for s in decoding]
+        b = bucket(len(decoding))
+        lay = Layout(layout)
+        prices = price_depths(self.sizes, self.theta, lay, [s.num_computed for s in decoding], acc, self.cfg,
+                              self._ratios(b), others=other_rows)
+        k = choose_depth(prices, self.k, self.steps_at, self.cfg)
+        self.decisions += 1
+        if k != self.k:
+            self.k, self.steps_at = k, 0
+            self.changes += 1
+        return self.k
+
+    def observe(self, contexts: list[int], rows: list[int], measured_s: float, layout: str) -> None:
+        """A pure decode step ran: `rows[i]` rows (1 + its drafts) of a request reaching `contexts[i]`
+        tokens, in `measured_s` seconds (drafting included); the ratio to its prediction goes to its
+        (bucket, depth)."""
+        from splash.core.correction import bucket
+        from splash.core.costmodel import Batch, step_cost
+        from splash.core.layouts import Layout
+        from splash.core.spec_depth import draft_seconds
+
+        if not contexts or measured_s <= 0:
+            return
+        lay, B, ctx = Layout(layout), len(contexts), contexts
+        t = step_cost(lay, self.sizes, Batch.make(ctx, rows, None, self.theta.ranks), self.theta).total
+        d = min(self.cfg.max_depth, max(0, round(sum(rows) / B) - 1))
+        if d:
+            one = step_cost(lay, self.sizes, Batch.make(ctx, [1] * B, None, self.theta.ranks),
+                            self.theta).total
+            t += draft_seconds(one, d, self.cfg, self.sizes)
+        key = (bucket(B), d)
+        rs = self.samples.get(key, (deque(maxlen=self.KEEP), 0))[0]
+        rs.append(measured_s / t)
+        self.samples[key] = (rs, self.decisions)
+
+
+def attach_depth_policy(engine: Any, cfg: Any, dtype: Any, world: int) -> None:
+    """Give an engine with speculation on and `--speculative-policy auto` its DepthPolicy: the layout
+    policy's theta prior (--theta, or the device's default), margin and dwell."""
+    from splash.core.prior import load_or_default_theta
+    from splash.core.sizes import AttentionSizes
+    from splash.core.spec_depth import DepthConfig
+    from splash.switch.planner import dtype_name
+
+    c = engine.config
+    dt = dtype_name(dtype)
+    dev = getattr(getattr(engine.runner, "device", None), "type", "cpu")
+    theta, _ = load_or_default_theta(c.theta, world, cfg, dt, dev)
+    dcfg = DepthConfig(c.num_drafts, margin=c.switch_margin, min_dwell=c.min_dwell_steps,
+                       draft_layers=cfg.draft_layers)
+    engine.depth = DepthPolicy(AttentionSizes(cfg, dt, dt), theta, None, dcfg)

@@ -1,0 +1,102 @@
+"""Speculation depth as one more dimension of the configuration the policy picks (SPEC §4.2 extended).
+
+A verify step of depth k runs k + 1 rows per decoding request (its last token and k drafts); request i
+then emits E_i(k) = 1 + a_i + ... + a_i^k tokens, a_i its per-draft acceptance (a chain stops at the
+first rejection: the geometric model SGLang's and vLLM's analyses use). The step's time is Eq 10's
+(`step_cost`) for that batch, plus the draft model's work: with MTP layers, one layer's share of a step
+per chained draft (the extend over accepted rows and k - 1 single-row chain steps); n-gram drafts cost
+nothing on the ranks. The policy minimises seconds per emitted token over k in 0..K:
+
+    price(k) = (T(l, x_k) * c_k + D(k)) / sum_i E_i(k)
+
+where x_k is the live batch at depth k and c_k the measured/predicted ratio of recent steps at that
+depth, drafting included (the engine's own step times; 1 until measured). Wide batches make the step
+compute-bound, T grows with the rows and depth 0 wins; a tail of a few long requests is bound by
+reading the weights, T barely moves and depth K wins. The choice keeps the layout policy's rules: a new depth is adopted
+only when it is `margin` cheaper per token than the current one and the current depth has run
+`min_dwell` steps. Pure Python over the cost model: the runtime supplies the batch and the rates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from splash.core.config import ConfigError
+from splash.core.costmodel import Batch, step_cost
+from splash.core.layouts import Layout
+from splash.core.sizes import AttentionSizes
+from splash.core.theta import Theta
+
+
+@dataclass(frozen=True)
+class DepthConfig:
+    max_depth: int  # K: the most drafts a request verifies per step
+    margin: float = 0.05  # a new depth must be this much cheaper per token
+    min_dwell: int = 8  # steps at a depth before a voluntary change
+    draft_layers: int = 0  # MTP layers the drafts run through (0: n-gram drafts, free on the ranks)
+
+    def __post_init__(self) -> None:
+        if self.max_depth < 1:
+            raise ConfigError(f"speculation depth policy needs max_depth >= 1, got {self.max_depth}")
+        if not 0 <= self.margin < 1 or self.min_dwell < 0:
+            raise ConfigError("speculation depth policy: margin in [0, 1) and min_dwell >= 0")
+
+
+def expected_tokens(a: float | np.ndarray, k: int) -> float | np.ndarray:
+    """Tokens a verify of k drafts emits on average at per-draft acceptance a: 1 + a + ... + a^k."""
+    return sum(np.power(a, j) for j in range(k + 1))
+
+
+def acceptance_rate(accepted: int, rejected: int, prior: float, weight: float = 4.0) -> float:
+    """Per-draft acceptance of one request: the geometric model's estimate accepted / (accepted +
+    rejections), shrunk towards `prior` (the engine-wide rate) with the weight of `weight` drafts."""
+    return (accepted + weight * prior) / (accepted + rejected + weight)
+
+
+def draft_seconds(decode_step_s: float, k: int, cfg: DepthConfig, sizes: AttentionSizes) -> float:
+    """D(k): the draft model's time for a chain of k: k MTP forwards of about one layer's share of a
+    decode step each (0 for n-gram drafts)."""
+    return k * cfg.draft_layers * decode_step_s / max(1, sizes.layers) if cfg.draft_layers else 0.0
+
+
+def price_depths(sizes: AttentionSizes, theta: Theta, layout: Layout, contexts: Sequence[int],
+                 accept: Sequence[float], cfg: DepthConfig, ratios: Mapping[int, float] | None = None,
+                 owners: Sequence[int] | None = None, others: int = 0) -> dict[int, float]:
+    """Seconds per emitted token at each depth 0..K for decoding requests of `contexts` (their KV
+    before this step) with per-draft acceptance `accept`, in `layout` on theta.ranks ranks. `others`:
+    rows of the step that are not decoding (prefill chunks), priced alike at every depth."""
+    s = np.asarray(contexts, dtype=np.int64)
+    a = np.clip(np.asarray(accept, dtype=np.float64), 0.0, 1.0)
+    if not len(s):
+        return {0: 0.0}
+    ranks = theta.ranks
+    out: dict[int, float] = {}
+    base = None
+    for k in range(cfg.max_depth + 1):
+        q = np.full(len(s), k + 1, dtype=np.int64)
+        ctx = list(s + q)
+        rows = list(q)
+        own = None if owners is None else list(owners)
+        if others:  # the step's other rows, as one request of their own
+            ctx.append(int(others))
+            rows.append(int(others))
+            own = None if own is None else [*own, 0]
+        t = step_cost(layout, sizes, Batch.make(ctx, rows, own, ranks), theta).total
+        if base is None:
+            base = t
+        t = (t + draft_seconds(base, k, cfg, sizes)) * (ratios or {}).get(k, 1.0)
+        out[k] = t / float(np.sum(expected_tokens(a, k)))
+    return out
+
+
+def choose_depth(prices: Mapping[int, float], current: int, steps_at_current: int, cfg: DepthConfig) -> int:
+    """The depth to run: the cheapest per token, adopted only with the margin and after the dwell."""
+    best = min(prices, key=lambda k: (prices[k], k))
+    if best == current or current not in prices:
+        return best if current not in prices else current
+    if steps_at_current < cfg.min_dwell:
+        return current
+    return best if prices[best] < (1.0 - cfg.margin) * prices[current] else current

@@ -1,0 +1,113 @@
+"""The speculation-depth policy (splash/core/spec_depth.py, DepthPolicy in splash/engine/spec.py).
+
+Pricing: seconds per emitted token at depth k is the verify step's Eq-10 time over the expected tokens
+of the geometric acceptance model; a step bound by reading weights (a narrow tail) prefers depth K, a
+step bound by per-row work (a wide batch) depth 0. The runtime policy learns acceptance per request and
+measured/predicted step times per (batch bucket, depth), explores a depth the prior misjudges, and keeps
+the layout policy's margin and dwell. An engine with `--speculative-policy auto` turns speculation off
+when the measured steps say it loses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from splash.core.layouts import Layout
+from splash.core.presets import PRESETS
+from splash.core.prior import default_theta
+from splash.core.sizes import AttentionSizes
+from splash.core.spec_depth import DepthConfig, acceptance_rate, choose_depth, expected_tokens, price_depths
+from splash.engine.spec import DepthPolicy
+
+CFG = PRESETS["small"]
+SIZES = AttentionSizes(CFG, "fp32", "fp32")
+
+
+def theta(**kw):
+    th = default_theta(1, SIZES, "cpu")
+    return dataclasses.replace(th, **kw)
+
+
+def test_expected_tokens_and_acceptance():
+    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens(1.0, 4) == 5
+    assert acceptance_rate(0, 0, 0.4) == pytest.approx(0.4)  # no data: the prior
+    assert acceptance_rate(30, 10, 0.4) == pytest.approx(31.6 / 44)  # data outweighs it
+
+
+def test_weight_bound_steps_speculate_and_row_bound_steps_do_not():
+    cfg = DepthConfig(3)
+    # reading weights dominates (a big per-step cost, rows nearly free): depth K at good acceptance
+    heavy = theta(t0=0.05, t_experts=0.05, t_row=1e-6)
+    p = price_depths(SIZES, heavy, Layout("tp"), [300], [0.7], cfg)
+    assert min(p, key=p.get) == 3 and p[3] < 0.6 * p[0]
+    # every row costs as much as the step's fixed part: speculation only adds rows
+    rows = theta(t0=1e-4, t_experts=1e-4, expert_frac=1.0, t_row=0.01)
+    p = price_depths(SIZES, rows, Layout("tp"), [300] * 64, [0.7] * 64, cfg)
+    assert min(p, key=p.get) == 0
+    # no acceptance, no gain, whatever the step
+    p = price_depths(SIZES, heavy, Layout("tp"), [300], [0.0], cfg)
+    assert min(p, key=p.get) == 0
+    # an MTP chain costs a layer's share per draft: pricier than free n-gram drafts
+    mtp = price_depths(SIZES, heavy, Layout("tp"), [300], [0.7], dataclasses.replace(cfg, draft_layers=1))
+    assert mtp[3] > price_depths(SIZES, heavy, Layout("tp"), [300], [0.7], cfg)[3]
+
+
+def test_margin_and_dwell():
+    cfg = DepthConfig(3, margin=0.1, min_dwell=4)
+    prices = {0: 1.0, 1: 0.95, 2: 0.85, 3: 0.9}
+    assert choose_depth(prices, 0, 10, cfg) == 2  # 15% cheaper: beyond the margin
+    assert choose_depth(prices, 0, 2, cfg) == 0  # not yet dwelt long enough
+    assert choose_depth({0: 1.0, 1: 0.95}, 0, 10, cfg) == 0  # inside the margin
+
+
+def seqs(n: int, accepted: int = 0, rejected: int = 0, ctx: int = 300):
+    return [SimpleNamespace(num_computed=ctx, spec_accepted=accepted, spec_rejected=rejected)
+            for _ in range(n)]
+
+
+def test_policy_learns_the_step_times_and_acceptance():
+    """A prior that thinks verify rows are free meets steps where they are not (wide batch) and
+    steps where they are (one request): the measured ratios turn depth 3 off at 64 and keep it at 1."""
+    th = theta(t0=0.02, t_experts=0.02, t_row=1e-6)
+    pol = DepthPolicy(SIZES, th, None, DepthConfig(3, margin=0.05, min_dwell=2))
+    wide, narrow = seqs(64, accepted=60, rejected=40), seqs(1, accepted=60, rejected=40)
+    assert pol.decide(wide, 0, "tp") == 3  # the prior: depth 3 at ~0.6 acceptance
+    # what the machine really takes: wide steps 10 ms + 2 ms per row (row-bound), narrow 50 ms + 2 ms
+    for _ in range(24):
+        k = pol.decide(wide, 0, "tp")
+        pol.observe([300 + k + 1] * 64, [k + 1] * 64, 0.01 + 0.002 * 64 * (k + 1), "tp")
+    assert pol.k == 0 and pol.changes >= 1
+    for _ in range(24):
+        k = pol.decide(narrow, 0, "tp")
+        pol.observe([300 + k + 1], [k + 1], 0.05 + 0.002 * (k + 1), "tp")
+    assert pol.k == 3
+    # requests that never accept: off even in the narrow tail
+    for _ in range(12):
+        pol.decide(seqs(1, accepted=0, rejected=50), 0, "tp")
+    assert pol.k == 0
+
+
+def test_engine_turns_speculation_off_when_it_loses():
+    """A real engine (tiny, n-gram drafts that never match: every prompt token distinct and the model's
+    greedy text with them): acceptance falls to ~0, so the policy turns the depth to 0."""
+    from splash.engine.build import build_engine
+    from splash.engine.sampling import SamplingParams
+
+    eng = build_engine(model="tiny", dtype="float32", num_kv_pages=64, speculative_algorithm="NGRAM",
+                       speculative_num_draft_tokens=4, min_dwell_steps=2, device="cpu")
+    try:
+        assert eng.depth is not None and eng.depth.k == 3
+        eng.add_request("0", prompt_token_ids=list(range(3, 120)),
+                        params=SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        stats = eng.stats()
+    finally:
+        eng.shutdown()
+    assert stats["speculative_policy"] == "auto"
+    assert stats["spec_accepted_tokens"] * 4 < stats["spec_draft_tokens"]  # (drafts mostly rejected)
+    assert stats["speculative_depth"] == 0 and stats["spec_depth_changes"] >= 1
