@@ -7,14 +7,14 @@ first rejection: the geometric model SGLang's and vLLM's analyses use). The step
 per chained draft (the extend over accepted rows and k - 1 single-row chain steps); n-gram drafts cost
 nothing on the ranks. The policy minimises seconds per emitted token over k in 0..K:
 
-    price(k) = (T(l, x_k) * c_k + D(k)) / sum_i E_i(k)
+    price(k) = (T(l, x_k) + D(k)) * c_k / sum_i E_i(k)
 
 where x_k is the live batch at depth k and c_k the measured/predicted ratio of recent steps at that
 depth, drafting included (the engine's own step times; 1 until measured). Wide batches make the step
 compute-bound, T grows with the rows and depth 0 wins; a tail of a few long requests is bound by
-reading the weights, T barely moves and depth K wins. The choice keeps the layout policy's rules: a new depth is adopted
-only when it is `margin` cheaper per token than the current one and the current depth has run
-`min_dwell` steps. Pure Python over the cost model: the runtime supplies the batch and the rates.
+reading the weights, T barely moves and depth K wins. The choice keeps the layout policy's rules: a
+new depth is adopted only when it is `margin` cheaper per token than the current one and the current
+depth has run `min_dwell` steps. Pure Python over the cost model: the runtime supplies the batch and the rates.
 """
 
 from __future__ import annotations
