@@ -14,7 +14,7 @@ depth, drafting included (the engine's own step times; 1 until measured). Wide b
 compute-bound, T grows with the rows and depth 0 wins; a tail of a few long requests is bound by
 reading the weights, T barely moves and depth K wins. The choice keeps the layout policy's rules: a
 new depth is adopted only when it is `margin` cheaper per token than the current one and the current
-depth has run `min_dwell` steps. Pure Python over the cost model: the runtime supplies the batch and the rates.
+depth has run `min_dwell` steps. Pure Python over the cost model: the runtime supplies the batch and rates.
 """
 
 from __future__ import annotations
