@@ -114,6 +114,15 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--switch-margin", type=float, default=0.05)
     p.add_argument("--min-dwell-steps", type=int, default=8)
     p.add_argument("--switch-mode", default="overlapped", choices=("overlapped", "blocking"))
+    p.add_argument("--speculative-algorithm", default=None, type=str.upper,
+                   choices=("NGRAM", "MTP", "EAGLE"),
+                   help="also run each of --runs with speculative decoding: with the depth policy "
+                        "(NAME+spec) and always at full depth (NAME+spec-always); reported by phase beside "
+                        "the run without")
+    p.add_argument("--speculative-num-steps", type=positive_int, default=3,
+                   help="drafts per step (default 3)")
+    p.add_argument("--speculative-modes", default="off,auto,always",
+                   help="which of off (no speculation), auto (the depth policy), always to run")
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--page-size", type=positive_int, default=16)
@@ -168,8 +177,11 @@ def final_tokens(eng: Any) -> int:
     return sum(sched.projected_pages(s) for s in sched.running) * sched.alloc.page_size
 
 
+SPEC_SUFFIX = {"off": "", "auto": "+spec", "always": "+spec-always"}
+
+
 def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prompts: list[list[int]],
-            outs: list[int], bar: Any = None) -> dict[str, Any]:
+            outs: list[int], bar: Any = None, spec: str = "off") -> dict[str, Any]:
     from splash.engine.build import build_engine
     from splash.engine.sampling import SamplingParams
     from splash.worker.host_malloc import freeze_heap, thaw_heap
@@ -178,7 +190,8 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
                        memory_per_rank=memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                        device=args.device, theta=args.theta, switch_margin=args.switch_margin,
-                       min_dwell_steps=args.min_dwell_steps, switch_mode=args.switch_mode)
+                       min_dwell_steps=args.min_dwell_steps, switch_mode=args.switch_mode,
+                       **spec_options(args, spec))
     timeline: list[dict[str, Any]] = []
     # What start-up built lives through the run, as in `splash serve`: frozen, so a full collection
     # over it (stalling both ranks) cannot land in one layout's run and not another's.
@@ -199,7 +212,8 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
                              "running": st["num_running"], "waiting": st["num_waiting"],
                              "tokens": st["generation_tokens_total"] - gen0,
                              "kv_tokens": distinct_held(st), "kv_final_tokens": final_tokens(eng),
-                             "switch_back": st.get("num_switch_backs", 0) > backs0})
+                             "switch_back": st.get("num_switch_backs", 0) > backs0,
+                             "depth": depth(eng)})
             gen0, backs0 = st["generation_tokens_total"], st.get("num_switch_backs", 0)
             if bar is not None:
                 bar.set_postfix_str(f"{layout}: {len(prompts) - st['num_requests']}/{len(prompts)} done, "
@@ -225,7 +239,27 @@ def run_one(group: Any, args: argparse.Namespace, layout: str, memory: int, prom
             "timeline": timeline,
             "switches_total": st.get("switches_total", {}),
             "theta_source": st.get("theta_source"), "theta_correction": st.get("theta_correction"),
-            "regret_verdicts": st.get("regret_verdicts", [])}
+            "regret_verdicts": st.get("regret_verdicts", []),
+            "speculation": {k: st.get(k) for k in SPEC_STATS}}
+
+
+SPEC_STATS = ("speculative_algorithm", "speculative_policy", "spec_verify_ct", "spec_draft_tokens",
+              "spec_accepted_tokens", "spec_accept_length", "spec_depth_changes")
+
+
+def spec_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """build_engine's speculative options of a run: none, the depth policy, or always full depth."""
+    if mode == "off" or not getattr(args, "speculative_algorithm", None):
+        return {}
+    return {"speculative_algorithm": args.speculative_algorithm,
+            "speculative_num_steps": args.speculative_num_steps, "speculative_policy": mode}
+
+
+def depth(eng: Any) -> int:
+    """The speculation depth the engine's next step runs at (0: off)."""
+    if eng.scheduler.proposer is None:
+        return 0
+    return eng.depth.k if eng.depth is not None else eng.config.num_drafts
 
 
 def changes(decisions: list[Any]) -> list[dict[str, Any]]:
@@ -310,6 +344,13 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
     bad = [r for r in runs if r not in RUNS]
     if bad or not runs:
         raise ConfigError(f"--runs: unknown {bad}; choose from {','.join(RUNS)}")
+    modes = ["off"]
+    if getattr(args, "speculative_algorithm", None):
+        modes = [m.strip().lower() for m in args.speculative_modes.split(",") if m.strip()]
+        if not modes or any(m not in SPEC_SUFFIX for m in modes):
+            raise ConfigError(f"--speculative-modes: choose from {','.join(SPEC_SUFFIX)}, got "
+                              f"{args.speculative_modes!r}")
+    named = {r + SPEC_SUFFIX[m]: (r, m) for r in runs for m in modes}  # run name -> (layout, mode)
     wl = QUICK if args.quick else Workload()
     given = {k: getattr(args, k, None) for k, _, _ in SHAPE_FLAGS}
     wl = Workload(**{**wl.__dict__, **{k: v for k, v in given.items() if v is not None}, "seed": args.seed})
@@ -333,17 +374,18 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
         if not args.quiet:
             from splash.progress import progress_bar
 
-            bar = progress_bar(len(runs) * args.repeats, "bench rollout", "run")
-        every: dict[str, list[dict[str, Any]]] = {lay: [] for lay in runs}
+            bar = progress_bar(len(named) * args.repeats, "bench rollout", "run")
+        every: dict[str, list[dict[str, Any]]] = {name: [] for name in named}
         ran: list[dict[str, Any]] = []  # (--keep-runs) every run, in the order they ran
         for rep in range(args.repeats):
-            for pos, lay in enumerate(run_order(runs, rep)):
-                every[lay].append(run_one(group, args, lay, memory, prompts, outs, bar))
-                ran.append({"repeat": rep, "position": pos, "layout": lay, **every[lay][-1]})
+            for pos, name in enumerate(run_order(list(named), rep)):
+                lay, mode = named[name]
+                every[name].append(run_one(group, args, lay, memory, prompts, outs, bar, mode))
+                ran.append({"repeat": rep, "position": pos, "layout": lay, "run": name, **every[name][-1]})
                 if bar is not None:
                     bar.update(1)
         results = {}
-        for lay in runs:
+        for lay in named:
             ranked = sorted(every[lay], key=lambda r: r["throughput_tok_s"])
             results[lay] = dict(ranked[len(ranked) // 2],
                                 throughput_all_tok_s=[r["throughput_tok_s"] for r in every[lay]])
@@ -351,8 +393,11 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
         if bar is not None:
             bar.close()
         group.close()
-    from splash.bench.phases import analyse, pooled_times
+    from splash.bench.phases import analyse, pooled_times, split
 
+    spec_runs = {name: results.pop(name) for name in list(results) if named[name][1] != "off"}
+    for name in spec_runs:
+        every.pop(name)
     pooled = pooled_times(every)
     fixed = {k: v for k, v in results.items() if k != "auto"}
     best = max(fixed, key=lambda k: fixed[k]["throughput_tok_s"]) if fixed else None
@@ -371,9 +416,28 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
                       "switch_margin": args.switch_margin, "min_dwell_steps": args.min_dwell_steps,
                       "switch_mode": args.switch_mode, "repeats": args.repeats,
                       "seconds": time.perf_counter() - t_start}}
+    if spec_runs:  # speculation by phase: each run beside the same layout's run without it
+        doc["speculation"] = {name: {**spec_phases(r, split(r["timeline"])), "layout": named[name][0],
+                                     "mode": named[name][1]}
+                              for name, r in {**{n: results[n] for n in results}, **spec_runs}.items()}
+        doc["speculation_runs"] = spec_runs
     if args.keep_runs:
         doc["every_run"] = ran
     return doc
+
+
+def spec_phases(r: dict[str, Any], ph: dict[str, Any]) -> dict[str, Any]:
+    """One run's makespan, throughput and wide/tail phases (tokens/s in each) and its depth by phase."""
+    tl = r["timeline"]
+    n = ph["wide_steps"]
+    depths = [x.get("depth", 0) for x in tl]
+    return {"makespan_s": r["makespan_s"], "throughput_tok_s": r["throughput_tok_s"], "steps": r["steps"],
+            "wide_s": ph["wide_s"], "tail_s": ph["tail_s"],
+            "wide_tok_s": ph.get("wide_tokens", 0) / ph["wide_s"] if ph["wide_s"] else None,
+            "tail_tok_s": ph.get("tail_tokens", 0) / ph["tail_s"] if ph["tail_s"] else None,
+            "wide_mean_depth": float(np.mean(depths[:n])) if n else None,
+            "tail_mean_depth": float(np.mean(depths[n:])) if len(depths) > n else None,
+            **{k: v for k, v in r.get("speculation", {}).items() if v is not None}}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -49,7 +49,25 @@ def table(doc: dict[str, Any]) -> str:
         from splash.bench.phases import lines as phase_lines
 
         lines += phase_lines(doc["phases"])
+    if doc.get("speculation"):
+        lines += spec_lines(doc["speculation"])
     return "\n".join(lines)
+
+
+def spec_lines(spec: dict[str, Any]) -> list[str]:
+    """Speculation by phase: each run's wide and tail phase (seconds, generated tok/s, mean depth)."""
+    def f(x: Any, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    out = ["speculation by phase (wide: while requests wait; tail: after):",
+           f"{'run':>18} {'makespan s':>10} {'tok/s':>7} {'wide s':>7} {'wide tok/s':>10} {'depth':>5} "
+           f"{'tail s':>7} {'tail tok/s':>10} {'depth':>5} {'accept len':>10}"]
+    for name, r in spec.items():
+        out.append(f"{name:>18} {r['makespan_s']:>10.2f} {r['throughput_tok_s']:>7.1f} {r['wide_s']:>7.2f} "
+                   f"{f(r['wide_tok_s'], '.1f'):>10} {f(r['wide_mean_depth'], '.1f'):>5} {r['tail_s']:>7.2f} "
+                   f"{f(r['tail_tok_s'], '.1f'):>10} {f(r['tail_mean_depth'], '.1f'):>5} "
+                   f"{f(r.get('spec_accept_length'), '.2f'):>10}")
+    return out
 
 
 def _each(xs: list[float] | None) -> str:

@@ -157,14 +157,26 @@ class DepthPolicy:
                 if self.decisions - at <= self.STALE}
 
     def _ratios(self, b: int) -> dict[int, float]:
-        known = {k: r for (bb, k), r in self.ratio.items() if bb == b}
+        """The ratio to apply at each depth in bucket `b`: its own where measured; else the depth's ratio
+        in the other buckets, scaled by how this bucket's measured depths compare with theirs (the
+        shape carries over as the batch narrows); else the nearest measured depth's, `explore` lower."""
+        fresh = self.ratio
+        here = {k: r for (bb, k), r in fresh.items() if bb == b}
+        pooled: dict[int, list[float]] = {}
+        for (_, k), r in fresh.items():
+            pooled.setdefault(k, []).append(r)
+        anywhere = {k: float(np.median(v)) for k, v in pooled.items()}
+        common = [j for j in here if j in anywhere]
+        scale = float(np.median([here[j] / anywhere[j] for j in common])) if common else 1.0
         out = {}
         for k in range(self.cfg.max_depth + 1):
-            if k in known:
-                out[k] = known[k]
-            elif known:
-                near = min(known, key=lambda j: (abs(j - k), j))
-                out[k] = known[near] * self.explore
+            if k in here:
+                out[k] = here[k]
+            elif k in anywhere:
+                out[k] = anywhere[k] * scale
+            elif anywhere:
+                near = min(anywhere, key=lambda j: (abs(j - k), j))
+                out[k] = anywhere[near] * scale * self.explore
             else:
                 out[k] = 1.0 if k == self.k else self.explore
         return out
