@@ -59,3 +59,28 @@ def test_plot(tmp_path):
     out = tmp_path / "rollout.png"
     plot_rollouts(res, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_speculation_in_the_simulator():
+    """Verify steps emit the expected tokens (work conserved); the depth policy speculates when drafts are
+    accepted and not when they never are, where always-on speculation only costs."""
+    import dataclasses
+
+    from splash.core.hardware import theta_for as tf
+
+    sizes = AttentionSizes(PRESETS["deepseek-v3"], "fp8", "bf16")
+    th = tf("h200", 8, sizes)
+    wl = Workload.drain(16, 256, 1024, output_median=256, output_sigma=1.0, output_max=2048, seed=2)
+    cfg = SimConfig(token_budget=4096, max_running=16, stride=8, page_size=64, spec_depth=3, spec_accept=0.8,
+                    spec_draft_layers=1)
+    runs = rollout_all(sizes, th, wl, cfg, PolicyConfig(), (Layout.TP, Layout.DP))
+    assert {"policy", "policy+spec", "policy+spec-always"} <= set(runs)
+    for name in ("policy", "policy+spec", "policy+spec-always"):
+        assert runs[name].output_tokens == pytest.approx(int(wl.outputs.sum()))
+    assert not runs["policy"].steps_by_depth and runs["policy+spec-always"].steps_by_depth.keys() == {3}
+    assert runs["policy+spec"].makespan_s < runs["policy"].makespan_s
+    assert sum(runs["policy+spec"].steps_by_depth.values()) < runs["policy"].steps
+    never = dataclasses.replace(cfg, spec_accept=0.0)
+    off = rollout(sizes, th, wl, "policy", never)
+    on = rollout(sizes, th, wl, "policy", dataclasses.replace(never, spec_policy="always"))
+    assert set(off.steps_by_depth) == {0} and on.makespan_s > off.makespan_s

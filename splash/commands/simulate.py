@@ -32,11 +32,13 @@ def run_rollout(args: argparse.Namespace) -> int:
     layouts = tuple(parse_layouts(args.layouts))
     if not layouts:
         raise ConfigError("--layouts needs at least one of TP, DP, CP, DOP")
-    sim = SimConfig(args.token_budget, args.max_running, args.stride, args.page_size)
+    sim = SimConfig(args.token_budget, args.max_running, args.stride, args.page_size, args.speculative_depth,
+                    args.speculative_accept, "auto", args.speculative_draft_layers)
     res = rollout_all(sizes, th, wl, sim, PolicyConfig(args.margin, args.dwell, layouts, args.page_size),
                       layouts)
     finite = {n: r for n, r in res.items() if r.makespan_s != float("inf")}
-    best_fixed = min((r.makespan_s for n, r in finite.items() if n != "policy"), default=float("inf"))
+    best_fixed = min((r.makespan_s for n, r in finite.items() if not n.startswith("policy")),
+                     default=float("inf"))
     pol = res["policy"]
     obj: dict[str, Any] = {
         "model": sizes.cfg.name, "gpu": th.name, "ranks": th.ranks, "dtype": sizes.dtype, **kv_summary(sizes),
@@ -49,16 +51,18 @@ def run_rollout(args: argparse.Namespace) -> int:
     rows = []
     for n, r in res.items():
         if n not in finite:
-            rows.append([n, "does not fit", "", "", "", ""])
+            rows.append([n, "does not fit", "", "", "", "", ""])
             continue
         share = ", ".join(f"{k} {v / r.makespan_s:.0%}" for k, v in r.time_by_layout.items() if v > 0)
+        depth = ", ".join(f"{d}: {s}" for d, s in sorted(r.steps_by_depth.items())) or "-"
         rows.append([n, f"{r.makespan_s:,.1f}", f"{r.throughput:,.0f}", f"{r.mean_completion_s:,.1f}",
-                     r.switches, share])
+                     r.switches, share, depth])
     segs = " -> ".join(f"{s['layout']}@{s['start_s']:.0f}s" for s in pol.segments())
     text = (f"drain rollout: {sizes.cfg.name} ({sizes.dtype}) on {th.name}, {wl.size} requests, "
             f"prompts {int(wl.prompts.sum()):,} tok, outputs {int(wl.outputs.sum()):,} tok "
             f"(longest {int(wl.outputs.max()):,}); {kv_line(sizes)}\n"
-            + table(rows, ["run", "makespan s", "out tok/s", "mean done s", "switches", "time share"])
+            + table(rows, ["run", "makespan s", "out tok/s", "mean done s", "switches", "time share",
+                           "decode steps by depth"])
             + f"\npolicy timeline: {segs}\npolicy vs best fixed layout: {best_fixed / pol.makespan_s:.3f}x")
     if args.plot:
         plot_rollouts(res, args.plot, f"{sizes.cfg.name} on {th.name}: drain of {wl.size} requests")
@@ -92,6 +96,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--max-running", type=int, default=256, help="bound on the running batch")
     r.add_argument("--stride", type=int, default=16, help="decode steps simulated at once (default 16)")
     r.add_argument("--page-size", type=int, default=64, help="KV page size (default 64)")
+    r.add_argument("--speculative-depth", type=int, default=0,
+                   help="drafts per verify K: also run the policy with speculation, depth chosen per step "
+                        "(policy+spec) and always K (policy+spec-always); 0: none (default)")
+    r.add_argument("--speculative-accept", type=float, default=0.7,
+                   help="per-draft acceptance of the drafts (default 0.7)")
+    r.add_argument("--speculative-draft-layers", type=int, default=1,
+                   help="MTP layers a draft runs through (1, DeepSeek-V3's; 0: n-gram drafts)")
     r.add_argument("--plot", metavar="FILE", type=output_file,
                    help="write a PNG: running requests over time and makespans")
     r.set_defaults(func=run_rollout)

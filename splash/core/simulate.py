@@ -9,6 +9,11 @@ against their own pool; the policy run first admits against the largest pool amo
 then against the pool of the layout it runs, and lets pi(x; theta) pick the layout of every step,
 paying Eq 7's exposed time for each switch. Decode-only stretches advance `stride` steps at once, priced at
 their midpoint context, which keeps 30k-step runs to a few seconds.
+
+Speculative decoding (`SimConfig.spec_depth` K > 0): decode-only steps verify 1 + k rows per request and
+emit the geometric model's expected tokens at acceptance `spec_accept` (splash/core/spec_depth.py),
+with k = K (`spec_policy` "always") or the depth that prices cheapest per token for the batch
+("auto"; the runtime adds measured corrections, margin and dwell); prefill steps do not speculate.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from splash.core.layouts import LAYOUTS, Layout, kv_pages_per_rank
 from splash.core.manifest import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
 from splash.core.policy import Policy, PolicyConfig, activation_bytes, decide
 from splash.core.sizes import AttentionSizes
+from splash.core.spec_depth import DepthConfig, draft_seconds, expected_tokens, price_depths
 from splash.core.switch_time import switch_time
 from splash.core.theta import Theta
 
@@ -62,10 +68,17 @@ class SimConfig:
     max_running: int = 256
     stride: int = 16  # decode-only steps simulated at once
     page_size: int = 64
+    spec_depth: int = 0  # K: drafts per verify (0: no speculative decoding)
+    spec_accept: float = 0.7  # per-draft acceptance
+    spec_policy: str = "auto"  # "auto": the cheapest depth per token each step; "always": K
+    spec_draft_layers: int = 0  # MTP layers the drafts run through (0: n-gram, free)
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_running < 1 or self.stride < 1 or self.page_size < 1:
             raise ConfigError("token budget, max running, stride and page size must all be >= 1")
+        if self.spec_depth < 0 or not 0 <= self.spec_accept <= 1 \
+                or self.spec_policy not in ("auto", "always"):
+            raise ConfigError("speculation: depth >= 0, acceptance in [0, 1], policy auto or always")
 
 
 @dataclass
@@ -73,10 +86,11 @@ class RolloutResult:
     name: str
     makespan_s: float = 0.0
     steps: int = 0
-    output_tokens: int = 0
+    output_tokens: float = 0  # (expected tokens: fractional with speculation)
     prompt_tokens: int = 0
     switches: int = 0
     switch_s: float = 0.0
+    steps_by_depth: dict[int, int] = field(default_factory=dict)  # decode steps at each speculation depth
     time_by_layout: dict[str, float] = field(default_factory=dict)
     completion_s: list[float] = field(default_factory=list)  # per request, in finishing order
     # (t_start_s, layout, running requests) at each simulated (macro) step
@@ -107,6 +121,7 @@ class RolloutResult:
                 "steps": self.steps, "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
                 "mean_completion_s": self.mean_completion_s,
                 "switches": self.switches, "switch_s": self.switch_s, "time_by_layout_s": self.time_by_layout,
+                "steps_by_depth": self.steps_by_depth,
                 "segments": self.segments()}
 
 
@@ -124,7 +139,7 @@ class _Run:
         n = wl.size
         self.prompt, self.output = wl.prompts.copy(), wl.outputs.copy()
         self.done_prompt = np.zeros(n, dtype=np.int64)  # prompt tokens already in the cache
-        self.generated = np.zeros(n, dtype=np.int64)
+        self.generated = np.zeros(n, dtype=np.float64)  # (fractional: expected tokens of verify steps)
         self.owner = np.zeros(n, dtype=np.int64)
         self.running: list[int] = []
         self.waiting: list[int] = list(range(n))
@@ -230,7 +245,17 @@ def rollout(sizes: AttentionSizes, theta: Theta, wl: Workload, mode: Layout | st
                     res.switch_s += exposed
                     res.switches += 1
             layout = policy.current
-        dt = step_cost(layout, sizes, batch, theta, cfg.page_size).total * k
+        per_step = 1.0  # tokens a decoding request emits per step
+        if cfg.spec_depth and decoding.all():
+            d, per_step, batch, k = _speculate(sizes, theta, layout, run, idx, start, cfg)
+            dt = (step_cost(layout, sizes, batch, theta, cfg.page_size).total
+                  + draft_seconds(step_cost(layout, sizes, Batch(batch.contexts, np.ones_like(batch.rows),
+                                                                 batch.owners), theta).total, d,
+                                  DepthConfig(max(1, cfg.spec_depth), draft_layers=cfg.spec_draft_layers),
+                                  sizes)) * k
+            res.steps_by_depth[d] = res.steps_by_depth.get(d, 0) + k
+        else:
+            dt = step_cost(layout, sizes, batch, theta, cfg.page_size).total * k
         res.timeline.append((t, layout.label, len(run.running)))
         t += dt
         res.time_by_layout[layout.label] += dt
@@ -239,9 +264,11 @@ def rollout(sizes: AttentionSizes, theta: Theta, wl: Workload, mode: Layout | st
         pre = ~decoding
         run.done_prompt[np.asarray(idx)[pre]] += rows[pre]
         finishing_prefill = pre & (run.done_prompt[idx] >= run.prompt[idx])
-        gen = np.where(decoding, k, np.where(finishing_prefill & (rows > 0), 1, 0))  # last chunk samples
+        # (the last prefill chunk samples one token)
+        gen = np.where(decoding, k * per_step, np.where(finishing_prefill & (rows > 0), 1, 0))
+        gen = np.minimum(gen, run.output[idx] - run.generated[idx])
         run.generated[idx] += gen
-        res.output_tokens += int(gen.sum())
+        res.output_tokens += float(gen.sum())
         res.prompt_tokens += int(rows[pre].sum())
         done = {i for i in idx if run.generated[i] >= run.output[i]}
         if done:
@@ -252,20 +279,48 @@ def rollout(sizes: AttentionSizes, theta: Theta, wl: Workload, mode: Layout | st
     return res
 
 
+def _speculate(sizes: AttentionSizes, theta: Theta, layout: Layout, run: _Run, idx: list[int],
+               start: np.ndarray, cfg: SimConfig) -> tuple[int, float, Batch, int]:
+    """A decode-only stretch with speculation: (depth, tokens per request per step, the verify batch,
+    steps to advance)."""
+    K, a = cfg.spec_depth, cfg.spec_accept
+    dcfg = DepthConfig(K, draft_layers=cfg.spec_draft_layers)
+    if cfg.spec_policy == "always":
+        d = K
+    else:
+        prices = price_depths(sizes, theta, layout, start, [a] * len(idx), dcfg, owners=run.owner[idx])
+        d = min(prices, key=lambda j: (prices[j], j))
+    per = float(expected_tokens(a, d))
+    left = run.output[idx] - run.generated[idx]
+    k = int(max(1, min(cfg.stride, np.ceil(left.min() / per))))
+    rows = np.full(len(idx), d + 1, dtype=np.int64)
+    mid = start + rows + (k * per) // 2
+    return d, per, Batch(mid.astype(np.int64), rows, run.owner[idx], run.reserved(idx)), k
+
+
 def rollout_all(sizes: AttentionSizes, theta: Theta, wl: Workload, cfg: SimConfig = SimConfig(),
                 policy_cfg: PolicyConfig = PolicyConfig(),
                 layouts: tuple[Layout, ...] = LAYOUTS) -> dict[str, RolloutResult]:
-    """Every fixed layout that can hold the workload, then the policy."""
+    """Every fixed layout that can hold the workload, then the policy; with `cfg.spec_depth`, the policy
+    also with speculation by the depth policy (`policy+spec`) and always at full depth
+    (`policy+spec-always`), the others without."""
+    import dataclasses
+
+    base = dataclasses.replace(cfg, spec_depth=0)
     out: dict[str, RolloutResult] = {}
     for lay in layouts:
         try:
-            out[lay.label] = rollout(sizes, theta, wl, lay, cfg, policy_cfg)
+            out[lay.label] = rollout(sizes, theta, wl, lay, base, policy_cfg)
         except ConfigError as e:
             r = RolloutResult(lay.label, makespan_s=float("inf"))
             r.timeline = [(0.0, f"infeasible: {e}", 0)]
             out[lay.label] = r
-    out["policy"] = rollout(sizes, theta, wl, "policy", cfg, PolicyConfig(
-        policy_cfg.margin, policy_cfg.min_dwell, layouts, cfg.page_size))
+    pcfg = PolicyConfig(policy_cfg.margin, policy_cfg.min_dwell, layouts, cfg.page_size)
+    out["policy"] = rollout(sizes, theta, wl, "policy", base, pcfg)
+    if cfg.spec_depth:
+        for name, mode in (("policy+spec", "auto"), ("policy+spec-always", "always")):
+            out[name] = rollout(sizes, theta, wl, "policy", dataclasses.replace(cfg, spec_policy=mode), pcfg)
+            out[name].name = name
     return out
 
 
