@@ -260,3 +260,52 @@ def test_sparse_attention_models_speculate_exactly(model):
     assert verify > 0
     assert [o.token_ids for o in outs[0].values()] == [o.token_ids for o in outs[1].values()]
     assert max(same_logprobs(outs[0][i], outs[1][i]) for i in outs[0]) < 1e-9
+
+
+def oracle_proposer(eng, ref: dict[int, list[int]]):
+    """Drafts from the known answer, in a rotating pattern: all right, right then wrong, all wrong (so
+    verify steps accept everything, part, or nothing)."""
+    calls = [0]
+
+    def propose(seq, room):
+        rid, n = int(seq.group.request_id), len(seq.output_token_ids)
+        want = ref[rid][n:n + min(3, room)]
+        calls[0] += 1
+        kind = calls[0] % 3
+        if kind == 1 or not want:
+            return want
+        if kind == 2:
+            return want[:-1] + [(want[-1] + 1) % 200]
+        return [(t + 1) % 200 for t in want]
+
+    eng.scheduler.proposer = propose
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_kda_hybrid_takes_rejected_drafts_back(world, group2):
+    """Kimi-Linear hybrid: a verify step's rows advance the KDA state; on a rejection every rank puts
+    back its snapshot and the accepted rows are replayed, so tokens and logprobs equal decoding without
+    drafts (float64), whatever the drafts, through switches at T = 2 (which wait out verify steps)."""
+    prompts = [[5, 6, 7, 8, 9] * 3, list(range(10, 31)), [90, 1, 33, 4, 8, 61]]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    kw = dict(ENGINE, num_kv_pages=96)
+    if world == 2:
+        kw.update(rank_group=group2, layout="tp", switch_schedule="3:dp,5:cp,7:dop")
+    plain = build_engine(model="tiny-hybrid", **kw)
+    try:
+        ref = serve(plain, prompts, params)
+    finally:
+        plain.shutdown()
+    eng = build_engine(model="tiny-hybrid", speculative_algorithm="NGRAM", **kw)
+    try:
+        oracle_proposer(eng, {i: o.token_ids for i, o in ref.items()})
+        got = serve(eng, prompts, params)
+        stats = eng.stats()
+        accepted, verify = eng.spec_accepted, eng.spec_verify_ct
+    finally:
+        eng.shutdown()
+    assert [o.token_ids for o in got.values()] == [o.token_ids for o in ref.values()]
+    assert max(same_logprobs(got[i], ref[i]) for i in got) < 1e-9
+    assert verify > 6 and 0 < accepted < eng.spec_drafts and stats["state_slots_used"] == 0
+    if world == 2:
+        assert stats["num_switches"] == 3

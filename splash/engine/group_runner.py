@@ -61,6 +61,16 @@ class GroupRunner:
         self.group.send(msg)
         return self.local.draft(decoded(plan, msg))
 
+    def restore_state(self, slots: list[int]) -> None:
+        """Every rank puts back the state snapshot of `slots` (a KDA hybrid's rejected drafts)."""
+        self.group.guarded(self._restore_state, slots)
+
+    def _restore_state(self, slots: list[int]) -> None:
+        from splash.step.plan import control_plan
+
+        self.group.send(control_plan("state", payload=list(slots)))
+        self.local.restore_state(slots)
+
     def decode_plan_bytes_p50(self) -> int | None:
         """Median bytes of the step message over forward steps with no prefill rows."""
         return self.encoder.decode_bytes_p50()

@@ -86,6 +86,7 @@ class LLMEngine(RLControl, Recovery):
         if self.config.enable_memory_saver is not None:  # (unset: LLM's default, on; a server turns it off)
             self.memory_saver = self.config.enable_memory_saver
         self._routing: Any = None  # RoutingRecorder, made when a request first asks for routed experts
+        self._restore: list[int] = []  # KDA hybrids: slots whose rejected drafts' state is taken back
         self.spec_verify_ct = 0  # speculative decoding: verify slices run, drafts in them, drafts accepted
         self.spec_drafts = 0
         self.spec_accepted = 0
@@ -98,10 +99,6 @@ class LLMEngine(RLControl, Recovery):
         self.mtp: Any = None  # the MTP draft phase after each step (splash/engine/mtp.py), when on
         self.depth: Any = None  # `--speculative-policy auto`: spec.DepthPolicy (attached by engine/build.py)
         if not k:
-            return
-        if self.allocator.slots is not None:
-            log.warning("speculative decoding is off: this model keeps per-request recurrent state (KDA), "
-                        "which rejected draft rows would leave advanced")
             return
         from splash.engine.spec import can_speculate, ngram_propose
 
@@ -364,6 +361,9 @@ class LLMEngine(RLControl, Recovery):
                     self._verify(seq, logits[first[i]:first[i] + 1 + len(seq.draft)], now)
                 if seq.status.done:
                     self._seq_finished(seq, changed)
+        if self._restore:
+            slots, self._restore = self._restore, []
+            self.runner.restore_state(slots)
         if self.depth is not None:
             self._decide_depth()
         draft_s = 0.0
@@ -440,6 +440,13 @@ class LLMEngine(RLControl, Recovery):
             self._append(seq, tok, lp, now)
             if seq.status.done:
                 return
+        if seq.slot >= 0 and len(toks) - 1 < len(draft):
+            # A KDA hybrid's state went through every verify row: the ranks put back its snapshot from
+            # before the step, and the known row, the accepted drafts and the new token are replayed
+            # as a chunk next step (their MLA KV is rewritten with the same values).
+            self._restore.append(seq.slot)
+            self.scheduler.rewind(seq, seq.num_computed - 1)
+            return
         self.scheduler.accept(seq, len(toks) - 1)
 
     def _append(self, seq: Seq, tok: int, logprobs: dict[int, float] | None, now: float) -> None:

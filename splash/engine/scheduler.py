@@ -421,6 +421,12 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 self._computed(seq, sl.start, sl.start + sl.num_new - len(seq.draft))
 
+    def rewind(self, seq: Sequence, computed: int) -> None:
+        """`seq`'s state from `computed` on is recomputed (a KDA hybrid's rejected drafts: its state was
+        put back to before the verify); its pages stay, and are rewritten with the same values."""
+        if seq.status is SeqStatus.RUNNING:
+            seq.num_computed = computed
+
     def accept(self, seq: Sequence, n: int) -> None:
         """`n` of `seq`'s verified drafts were accepted: their rows' KV is now the sequence's."""
         if seq.status is SeqStatus.RUNNING and n > 0:

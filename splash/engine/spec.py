@@ -15,8 +15,10 @@ those positions are computed for real; the pages beyond the next row are returne
 the prefix cache only ever registers pages of accepted tokens (the scheduler counts a verify slice as
 one computed row until acceptance says more). Requests whose next-token rule depends on the tokens
 before it in ways a batch of rows cannot see (a grammar, penalties, logit bias, min_tokens still
-pending, top-p replay, routed experts) and models with per-request
-recurrent state (KDA hybrids: rejected rows would leave the state advanced) decode one token at a time.
+pending, top-p replay, routed experts) decode one token at a time. A KDA hybrid's verify rows advance
+its recurrent and conv state: the ranks snapshot the verify slices' slots as each layer first reads
+them, and on a rejection rank 0 has the snapshot put back and replays the known row, the accepted drafts
+and the new token as a chunk (`LLMEngine._verify`, `StatePool.arm_snapshot`).
 """
 
 from __future__ import annotations

@@ -93,7 +93,12 @@ class StatePool:
         return [t for i in self.layers for t in (self._rec[i], self._conv[i])]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(recurrent [slots, h, d, d], conv [slots, 3*h*d, K-1]) of model layer i."""
+        """(recurrent [slots, h, d, d], conv [slots, 3*h*d, K-1]) of model layer i (what a step's KDA
+        layer reads and updates: an armed snapshot copies its slots of this layer first)."""
+        snap = getattr(self, "_snap_data", None)
+        if snap is not None and self._snap and i not in snap:
+            idx = self._snap_idx
+            snap[i] = (self._rec[i].index_select(0, idx), self._conv[i].index_select(0, idx))
         return self._rec[i], self._conv[i]
 
     def zero(self, slots: Sequence[int] | torch.Tensor) -> None:
@@ -155,6 +160,33 @@ class StatePool:
             h = self._heads[i] if held is None else held[k]
             self._rec[i], self._conv[i] = self._zeros(h)
             self._heads[i] = h
+
+    # ---- snapshots: a speculative verify step's state before its rows (n-gram drafts on KDA hybrids) ------
+    def arm_snapshot(self, slots: Sequence[int]) -> None:
+        """Keep a copy of `slots`' state in each layer as the step first reads that layer (`layer`),
+        replacing any earlier snapshot: those slots' rows this step are speculative, and
+        `restore_snapshot` takes rejected ones back. Taken layer by layer at first use, so in a switching
+        step each layer's copy is of the placement the step computes in, the one the restore writes to."""
+        self._snap = {int(s): k for k, s in enumerate(slots)}
+        self._snap_idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        self._snap_data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forget_snapshot(self) -> None:
+        self._snap, self._snap_data = {}, {}
+
+    def restore_snapshot(self, slots: Sequence[int]) -> None:
+        """Put back the state `arm_snapshot` kept of `slots` (their rows since were rejected drafts)."""
+        snap = getattr(self, "_snap", {})
+        missing = [s for s in slots if s not in snap]
+        if missing or len(self._snap_data) != len(self.layers):
+            raise RuntimeError(f"no whole state snapshot of slots {list(slots)} (a restore must follow the "
+                               "verify step that took it, with no step in between)")
+        src = torch.tensor([snap[s] for s in slots], dtype=torch.long, device=self.device)
+        dst = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        for i in self.layers:
+            rec, conv = self._snap_data[i]
+            self._rec[i].index_copy_(0, dst, rec.index_select(0, src))
+            self._conv[i].index_copy_(0, dst, conv.index_select(0, src))
 
     def step(self, seqs: Sequence[Any], device: torch.device | None = None) -> StateStep:
         """The step's view of its slots (`seqs`: the context's SliceCtx, each with `slot`), after zeroing

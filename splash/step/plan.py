@@ -20,8 +20,9 @@ LAYOUTS = tuple(lay.value for lay in CORE_LAYOUTS)  # the names plans carry ("tp
 # rank's CommStats to rank 0, "tables" gathers each rank's page tables (tests, debugging), "shutdown"
 # ends the worker processes; "draft" (speculative decoding with MTP layers, after a step) runs the
 # draft model over the step's accepted rows and chains drafts (its payload a DraftWork; sent as a step
-# message, since it grows tables).
-PLAN_KINDS = ("forward", "switch", "draft", "load", "unload", "stats", "tables", "shutdown")
+# message, since it grows tables); "state" puts back the state snapshots of KDA hybrid requests whose
+# speculative rows were rejected (payload: the slots).
+PLAN_KINDS = ("forward", "switch", "draft", "state", "load", "unload", "stats", "tables", "shutdown")
 STEP_KINDS = ("forward", "switch")
 
 
@@ -94,6 +95,9 @@ class StepPlan:
     # Rank 0 only, never sent: per slice, how many of its last rows rank 0 needs logits of (a speculating
     # request's verify rows: its last token and its drafts); None: the last row of each `sample` slice.
     num_sample: list[int] | None = None
+    # Ranks: the state slots (KDA hybrids) whose rows this step are speculative (a verify slice): each
+    # rank snapshots them before the forward, so rank 0 can have rejected rows taken back ("state").
+    snapshot: list[int] | None = None
 
     @property
     def num_rows(self) -> int:

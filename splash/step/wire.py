@@ -41,6 +41,7 @@ _HEADER = _HEAD.size + _COUNTS.size  # 40: the arrays that follow start 8-aligne
 _ONE_ROW = 1  # flag: every slice has num_new == 1 (the num_new array is omitted)
 _ALL_SAMPLE = 2  # flag: every slice samples (the sample array is omitted)
 _SLOTS = 4  # flag: the slices carry state slots (KDA models; else the slot array is omitted, slots -1)
+_SNAP = 8  # flag: some slices are speculative with state slots (a uint8 array says which: snapshot them)
 
 
 @dataclass
@@ -123,7 +124,10 @@ class PlanEncoder:
         one_row = N == B and all(s.num_new == 1 for s in seqs)
         all_sample = all(s.sample for s in seqs)
         slots = any(s.slot >= 0 for s in seqs)
-        flags = (_ONE_ROW if one_row else 0) | (_ALL_SAMPLE if all_sample else 0) | (_SLOTS if slots else 0)
+        ns = plan.num_sample
+        snap = slots and ns is not None and any(n > 1 for n in ns)
+        flags = ((_ONE_ROW if one_row else 0) | (_ALL_SAMPLE if all_sample else 0) | (_SLOTS if slots else 0)
+                 | (_SNAP if snap else 0))
         kind = STEP_KINDS.index(plan.kind) if plan.kind in STEP_KINDS else 255
         grow_pages = np.concatenate(grow, axis=1) if grow else np.zeros((T, 0), np.int32)
         rep_pages = np.concatenate(rep, axis=1) if rep else np.zeros((T, 0), np.int32)
@@ -147,6 +151,7 @@ class PlanEncoder:
             # uint8
             np.fromiter((s.owner for s in seqs), np.uint8, B).tobytes(),
             b"" if all_sample else np.fromiter((s.sample for s in seqs), np.uint8, B).tobytes(),
+            np.fromiter((n > 1 for n in ns), np.uint8, B).tobytes() if snap else b"",
         ]
         data = b"".join(parts)
         for r in gone:
@@ -217,6 +222,7 @@ def decode(msg: bytes | tuple[bytes, str, Any]) -> StepPlan:
     rep_pages = take(np.int32, T * int(rep_len.sum())).reshape(T, -1)
     owner = take(np.uint8, B)
     sample = None if flags & _ALL_SAMPLE else take(np.uint8, B)
+    snap = take(np.uint8, B) if flags & _SNAP else None
     ids, starts, owners = req.tolist(), start.tolist(), owner.tolist()
     nums = [1] * B if num_new is None else num_new.tolist()
     samples = [True] * B if sample is None else [bool(x) for x in sample.tolist()]
@@ -226,5 +232,6 @@ def decode(msg: bytes | tuple[bytes, str, Any]) -> StepPlan:
     if kind is None:
         kind = STEP_KINDS[kcode] if kcode < len(STEP_KINDS) else "forward"
     delta = TableDelta(drops, req[grow_idx], grow_count, grow_pages, rep_ids, rep_len, rep_pages)
+    snapshot = None if snap is None else [sl for sl, f in zip(slots, snap.tolist()) if f]
     return StepPlan(step=step, layout=LAYOUTS[lcode], input_ids=input_ids, seqs=seqs, kind=kind,
-                    payload=payload, delta=delta)
+                    payload=payload, delta=delta, snapshot=snapshot)

@@ -142,6 +142,13 @@ def _on_draft(state: WorkerState, plan: StepPlan) -> None:
 register_handler("draft", _on_draft)
 
 
+def _on_state(state: WorkerState, plan: StepPlan) -> None:
+    state.runner.restore_state(plan.payload)  # a KDA hybrid's rejected drafts: the state snapshot back
+
+
+register_handler("state", _on_state)
+
+
 def set_data_timeout(grid: Any, timeout_s: float | None, control: bool = False) -> None:
     """Lower the data-plane groups' timeout after start-up (and the control group's, on rank 0).
 

@@ -72,6 +72,10 @@ class ModelRunner:
             self.step_rows.popitem(last=False)
         if plan.delta is not None:
             plan.delta.apply(self.tables, self.rank)
+        if self.state is not None:
+            self.state.forget_snapshot()
+            if plan.snapshot:  # (a KDA hybrid's verify slices: rank 0 may take their rows back)
+                self.state.arm_snapshot(plan.snapshot)
         if plan.kind == "switch":
             out = run_switch_step(self, plan)
         elif plan.kind != "forward":
@@ -130,6 +134,11 @@ class ModelRunner:
                                                       self.context_of(step, self.layout)))
             out[at, j] = logits.argmax(dim=-1)
         return out
+
+    @torch.inference_mode()
+    def restore_state(self, slots: list[int]) -> None:
+        """Put back the snapshot of `slots` the last step took (its speculative rows were rejected)."""
+        self.state.restore_snapshot(slots)
 
     def context(self, plan: StepPlan, layout: Any) -> Any:
         """The step's ForwardContext under `layout`, from this rank's tables (or the plan's own)."""
