@@ -274,3 +274,20 @@ def test_mtp_needs_mtp_layers(tmp_path):
     path = build_checkpoint(tmp_path / "plain", "v3", seed=2)
     with pytest.raises(ConfigError, match="no MTP layer"):
         build_engine(model=path, **{**ENGINE, "speculative_algorithm": "EAGLE"})
+
+
+def test_mtp_with_layout_auto(group, ckpt):
+    """`--layout auto` and the depth policy together at T = 2 (the policy chooses layouts on batches that
+    carry verify rows): tokens are transformers'."""
+    if group.world != 2:
+        pytest.skip("T = 2 only")
+    path, hf, ref = ckpt
+    eng = build_engine(model=path, num_kv_pages=96, layout="auto", rank_group=group, speculative_num_steps=2,
+                       **{**ENGINE, "speculative_policy": "auto"})
+    try:
+        got, _ = serve(eng, PROMPTS, greedy())
+        stats = eng.stats()
+    finally:
+        eng.shutdown()
+    assert [o.token_ids for o in got.values()] == ref
+    assert stats["speculative_policy"] == "auto" and stats["spec_verify_ct"] > 0

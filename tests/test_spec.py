@@ -239,6 +239,9 @@ def test_server_reports_speculation():
         verify = sum(s.value for s in fams["splash:spec_verify"] if s.name.endswith("_total"))
         drafts = sum(s.value for s in fams["splash:spec_draft_tokens"] if s.name.endswith("_total"))
         assert verify >= meta["spec_verify_ct"] and drafts >= verify
+        depth = [s.value for s in fams["splash:spec_depth"]]
+        assert len(depth) == 1 and 0 <= depth[0] <= 2  # (the depth policy's current choice)
+        assert info["speculative_policy"] == "auto"
     finally:
         srv.close()
 

@@ -86,6 +86,10 @@ class ServerMetrics:
         self.slots_total = Gauge("splash:state_slots_total",
                                  "KDA hybrids: request state slots per rank (0: no per-request state).", lbl,
                                  registry=r).labels(m)
+        self.spec_depth = Gauge("splash:spec_depth",
+                                "Drafts per decoding request the next step verifies (0: speculation off; "
+                                "the depth policy's choice under --speculative-policy auto).", lbl,
+                                registry=r).labels(m)
         self.distinct = Gauge("splash:kv_distinct_tokens",
                               "Distinct KV tokens the group can hold under the current layout.", lbl,
                               registry=r).labels(m)
@@ -114,6 +118,7 @@ class ServerMetrics:
                             (self.ranks, ("ranks", "world", "tp")),
                             (self.slots_used, ("state_slots_used",)),
                             (self.slots_total, ("state_slots_total",)),
+                            (self.spec_depth, ("speculative_depth",)),
                             # The allocator's pool_tokens() already counts distinct tokens of the
                             # group under the current layout (TP: one rank's pool; DP/CP: the sum).
                             (self.distinct, ("kv_distinct_tokens", "kv_pool_tokens"))):
@@ -157,7 +162,9 @@ class _EngineCounters(Collector):
               ("splash:spec_verify", "spec_verify_ct",
                "Speculative verify slices run (one per request and step)."),
               ("splash:spec_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
-              ("splash:spec_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted."))
+              ("splash:spec_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted."),
+              ("splash:spec_depth_changes", "spec_depth_changes",
+               "Times the depth policy changed the speculation depth."))
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name

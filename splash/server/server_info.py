@@ -74,6 +74,8 @@ def server_args(engine: Any, stats: dict[str, Any], model_name: str, launch: dic
         "schedule_policy": "fcfs", "stream_interval": 1,
         "speculative_algorithm": stats.get("speculative_algorithm"),
         "speculative_num_draft_tokens": stats.get("speculative_num_draft_tokens"),
+        "speculative_policy": stats.get("speculative_policy"),
+        "speculative_depth": stats.get("speculative_depth"),
         "disaggregation_mode": "null", "encoder_only": False, "enable_metrics": True,
         "skip_server_warmup": True,
         "weight_version": getattr(eng, "weight_version", "default"),
