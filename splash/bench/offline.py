@@ -45,7 +45,13 @@ def register(kinds: argparse._SubParsersAction) -> None:
                    help="decode tok/s constrained by this JSON schema against unconstrained, at each of "
                         "--batches, with the grammar's time per step (builtin: an agent-style schema)")
     p.add_argument("--batches", default="1,16,64", metavar="B,B",
-                   help="batch sizes for --json-schema (default 1,16,64)")
+                   help="batch sizes for --json-schema and --speculative-compare (default 1,16,64)")
+    p.add_argument("--speculative-compare", action="store_true",
+                   help="with --speculative-algorithm: output tok/s at each of --batches without "
+                        "speculation, with the depth policy and always at full depth")
+    p.add_argument("--prompts", default="random", choices=("random", "stdlib"),
+                   help="--speculative-compare's prompts: random tokens, or windows of the Python standard "
+                        "library's sources (real text, what `splash model train-mtp` learns)")
     from splash.bench.offline_peer import add_peer_args
 
     add_peer_args(p)
@@ -140,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
         from splash.bench import structured
 
         return structured.run(args)
+    if args.speculative_compare:
+        from splash.bench import speculative
+
+        return speculative.run(args)
     try:
         offline_peer.check_args(args)
         res, prompts, tokens, eng = run_splash(args)
