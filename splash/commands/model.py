@@ -1,5 +1,5 @@
-"""`splash model init-tiny|init-small|init-tiny-dsa|init-tiny-glm5|init-small-dsa DIR [--seed N]` and
-`splash model info MODEL`."""
+"""`splash model init-tiny|init-small|init-tiny-dsa|init-tiny-glm5|init-small-dsa DIR [--seed N]`,
+`splash model train-mtp DIR [--seed N] [--minutes M | --steps N]` and `splash model info MODEL`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from splash.core.config import ConfigError
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="model checkpoints: write a built-in model (tiny, small, tiny-dsa, "
-                                     "tiny-glm5, small-dsa), describe one")
+                                     "tiny-glm5, small-dsa), train one with an MTP layer, describe one")
     kinds = p.add_subparsers(dest="model_cmd", metavar="ACTION")
     helps = {"tiny": "write the built-in tiny DeepSeek-V3-architecture checkpoint (tests, demos)",
              "small": "write the built-in benchmark checkpoint: DeepSeek-V3's real MLA dims (latent 512 + "
@@ -27,6 +27,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help=f"weight seed (default 0, the one '--model {name}' uses)")
         t.add_argument("--force", action="store_true", help="overwrite a checkpoint already in DIR")
         t.set_defaults(func=_init_builtin, builtin=name)
+    t = kinds.add_parser("train-mtp", help=(
+        "train a small DeepSeek-V3 model with one MTP layer on the Python standard library's sources (CPU, "
+        "~12 minutes): a checkpoint whose MTP drafts are really accepted, for speculative decoding"))
+    t.add_argument("dir", help="output directory (created; must not already hold a checkpoint)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default 0)")
+    t.add_argument("--minutes", type=float, default=12.0,
+                   help="wall-clock budget of the whole command (default 12); the step count is fixed from "
+                        "the speed of the first steps and written to train_info.json")
+    t.add_argument("--steps", type=int, default=None,
+                   help="train exactly N steps instead (ignores --minutes; replays a --minutes run exactly)")
+    t.add_argument("--force", action="store_true", help="overwrite a checkpoint already in DIR")
+    t.set_defaults(func=_train_mtp)
     i = kinds.add_parser("info", help="dimensions, parameters and KV bytes per token of a checkpoint")
     i.add_argument("model", help="checkpoint directory, a built-in model (tiny, small, tiny-dsa, ...) or a "
                                  "preset (deepseek-v3, deepseek-v3.2, glm-5, ...)")
@@ -39,12 +51,7 @@ def _init_builtin(args: argparse.Namespace) -> int:
     from splash.model.tiny import write_builtin_model
 
     name = getattr(args, "builtin", "tiny")
-    if os.path.isfile(os.path.join(args.dir, "config.json")) and not args.force:
-        raise ConfigError(f"{args.dir} already holds a checkpoint; pass --force to overwrite it")
-    if not args.dir:
-        raise ConfigError(f"give the directory to write the {name} model to")
-    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
-        raise ConfigError(f"{args.dir} exists and is not a directory")
+    _check_out_dir(args.dir, args.force, f"{name} model")
     if not 0 <= args.seed < 2**63:
         raise ConfigError(f"--seed must be in [0, 2**63), got {args.seed}")
     try:
@@ -52,6 +59,47 @@ def _init_builtin(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ConfigError(f"cannot write {args.dir}: {e.strerror or e}") from None
     print(f"wrote the {name} model (seed {args.seed}) to {path}")
+    return 0
+
+
+def _check_out_dir(path: str, force: bool, what: str) -> None:
+    if not path:
+        raise ConfigError(f"give the directory to write the {what} to")
+    if os.path.isfile(os.path.join(path, "config.json")) and not force:
+        raise ConfigError(f"{path} already holds a checkpoint; pass --force to overwrite it")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{path} exists and is not a directory")
+
+
+def _train_mtp(args: argparse.Namespace) -> int:
+    from splash.model.train import train_mtp_model
+
+    _check_out_dir(args.dir, args.force, "trained model")
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
+    if args.steps is None and not 0 < args.minutes < 10_000:
+        raise ConfigError(f"--minutes must be a positive number of minutes, got {args.minutes}")
+    try:  # fail before training, not after it
+        os.makedirs(args.dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write {args.dir}: {e.strerror or e}") from None
+    if not os.access(args.dir, os.W_OK):
+        raise ConfigError(f"cannot write {args.dir}: permission denied; choose another directory")
+    try:
+        path = train_mtp_model(args.dir, seed=args.seed, minutes=args.minutes, steps=args.steps)
+    except OSError as e:
+        raise ConfigError(f"cannot write {args.dir}: {e.strerror or e}") from None
+    with open(os.path.join(path, "train_info.json"), encoding="utf-8") as f:
+        info = json.load(f)
+    held = info["heldout"]
+    print(f"wrote the MTP model (seed {args.seed}, {info['steps']} steps, {info['tokens_seen']:,} tokens, "
+          f"{info['minutes']:.1f} min, {info['parameters'] / 1e6:.2f} M parameters) to {path}")
+    print(f"held-out: main loss {held['main_loss']:.3f} top-1 {held['main_top1']:.1%}; MTP loss "
+          f"{held['mtp_loss']:.3f} top-1 {held['mtp_top1']:.1%}; greedy draft acceptance "
+          f"{held['mtp_agrees_main']:.1%} (held-out text), {held['mtp_acceptance_greedy_generated']:.1%} "
+          "(the model's own greedy text)")
     return 0
 
 
