@@ -304,7 +304,7 @@ class EngineConfig:
         if algo is None:
             if self.speculative_num_draft_tokens or self.speculative_num_steps:
                 raise ConfigError("--speculative-num-draft-tokens / --speculative-num-steps need "
-                                  "--speculative-algorithm NGRAM")
+                                  "--speculative-algorithm NGRAM or MTP")
             return
         algo = str(algo).upper()
         object.__setattr__(self, "speculative_algorithm", algo)

@@ -94,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
     info: dict[str, Any] = {}
     prompts: list[list[int]] = []
     for mode in MODES:
-        cfg = dataclasses.replace(base, speculative_algorithm=None) if mode == "off" else \
-            dataclasses.replace(base, speculative_policy=mode)
+        cfg = (dataclasses.replace(base, speculative_algorithm=None, speculative_num_steps=None,
+                                   speculative_num_draft_tokens=None, speculative_config=None)
+               if mode == "off" else dataclasses.replace(base, speculative_policy=mode))
         llm = LLM(config=cfg)
         try:
             eng = llm.llm_engine

@@ -39,9 +39,13 @@ def resolve_model_path(model: str | os.PathLike[str]) -> str:
     m = os.fspath(model)
     if m in BUILTIN_MODELS:
         return ensure_builtin_model(m)
+    if m == "trained-mtp":  # the benchmark model with an MTP layer (splash/model/train.py), trained once
+        from splash.model.train import ensure_trained_model
+
+        return ensure_trained_model()
     if not os.path.isdir(m) or not os.path.isfile(os.path.join(m, "config.json")):
         raise ConfigError(f"model {m!r} is not a checkpoint directory with config.json "
-                          f"(or a built-in model: {', '.join(BUILTIN_MODELS)})")
+                          f"(or a built-in model: {', '.join(BUILTIN_MODELS)}, trained-mtp)")
     return m
 
 

@@ -286,6 +286,25 @@ class DeepseekForCausalLM(nn.Module):
         return self.mtp[depth](self.embed_tokens(next_ids, ctx), hidden, ctx)
 
     @torch.inference_mode()
+    def draft_extend(self, next_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
+                     depth: int = 0) -> torch.Tensor:
+        """MTP layer `depth`'s draft KV of the rows of `ctx` written (no attention, no MoE: see
+        MTPLayer.write_kv) -> [N, d] their block inputs, for the rows a chain starts from."""
+        self.rotary.tables(ctx.positions, bound=ctx.max_end or None)
+        m = self.mtp[depth]
+        x = m.mix(self.embed_tokens(next_ids, ctx), hidden)
+        m.write_kv(x, ctx)
+        return x
+
+    @torch.inference_mode()
+    def draft_block(self, x: torch.Tensor, ctx: ForwardContext, depth: int = 0) -> torch.Tensor:
+        """MTP layer `depth`'s decoder block over block-input rows `x` (from `draft_extend`)."""
+        if self.cfg.is_sparse and ctx.sparse is None:
+            ctx.sparse = ctx.layout.sparse_step(self.cfg.index_topk, ctx)
+        self.rotary.tables(ctx.positions, bound=ctx.max_end or None)
+        return self.mtp[depth].block.forward(x, ctx)
+
+    @torch.inference_mode()
     def draft_head(self, x: torch.Tensor, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed rows, logits) of MTP layer `depth`'s output rows: the logits give its drafts, the
         normed rows are the hidden state the next draft of a chain reads."""

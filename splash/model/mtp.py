@@ -48,7 +48,24 @@ class MTPLayer(nn.Module):
         name = f"{prefix}.shared_head.head.weight"
         self.head = reader.get(name, self.eh_proj.dtype, dev) if reader.has(name) else None
 
+    def mix(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, d] next tokens' embeddings and [N, d] normed hidden states -> [N, d] the block's input."""
+        return gemm.linear(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1), self.eh_proj)
+
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
         """[N, d] next tokens' embeddings and [N, d] normed hidden states -> [N, d] the block's output."""
-        x = gemm.linear(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1), self.eh_proj)
-        return self.block.forward(x, ctx)
+        return self.block.forward(self.mix(embedded, hidden), ctx)
+
+    def write_kv(self, x: torch.Tensor, ctx: Any) -> None:
+        """Store the draft KV of block-input rows `x` (the latent, and a DSA indexer's keys) where the
+        layout places them, without attending: a row's keys depend only on its own input, and rows that
+        draft nothing need no more (the extend over accepted rows is this, plus full rows where chains
+        start)."""
+        b = self.block
+        xn = b.input_layernorm(x)
+        q_in, latent = b.self_attn.prepare(xn, ctx.positions)
+        ctx.layout.write_kv(b.idx, latent, ctx)
+        if b.indexer is not None and ctx.kv is not None and ctx.write_slots is not None:
+            k_new = b.indexer.prepare(xn, q_in, ctx.positions).k_new
+            held = k_new if ctx.all_held else k_new[ctx.write_rows]
+            ctx.kv.write_store("index_k", b.idx, ctx.write_slots, held)

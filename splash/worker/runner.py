@@ -111,13 +111,16 @@ class ModelRunner:
         work, m, dev = plan.payload, self.model, self.device
         src = np.concatenate([np.arange(a, a + s.num_new) for a, s in zip(work.src, plan.seqs)])
         h = m.norm(hidden.index_select(0, to_device(torch.from_numpy(src), dev)))
-        x = m.draft_forward(self.input_ids(plan), h, self.context(plan, self.layout))
+        # every row's draft KV (cheap: no attention), then the whole block where a chain starts
+        x = m.draft_extend(self.input_ids(plan), h, self.context(plan, self.layout))
         chain = [(i, n) for i, n in enumerate(work.chain) if n > 0]
         if not chain:
             return None
         ends = np.cumsum([s.num_new for s in plan.seqs]) - 1
         rows = to_device(torch.tensor([int(ends[i]) for i, _ in chain], dtype=torch.long), dev)
-        hn, logits = m.draft_head(x.index_select(0, rows))
+        first = [SeqSlice(plan.seqs[i].req_id, plan.seqs[i].end - 1, 1, plan.seqs[i].owner, [], True)
+                 for i, _ in chain]
+        hn, logits = m.draft_head(m.draft_block(x.index_select(0, rows), self.context_of(first, self.layout)))
         tok = logits.argmax(dim=-1)
         out = torch.full((len(chain), max(n for _, n in chain)), -1, dtype=torch.long, device=dev)
         out[:, 0] = tok
