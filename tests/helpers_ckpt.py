@@ -216,3 +216,19 @@ def add_mtp_layer(path: str | os.PathLike[str], seed: int = 0, noise: float = 0.
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return path
+
+
+def serve_requests(eng, prompts, params, abort: tuple[int, int] | None = None) -> dict:
+    """{prompt index: final CompletionOutput} of `prompts` served to the end (aborting request abort[1]
+    at step abort[0]), the books proved after every step."""
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), prompt_token_ids=p, params=params)
+    done = {}
+    while eng.has_unfinished():
+        if abort is not None and eng.steps == abort[0]:
+            done[abort[1]] = eng.abort(str(abort[1])).outputs[0]
+        for o in eng.step():
+            if o.finished:
+                done[int(o.request_id)] = o.outputs[0]
+        assert not eng.scheduler.book_errors()
+    return dict(sorted(done.items()))

@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from helpers_ckpt import add_mtp_layer, build_checkpoint, hf_greedy, hf_reference
+from helpers_ckpt import add_mtp_layer, build_checkpoint, hf_greedy, hf_reference, serve_requests
 
 from splash.core.config import ConfigError
 from splash.engine.build import build_engine
@@ -61,17 +61,7 @@ def serve(eng, prompts, params, abort=None) -> tuple[dict, list]:
                                seq.token_slice(0, seq.num_tokens), list(seq.next_draft)))
 
     drafter.after_step = record
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), prompt_token_ids=p, params=params)
-    done = {}
-    while eng.has_unfinished():
-        if abort is not None and eng.steps == abort[0]:
-            done[abort[1]] = eng.abort(str(abort[1])).outputs[0]
-        for o in eng.step():
-            if o.finished:
-                done[int(o.request_id)] = o.outputs[0]
-        assert not eng.scheduler.book_errors()
-    return dict(sorted(done.items())), chains
+    return serve_requests(eng, prompts, params, abort), chains
 
 
 class ReferenceMTP:

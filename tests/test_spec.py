@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
+from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference, serve_requests
 
 from splash.config import EngineConfig
 from splash.core.config import ConfigError
@@ -52,19 +52,7 @@ def greedy(**kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=3, **kw)
 
 
-def serve(eng, prompts, params, abort: tuple[int, int] | None = None) -> dict:
-    """{prompt index: final CompletionOutput} (aborting request abort[1] at step abort[0])."""
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), prompt_token_ids=p, params=params)
-    done = {}
-    while eng.has_unfinished():
-        if abort is not None and eng.steps == abort[0]:
-            done[abort[1]] = eng.abort(str(abort[1])).outputs[0]
-        for o in eng.step():
-            if o.finished:
-                done[int(o.request_id)] = o.outputs[0]
-        assert not eng.scheduler.book_errors()
-    return dict(sorted(done.items()))
+serve = serve_requests  # {prompt index: final output}, the books proved after every step
 
 
 def same_logprobs(a, b) -> float:

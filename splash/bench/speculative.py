@@ -74,7 +74,7 @@ def _generate(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from splash.bench.workload import random_prompts
+    from splash.bench.workload import best_run, random_prompts
     from splash.config import EngineConfig
     from splash.engine.sampling import SamplingParams
     from splash.llm import LLM
@@ -110,13 +110,11 @@ def run(args: argparse.Namespace) -> int:
             warm = dataclasses.replace(params, max_tokens=8)
             llm.generate(prompt_token_ids=prompts[:2], sampling_params=warm, use_tqdm=False)  # warm-up
             for b in batches:
-                best = None
-                for _ in range(args.repeat):
+                def one(batch: list[list[int]] = prompts[:b], llm: Any = llm) -> dict[str, Any]:
                     llm.reset_prefix_cache()
-                    r = _generate(llm, prompts[:b], params)
-                    if best is None or r["tok_per_s"] > best["tok_per_s"]:
-                        best = r
-                rows[b][mode] = best
+                    return _generate(llm, batch, params)
+
+                rows[b][mode] = best_run(args.repeat, one)
         finally:
             llm.shutdown()
     for row in rows.values():

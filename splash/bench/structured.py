@@ -78,7 +78,7 @@ def _decode(eng: Any, prompts: list[list[int]], params: Any) -> dict[str, float]
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from splash.bench.workload import random_prompts
+    from splash.bench.workload import best_run, random_prompts
     from splash.config import EngineConfig
     from splash.engine.sampling import SamplingParams, StructuredOutputs
     from splash.llm import LLM
@@ -109,13 +109,11 @@ def run(args: argparse.Namespace) -> int:
         for name, s in kinds.items():
             params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                                     structured_outputs=s)
-            best = None
-            for _ in range(args.repeat):
+            def one(b: int = b, params: Any = params) -> dict[str, Any]:
                 llm.reset_prefix_cache()
-                r = _decode(eng, prompts[:b], params)
-                if best is None or r["tok_per_s"] > best["tok_per_s"]:
-                    best = r
-            row[name] = best
+                return _decode(eng, prompts[:b], params)
+
+            row[name] = best_run(args.repeat, one)
         free, con = row["free"], row["json_schema"]
         row["ratio"] = con["tok_per_s"] / free["tok_per_s"] if free["tok_per_s"] else None
         steps = max(con["steps"], 1)

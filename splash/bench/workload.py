@@ -4,6 +4,7 @@ greedy tokens agree (splash/bench/offline.py and its --peer vllm run, splash/ben
 from __future__ import annotations
 
 import random
+from typing import Any
 
 
 def random_prompts(batch: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -19,3 +20,14 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
         k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
         fr.append(k / max(1, len(x)))
     return sum(fr) / max(1, len(fr))
+
+
+def best_run(repeat: int, run: Any, key: str = "tok_per_s") -> dict[str, Any]:
+    """The fastest (largest `key`) of `repeat` calls of `run()` (each a dict of figures)."""
+    best: dict[str, Any] | None = None
+    for _ in range(repeat):
+        r = run()
+        if best is None or r[key] > best[key]:
+            best = r
+    assert best is not None
+    return best
