@@ -11,7 +11,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from splash.model.train import MTPModel, Trained, load_mtp_model, train, train_mtp_model, write_checkpoint
+from splash.core.config import ConfigError
+from splash.model.train import (
+    DEFAULT_DIMS,
+    TRAIN_VERSION,
+    MTPModel,
+    Trained,
+    checkpoint_tensors,
+    load_mtp_model,
+    model_config,
+    resolve_dims,
+    shape_dims,
+    train,
+    train_mtp_model,
+    write_checkpoint,
+)
 
 pytest.importorskip("transformers")
 
@@ -47,6 +61,45 @@ def test_files_and_info(trained: tuple[Trained, str]) -> None:
     info = json.load(open(os.path.join(path, "train_info.json")))
     assert info["seed"] == 3 and info["steps"] == 3 and info["tokens_seen"] == 3 * 2 * 32
     assert {"main_top1", "mtp_top1", "mtp_agrees_main", "mtp_loss"} <= set(info["heldout"])
+    assert info["version"] == TRAIN_VERSION
+    assert info["shape"] == {"vocab_size": 512, **resolve_dims(dims=DIMS)}
+    assert info["shape"]["num_hidden_layers"] == 2 and info["shape"]["hidden_size"] == 64
+    assert info["mtp_layer_parameters"] == info["parameters"] - info["main_parameters"] > 0
+
+
+def _has(d: dict, **want: int) -> bool:
+    return {k: d[k] for k in want} == want
+
+
+def test_default_shape_is_deep_and_narrow() -> None:
+    """The benchmark model is DeepSeek-V3-shaped: many narrow layers, so the one MTP layer is a small
+    share of a step; MLA dims valid (heads x v_head_dim = hidden)."""
+    d = DEFAULT_DIMS
+    assert TRAIN_VERSION == "2" and d == shape_dims() == resolve_dims()
+    assert _has(d, num_hidden_layers=16, hidden_size=128, num_attention_heads=4, qk_nope_head_dim=32,
+                qk_rope_head_dim=16, v_head_dim=32, kv_lora_rank=64, q_lora_rank=96, intermediate_size=384,
+                moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                first_k_dense_replace=1)
+    for h in (32, 64, 128, 256, 512):
+        s = shape_dims(3, h)
+        assert s["num_attention_heads"] * s["v_head_dim"] == h and s["num_hidden_layers"] == 3
+
+
+def test_shape_arguments() -> None:
+    assert resolve_dims(layers=5)["num_hidden_layers"] == 5
+    s = resolve_dims(hidden_size=256)
+    assert _has(s, hidden_size=256, num_attention_heads=8, kv_lora_rank=128, num_hidden_layers=16)
+    s = resolve_dims(layers=3, dims={"hidden_size": 64, "n_routed_experts": 4})  # dims' width, derived rest
+    assert _has(s, num_hidden_layers=3, hidden_size=64, num_attention_heads=2, n_routed_experts=4)
+    for kw, msg in (({"layers": 0}, "layers must be"), ({"hidden_size": 100}, "multiple of 32"),
+                    ({"layers": 3, "dims": {"num_hidden_layers": 4}}, "contradicts"),
+                    ({"dims": {"bogus": 1}}, "unknown model dims")):
+        with pytest.raises(ConfigError, match=msg):
+            resolve_dims(**kw)
+    cfg = model_config(512, {"num_hidden_layers": 3, "hidden_size": 64})  # a derived shape builds and saves
+    names = checkpoint_tensors(MTPModel(cfg), cfg)
+    assert "model.layers.3.eh_proj.weight" in names
+    assert names["model.layers.0.self_attn.o_proj.weight"].shape == (64, 64)
 
 
 def test_tokenizer_loads_in_transformers_and_splash(trained: tuple[Trained, str]) -> None:
@@ -155,7 +208,27 @@ def test_cli_refuses_bad_arguments(trained: tuple[Trained, str], capsys: pytest.
     _, path = trained
     for bad, msg in (([path], "--force"), ([str(tmp_path / "x"), "--steps", "0"], "--steps must be"),
                      ([str(tmp_path / "x"), "--minutes", "-1"], "--minutes must be"),
-                     (["/proc/splash-mtp"], "cannot write"), ([""], "give the directory")):
+                     (["/proc/splash-mtp"], "cannot write"), ([""], "give the directory"),
+                     ([str(tmp_path / "x"), "--layers", "0"], "--layers must be"),
+                     ([str(tmp_path / "x"), "--layers", "9999"], "layers must be"),
+                     ([str(tmp_path / "x"), "--hidden-size", "100"], "--hidden-size must be")):
         assert main(["model", "train-mtp", *bad]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err, err
+
+
+def test_cli_passes_the_shape(trained: tuple[Trained, str], capsys: pytest.CaptureFixture[str],
+                              tmp_path: os.PathLike, monkeypatch: pytest.MonkeyPatch) -> None:
+    import splash.model.train as train_mod
+    from splash.cli import main
+
+    _, path = trained
+    seen: list[dict] = []
+    monkeypatch.setattr(train_mod, "train_mtp_model", lambda out, **kw: (seen.append(kw), path)[1])
+    assert main(["model", "train-mtp", str(tmp_path / "y"), "--layers", "12", "--hidden-size", "96",
+                 "--steps", "5"]) == 0
+    assert seen[0]["layers"] == 12 and seen[0]["hidden_size"] == 96 and seen[0]["steps"] == 5
+    assert main(["model", "train-mtp", str(tmp_path / "z"), "--steps", "5"]) == 0
+    assert seen[1]["layers"] is None and seen[1]["hidden_size"] is None  # train's default: 16 x 128
+    out = capsys.readouterr().out
+    assert "2 layers + 1 MTP layer, hidden 64" in out

@@ -1,5 +1,6 @@
 """`splash model init-tiny|init-small|init-tiny-dsa|init-tiny-glm5|init-small-dsa DIR [--seed N]`,
-`splash model train-mtp DIR [--seed N] [--minutes M | --steps N]` and `splash model info MODEL`."""
+`splash model train-mtp DIR [--seed N] [--minutes M | --steps N] [--layers N] [--hidden-size N]` and
+`splash model info MODEL`."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the speed of the first steps and written to train_info.json")
     t.add_argument("--steps", type=int, default=None,
                    help="train exactly N steps instead (ignores --minutes; replays a --minutes run exactly)")
+    t.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="decoder layers of the main model (default 16: deep and narrow like DeepSeek-V3, so "
+                        "the one MTP layer is a small share of a step)")
+    t.add_argument("--hidden-size", type=int, default=None, metavar="N",
+                   help="hidden size, a multiple of 32 (default 128); heads (N/32), MLA ranks and expert "
+                        "sizes follow from it")
     t.add_argument("--force", action="store_true", help="overwrite a checkpoint already in DIR")
     t.set_defaults(func=_train_mtp)
     i = kinds.add_parser("info", help="dimensions, parameters and KV bytes per token of a checkpoint")
@@ -72,9 +79,14 @@ def _check_out_dir(path: str, force: bool, what: str) -> None:
 
 
 def _train_mtp(args: argparse.Namespace) -> int:
-    from splash.model.train import train_mtp_model
+    from splash.model.train import resolve_dims, train_mtp_model
 
     _check_out_dir(args.dir, args.force, "trained model")
+    if args.layers is not None and args.layers < 1:
+        raise ConfigError(f"--layers must be at least 1, got {args.layers}")
+    if args.hidden_size is not None and (args.hidden_size < 32 or args.hidden_size % 32):
+        raise ConfigError(f"--hidden-size must be a positive multiple of 32, got {args.hidden_size}")
+    resolve_dims(args.layers, args.hidden_size)  # the rest of the shape's checks, before training
     if not 0 <= args.seed < 2**63:
         raise ConfigError(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.steps is not None and args.steps < 1:
@@ -88,13 +100,15 @@ def _train_mtp(args: argparse.Namespace) -> int:
     if not os.access(args.dir, os.W_OK):
         raise ConfigError(f"cannot write {args.dir}: permission denied; choose another directory")
     try:
-        path = train_mtp_model(args.dir, seed=args.seed, minutes=args.minutes, steps=args.steps)
+        path = train_mtp_model(args.dir, seed=args.seed, minutes=args.minutes, steps=args.steps,
+                               layers=args.layers, hidden_size=args.hidden_size)
     except OSError as e:
         raise ConfigError(f"cannot write {args.dir}: {e.strerror or e}") from None
     with open(os.path.join(path, "train_info.json"), encoding="utf-8") as f:
         info = json.load(f)
-    held = info["heldout"]
-    print(f"wrote the MTP model (seed {args.seed}, {info['steps']} steps, {info['tokens_seen']:,} tokens, "
+    held, shape = info["heldout"], info["shape"]
+    print(f"wrote the MTP model ({shape['num_hidden_layers']} layers + 1 MTP layer, hidden "
+          f"{shape['hidden_size']}; seed {args.seed}, {info['steps']} steps, {info['tokens_seen']:,} tokens, "
           f"{info['minutes']:.1f} min, {info['parameters'] / 1e6:.2f} M parameters) to {path}")
     print(f"held-out: main loss {held['main_loss']:.3f} top-1 {held['main_top1']:.1%}; MTP loss "
           f"{held['mtp_loss']:.3f} top-1 {held['mtp_top1']:.1%}; greedy draft acceptance "

@@ -1,6 +1,8 @@
 """`splash model train-mtp`: train a small DeepSeek-V3-shaped model with one MTP layer on CPU, so
 speculative-decoding benchmarks have a draft head whose guesses are really accepted (the built-in models
-have random weights: their drafts almost never match).
+have random weights: their drafts almost never match). Shape: deep and narrow like DeepSeek-V3 itself
+(default 16 layers at hidden 128, `layers` / `hidden_size` choose another; shape_dims), so the MTP layer
+is a small share of a target step.
 
 Corpus: the Python standard library's own sources (present on every machine; `site-packages`, tests,
 codec tables and pydoc's topic dump left out), files in sorted order, one in HELDOUT_EVERY held out
@@ -41,7 +43,7 @@ from torch import nn
 
 from splash.core.config import ConfigError, ModelConfig
 
-TRAIN_VERSION = "1"
+TRAIN_VERSION = "2"  # 2: the deep and narrow default shape (16 x 128)
 SPECIALS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}  # ids 0, 1, 2
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
                        "encodings", "pydoc_data"})  # not code people write / huge generated tables
@@ -50,14 +52,56 @@ MTP_WEIGHT = 0.3  # DeepSeek-V3's lambda for the first 10T tokens
 # gamma of DeepSeek-V3's aux-loss-free load balancing: 5x its 0.001, so a run of a few hundred steps
 # balances its experts (0.001 left them 3-4x skewed after 70 steps)
 BIAS_UPDATE = 5e-3
-# The default shape: DeepSeek-V3's architecture at a size 2 CPU cores train in minutes.
-DEFAULT_DIMS: dict[str, Any] = {
-    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "q_lora_rank": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8, "n_shared_experts": 1,
-    "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1, "max_position_embeddings": 2048,
-}
+# The default shape: DeepSeek-V3's architecture, deep and narrow like the real one (61 layers + 1 MTP
+# layer), so the MTP layer is a small share of a target step (on CPU at batch 1 every layer costs about the
+# same: at 4 layers a chain of 3 drafts cost ~75% of a step). 16 x 128 has about 4 x 256's matmul FLOPs
+# per token, but trains ~1.4x slower per token on 2 cores (each layer's attention scores cost the same at
+# any width, and 4x the layers run 4x the small ops).
+DEFAULT_LAYERS = 16
+DEFAULT_HIDDEN = 128
+HEAD_DIM = 32  # qk_nope_head_dim = v_head_dim; heads = hidden / HEAD_DIM, so heads * v_head_dim = hidden
+ROPE_DIM = 16
+MAX_LAYERS = 256
+
+
+def shape_dims(layers: int = DEFAULT_LAYERS, hidden_size: int = DEFAULT_HIDDEN) -> dict[str, Any]:
+    """The model dims that follow from a depth and a width: MLA with hidden/32 heads of 32 (+16 rope),
+    q_lora_rank 3/4 hidden, kv_lora_rank max(64, hidden/2); one dense first layer (intermediate 3 x hidden),
+    then MoE: 8 routed experts top-2 plus 1 shared, expert intermediate hidden/2. At 16 x 128: 4 heads,
+    q_lora_rank 96, kv_lora_rank 64, dense 384, experts 64."""
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
+        raise ConfigError(f"layers must be an integer in [1, {MAX_LAYERS}], got {layers!r}")
+    if (isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size % HEAD_DIM
+            or not HEAD_DIM <= hidden_size <= 4096):
+        raise ConfigError(f"hidden size must be a multiple of {HEAD_DIM} in [{HEAD_DIM}, 4096] (heads of "
+                          f"{HEAD_DIM}), got {hidden_size!r}")
+    h = hidden_size
+    return {"hidden_size": h, "intermediate_size": 3 * h, "moe_intermediate_size": h // 2,
+            "num_hidden_layers": layers, "num_attention_heads": h // HEAD_DIM, "q_lora_rank": 3 * h // 4,
+            "kv_lora_rank": max(64, h // 2), "qk_nope_head_dim": HEAD_DIM, "qk_rope_head_dim": ROPE_DIM,
+            "v_head_dim": HEAD_DIM, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+            "max_position_embeddings": 2048}
+
+
+DEFAULT_DIMS: dict[str, Any] = shape_dims()
+
+
+def resolve_dims(layers: int | None = None, hidden_size: int | None = None,
+                 dims: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every model dim: shape_dims(layers, hidden_size) (each defaulting to `dims`' own value, then to
+    the default shape), overridden by `dims` (tests pin toy dims that way)."""
+    dims = dict(dims or {})
+    unknown = set(dims) - set(DEFAULT_DIMS)
+    if unknown:
+        raise ConfigError(f"unknown model dims {sorted(unknown)}; choose from {sorted(DEFAULT_DIMS)}")
+    for arg, key, val in (("layers", "num_hidden_layers", layers),
+                          ("hidden_size", "hidden_size", hidden_size)):
+        if val is not None and key in dims and dims[key] != val:
+            raise ConfigError(f"{arg}={val} contradicts dims[{key!r}]={dims[key]}")
+    L = layers if layers is not None else dims.get("num_hidden_layers", DEFAULT_LAYERS)
+    h = hidden_size if hidden_size is not None else dims.get("hidden_size", DEFAULT_HIDDEN)
+    return {**shape_dims(L, h), **dims}
 
 
 def _heldout(i: int) -> bool:
@@ -146,8 +190,9 @@ def build_corpus(tok: Any, root: str, files: list[str]) -> Corpus:
 
 # ---- model --------------------------------------------------------------------------------------------
 def model_config(vocab_size: int, dims: dict[str, Any] | None = None) -> ModelConfig:
-    """The splash ModelConfig of the trained model (DEFAULT_DIMS, overridden by `dims`)."""
-    d = {**DEFAULT_DIMS, **(dims or {})}
+    """The splash ModelConfig of the trained model: `resolve_dims(dims=dims)` (the default shape, or the
+    shape following from dims' layers and hidden size, overridden by `dims`)."""
+    d = resolve_dims(dims=dims)
     return ModelConfig(name="mtp", model_type="deepseek_v3", vocab_size=vocab_size, topk_method="noaux_tc",
                        scoring_func="sigmoid", norm_topk_prob=True, rope_theta=10000.0, rope_scaling=None,
                        rope_interleave=True, bos_token_id=0, eos_token_id=1, pad_token_id=2, **d)
@@ -446,7 +491,7 @@ def write_checkpoint(out_dir: str, model: MTPModel, cfg: ModelConfig, tok: Any,
 
 
 def _check_args(steps: int | None, minutes: float, vocab_size: int, seq_len: int, batch_size: int,
-                warmup: int, threads: int, dims: dict[str, Any] | None) -> None:
+                warmup: int, threads: int, dims: dict[str, Any]) -> None:
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     if steps is None and not (minutes > 0 and math.isfinite(minutes)):
@@ -456,10 +501,7 @@ def _check_args(steps: int | None, minutes: float, vocab_size: int, seq_len: int
     if seq_len < 2 or batch_size < 1 or warmup < 1 or threads < 1:
         raise ConfigError("seq_len must be >= 2 (the MTP layer predicts 2 ahead); batch_size, warmup and "
                           f"threads >= 1; got {seq_len}, {batch_size}, {warmup}, {threads}")
-    unknown = set(dims or {}) - set(DEFAULT_DIMS)
-    if unknown:
-        raise ConfigError(f"unknown model dims {sorted(unknown)}; choose from {sorted(DEFAULT_DIMS)}")
-    max_pos = (dims or {}).get("max_position_embeddings", DEFAULT_DIMS["max_position_embeddings"])
+    max_pos = dims["max_position_embeddings"]
     if seq_len > max_pos:
         raise ConfigError(f"seq_len {seq_len} exceeds max_position_embeddings {max_pos}")
 
@@ -475,25 +517,29 @@ class Trained:
 
 
 def train_mtp_model(out_dir: str, *, seed: int = 0, minutes: float = 12.0, steps: int | None = None,
-                    **kwargs: Any) -> str:
-    """Train (`train`'s arguments) and write the checkpoint to `out_dir` (created); returns it."""
-    t = train(seed=seed, minutes=minutes, steps=steps, **kwargs)
+                    layers: int | None = None, hidden_size: int | None = None, **kwargs: Any) -> str:
+    """Train (`train`'s arguments: `layers` x `hidden_size`, default 16 x 128) and write the checkpoint to
+    `out_dir` (created); returns it."""
+    t = train(seed=seed, minutes=minutes, steps=steps, layers=layers, hidden_size=hidden_size, **kwargs)
     return write_checkpoint(out_dir, t.model, t.cfg, t.tokenizer, t.info)
 
 
 def train(*, seed: int = 0, minutes: float = 12.0, steps: int | None = None, vocab_size: int = 2048,
           seq_len: int = 256, batch_size: int = 8, lr: float = 3e-3, warmup: int = 50,
-          dims: dict[str, Any] | None = None, corpus_bytes: int | None = None, eval_windows: int = 64,
+          layers: int | None = None, hidden_size: int | None = None, dims: dict[str, Any] | None = None,
+          corpus_bytes: int | None = None, eval_windows: int = 64,
           threads: int = 2, progress: bool = True, log: Any = None) -> Trained:
     """Build the corpus and tokenizer, train the main model and its MTP layer, evaluate on held-out files.
 
     `steps`: train exactly that many steps (`minutes` is then ignored: the run is a pure function of the
     arguments). Otherwise the whole command (writing included) aims at `minutes` of wall clock: the step
     count is fixed during warmup from the speed of the first steps, and a hard deadline stops a machine
-    that slows down later. `dims` overrides DEFAULT_DIMS, `corpus_bytes` keeps only the first stdlib files
-    (tests)."""
+    that slows down later. `layers` / `hidden_size`: the model's depth and width (default 16 x 128), the
+    other dims following from them (shape_dims); `dims` overrides any dim (tests), `corpus_bytes` keeps
+    only the first stdlib files (tests)."""
     from splash.progress import progress_bar
 
+    dims = resolve_dims(layers, hidden_size, dims)
     _check_args(steps, minutes, vocab_size, seq_len, batch_size, warmup, threads, dims)
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     t0 = time.monotonic()
@@ -514,9 +560,11 @@ def train(*, seed: int = 0, minutes: float = 12.0, steps: int | None = None, voc
         model = MTPModel(cfg)
         model.train()
         params = sum(p.numel() for p in model.parameters())
+        mtp_params = sum(p.numel() for p in model.mtp.parameters())  # embedding and head are main's
         say(f"model: DeepSeek-V3 {cfg.num_hidden_layers} layers + 1 MTP layer, hidden {cfg.hidden_size}, "
-            f"{cfg.n_routed_experts} experts (top {cfg.num_experts_per_tok}), {params / 1e6:.2f} M "
-            "parameters")
+            f"{cfg.num_attention_heads} heads, {cfg.n_routed_experts} experts (top {cfg.num_experts_per_tok}"
+            f", intermediate {cfg.moe_intermediate_size}), {params / 1e6:.2f} M parameters "
+            f"({mtp_params / 1e6:.2f} M in the MTP layer)")
         decay = [p for p in model.parameters() if p.dim() >= 2]
         flat = [p for p in model.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -528,7 +576,7 @@ def train(*, seed: int = 0, minutes: float = 12.0, steps: int | None = None, voc
         total = steps if steps is not None else calibrate
         bar = progress_bar(total, "train-mtp", "step", disable=not progress)
         ema: list[float] = []
-        done, tokens, t_train, times, cut = 0, 0, time.monotonic(), [], False
+        done, tokens, t_train, times, cut, skew = 0, 0, time.monotonic(), [], False, 1.0
         step = 0
         while step < total:
             if time.monotonic() > deadline and step > 0:
@@ -578,7 +626,10 @@ def train(*, seed: int = 0, minutes: float = 12.0, steps: int | None = None, voc
                 "train_seconds": round(train_s, 1), "minutes": round((time.monotonic() - t0) / 60.0, 2),
                 "minutes_budget": None if steps is not None else minutes, "parameters": params,
                 "main_parameters": sum(p.numel() for p in model.main.parameters()),
+                "mtp_layer_parameters": mtp_params,
+                "shape": {"vocab_size": cfg.vocab_size, **{k: getattr(cfg, k) for k in DEFAULT_DIMS}},
                 "final_train_loss": {"main": round(ema[0], 4), "mtp": round(ema[1], 4)},
+                "final_expert_skew": round(skew, 3),  # worst router's max / mean expert load, last step
                 "heldout": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in ev.items()},
                 "corpus": corpus.description, "torch": torch.__version__}
         return Trained(model, cfg, tok, info)
