@@ -77,16 +77,16 @@ def test_policy_learns_the_step_times_and_acceptance():
     wide, narrow = seqs(64, accepted=60, rejected=40), seqs(1, accepted=60, rejected=40)
     assert pol.decide(wide, 0, "tp") == 3  # the prior: depth 3 at ~0.6 acceptance
     # what the machine really takes: wide steps 10 ms + 2 ms per row (row-bound), narrow 50 ms + 2 ms
-    for _ in range(24):
+    for _ in range(48):
         k = pol.decide(wide, 0, "tp")
         pol.observe([300 + k + 1] * 64, [k + 1] * 64, 0.01 + 0.002 * 64 * (k + 1), "tp")
     assert pol.k == 0 and pol.changes >= 1
-    for _ in range(24):
+    for _ in range(48):
         k = pol.decide(narrow, 0, "tp")
         pol.observe([300 + k + 1], [k + 1], 0.05 + 0.002 * (k + 1), "tp")
     assert pol.k == 3
     # requests that never accept: off even in the narrow tail
-    for _ in range(12):
+    for _ in range(24):
         pol.decide(seqs(1, accepted=0, rejected=50), 0, "tp")
     assert pol.k == 0
 

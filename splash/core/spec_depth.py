@@ -68,11 +68,15 @@ def price_depths(sizes: AttentionSizes, theta: Theta, layout: Layout, contexts: 
     """Seconds per emitted token at each depth 0..K for decoding requests of `contexts` (their KV
     before this step) with per-draft acceptance `accept`, in `layout` on theta.ranks ranks. `others`:
     rows of the step that are not decoding (prefill chunks), priced alike at every depth."""
-    s = np.asarray(contexts, dtype=np.int64)
-    a = np.clip(np.asarray(accept, dtype=np.float64), 0.0, 1.0)
-    if not len(s):
+    if not len(contexts):
         return {0: 0.0}
-    ranks = theta.ranks
+    return prices(depth_times(sizes, theta, layout, contexts, cfg, owners, others), accept, ratios)
+
+
+def depth_times(sizes: AttentionSizes, theta: Theta, layout: Layout, contexts: Sequence[int],
+                cfg: DepthConfig, owners: Sequence[int] | None = None, others: int = 0) -> dict[int, float]:
+    """T(l, x_k) + D(k): the predicted seconds of a step at each depth 0..K (drafting included)."""
+    s = np.asarray(contexts, dtype=np.int64)
     out: dict[int, float] = {}
     base = None
     for k in range(cfg.max_depth + 1):
@@ -84,12 +88,20 @@ def price_depths(sizes: AttentionSizes, theta: Theta, layout: Layout, contexts: 
             ctx.append(int(others))
             rows.append(int(others))
             own = None if own is None else [*own, 0]
-        t = step_cost(layout, sizes, Batch.make(ctx, rows, own, ranks), theta).total
+        t = step_cost(layout, sizes, Batch.make(ctx, rows, own, theta.ranks), theta).total
         if base is None:
             base = t
-        t = (t + draft_seconds(base, k, cfg, sizes)) * (ratios or {}).get(k, 1.0)
-        out[k] = t / float(np.sum(expected_tokens(a, k)))
+        out[k] = t + draft_seconds(base, k, cfg, sizes)
     return out
+
+
+def prices(times: Mapping[int, float], accept: Sequence[float],
+           ratios: Mapping[int, float] | None = None) -> dict[int, float]:
+    """Seconds per emitted token at each depth: the step `times` (corrected by `ratios`) over the
+    tokens the requests of per-draft acceptance `accept` emit."""
+    a = np.clip(np.asarray(accept, dtype=np.float64), 0.0, 1.0)
+    r = ratios or {}
+    return {k: t * r.get(k, 1.0) / float(np.sum(expected_tokens(a, k))) for k, t in times.items()}
 
 
 def choose_depth(prices: Mapping[int, float], current: int, steps_at_current: int, cfg: DepthConfig) -> int:

@@ -127,6 +127,7 @@ class DepthPolicy:
 
     KEEP = 7
     STALE = 256
+    EVERY = 4  # steps between decisions
 
     def __init__(self, sizes: Any, theta: Any, layout: Any, cfg: Any, explore: float = 0.8) -> None:
         self.sizes, self.theta, self.layout, self.cfg = sizes, theta, layout, cfg
@@ -141,6 +142,7 @@ class DepthPolicy:
         self.samples: dict[tuple[int, int], tuple[deque[float], int]] = {}
         self.decisions = 0
         self.changes = 0
+        self._memo: dict[tuple[Any, ...], dict[int, float]] = {}
 
     @property
     def prior(self) -> float:
@@ -161,7 +163,8 @@ class DepthPolicy:
     def _ratios(self, b: int) -> dict[int, float]:
         """The ratio to apply at each depth in bucket `b`: its own where measured; else the depth's ratio
         in the other buckets, scaled by how this bucket's measured depths compare with theirs (the
-        shape carries over as the batch narrows); else the nearest measured depth's, `explore` lower."""
+        shape carries over as the batch narrows), else the nearest measured depth's; both `explore`
+        lower, so a depth not yet run in this bucket is tried once rather than judged by others."""
         fresh = self.ratio
         here = {k: r for (bb, k), r in fresh.items() if bb == b}
         pooled: dict[int, list[float]] = {}
@@ -174,8 +177,8 @@ class DepthPolicy:
         for k in range(self.cfg.max_depth + 1):
             if k in here:
                 out[k] = here[k]
-            elif k in anywhere:
-                out[k] = anywhere[k] * scale
+            elif k in anywhere:  # (not measured in this bucket: optimistic, so it is tried here once)
+                out[k] = anywhere[k] * scale * self.explore
             elif anywhere:
                 near = min(anywhere, key=lambda j: (abs(j - k), j))
                 out[k] = anywhere[near] * scale * self.explore
@@ -186,43 +189,51 @@ class DepthPolicy:
     def decide(self, decoding: list[Any], other_rows: int, layout: str) -> int:
         """The depth of the next step for these decoding sequences (and `other_rows` prefill rows)."""
         from splash.core.correction import bucket
-        from splash.core.layouts import Layout
-        from splash.core.spec_depth import acceptance_rate, choose_depth, price_depths
+        from splash.core.spec_depth import acceptance_rate, choose_depth, prices
 
         self.steps_at += 1
         if not decoding:
             return self.k
+        if self.steps_at % self.EVERY and self.steps_at > 1:
+            return self.k  # (re-priced every EVERY steps: a batch changes slowly; pricing is host time)
         prior = self.prior
         acc = [acceptance_rate(s.spec_accepted, s.spec_rejected, prior) for s in decoding]
         b = bucket(len(decoding))
-        lay = Layout(layout)
-        prices = price_depths(self.sizes, self.theta, lay, [s.num_computed for s in decoding], acc, self.cfg,
-                              self._ratios(b), others=other_rows)
-        k = choose_depth(prices, self.k, self.steps_at, self.cfg)
+        ctx = sum(s.num_computed for s in decoding) // len(decoding)
+        times = self._times(layout, len(decoding), ctx, other_rows)
+        k = choose_depth(prices(times, acc, self._ratios(b)), self.k, self.steps_at, self.cfg)
         self.decisions += 1
         if k != self.k:
             self.k, self.steps_at = k, 0
             self.changes += 1
         return self.k
 
+    def _times(self, layout: str, batch: int, ctx: int, others: int = 0) -> dict[int, float]:
+        """Predicted step seconds at each depth for `batch` decoding requests of context ~`ctx` (a
+        uniform batch, rounded to 64 tokens; memoised: the cost model is host time every step)."""
+        from splash.core.layouts import Layout
+        from splash.core.spec_depth import depth_times
+
+        key = (layout, batch, (ctx + 63) // 64, (others + 63) // 64)
+        got = self._memo.get(key)
+        if got is None:
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            got = self._memo[key] = depth_times(self.sizes, self.theta, Layout(layout),
+                                                [64 * key[2]] * batch, self.cfg, others=64 * key[3])
+        return got
+
     def observe(self, contexts: list[int], rows: list[int], measured_s: float, layout: str) -> None:
         """A pure decode step ran: `rows[i]` rows (1 + its drafts) of a request reaching `contexts[i]`
         tokens, in `measured_s` seconds (drafting included); the ratio to its prediction goes to its
         (bucket, depth)."""
         from splash.core.correction import bucket
-        from splash.core.costmodel import Batch, step_cost
-        from splash.core.layouts import Layout
-        from splash.core.spec_depth import draft_seconds
 
         if not contexts or measured_s <= 0:
             return
-        lay, B, ctx = Layout(layout), len(contexts), contexts
-        t = step_cost(lay, self.sizes, Batch.make(ctx, rows, None, self.theta.ranks), self.theta).total
+        B = len(contexts)
         d = min(self.cfg.max_depth, max(0, round(sum(rows) / B) - 1))
-        if d:
-            one = step_cost(lay, self.sizes, Batch.make(ctx, [1] * B, None, self.theta.ranks),
-                            self.theta).total
-            t += draft_seconds(one, d, self.cfg, self.sizes)
+        t = self._times(layout, B, sum(contexts) // B - d - 1)[d]
         key = (bucket(B), d)
         rs = self.samples.get(key, (deque(maxlen=self.KEEP), 0))[0]
         rs.append(measured_s / t)
