@@ -175,9 +175,11 @@ def test_mtp_switches_in_all_12_directions(group, ckpt):
     if group.world != 2:
         pytest.skip("T = 2 only (T = 4: test_mtp_at_four_ranks)")
     path, hf, ref = ckpt
+    sampled = SamplingParams(temperature=0.8, top_k=30, max_tokens=NEW, ignore_eos=True, seed=11)
     one = build_engine(model=path, num_kv_pages=96, speculative_num_steps=2, **ENGINE)
     try:
         _, one_chains = serve(one, PROMPTS, greedy())
+        one_sampled, _ = serve(one, PROMPTS, sampled)
     finally:
         one.shutdown()
     eng = build_engine(model=path, num_kv_pages=96, layout="tp", rank_group=group, switch_schedule=ALL12,
@@ -185,11 +187,13 @@ def test_mtp_switches_in_all_12_directions(group, ckpt):
     try:
         got, chains = serve(eng, PROMPTS, greedy())
         stats = eng.stats()
+        two_sampled, _ = serve(eng, PROMPTS, sampled)  # (rejection sampling over the same drafts)
     finally:
         eng.shutdown()
     assert stats["num_switches"] == 12
     assert [o.token_ids for o in got.values()] == ref
     assert chains == one_chains
+    assert [o.token_ids for o in two_sampled.values()] == [o.token_ids for o in one_sampled.values()]
 
 
 def test_mtp_at_four_ranks(group, ckpt):
