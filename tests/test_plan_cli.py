@@ -84,6 +84,20 @@ def test_advise(capsys):
     assert "-> run" in capsys.readouterr().out
 
 
+def test_advise_prices_speculation(capsys):
+    """`plan advise --speculative-depth K`: each depth's step time and price per token in the chosen layout;
+    a narrow batch runs deep, a wide one shallower (verify rows cost real compute there)."""
+    base = ["plan", "advise", "--model", "deepseek-v3", "--gpu", "h200", "--ranks", "8", "--context", "8192",
+            "--speculative-depth", "3"]
+    narrow = run_json(capsys, *base, "--batch", "1")["speculation"]
+    wide = run_json(capsys, *base, "--batch", "512")["speculation"]
+    assert narrow["depth"] == 3 and narrow["speedup"]["3"] > 1.3
+    assert wide["depth"] < narrow["depth"]
+    assert all(narrow["step_ms"][str(k + 1)] > narrow["step_ms"][str(k)] for k in range(3))
+    none = run_json(capsys, *base, "--batch", "1", "--speculative-accept", "0")["speculation"]
+    assert none["depth"] == 0
+
+
 def test_simulate_rollout_cli(capsys, tmp_path):
     png = tmp_path / "roll.png"
     d = run_json(capsys, "simulate", "rollout", "--model", "tiny", "--gpu", "cpu", "--ranks", "4",

@@ -256,6 +256,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--memory-fraction", type=float, help="share of device memory to use (profile default)")
     a.add_argument("--memory-gib", type=float, help="device memory per rank (profile default)")
     a.add_argument("--page-size", type=int, default=64, help="KV page size (default 64)")
+    a.add_argument("--speculative-depth", type=int, default=0,
+                   help="also price speculative decoding at depths 0..K in the chosen layout (the depth "
+                        "policy's choice for this batch)")
+    a.add_argument("--speculative-accept", type=float, default=0.7, help="per-draft acceptance (default 0.7)")
+    a.add_argument("--speculative-draft-layers", type=int, default=1,
+                   help="MTP layers a draft runs through (default 1; 0: n-gram drafts)")
     a.set_defaults(func=run_advise)
 
     p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])

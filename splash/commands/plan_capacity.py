@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from splash.commands.plan_args import (
     emit,
@@ -125,6 +126,32 @@ def run_capacity(args: argparse.Namespace) -> int:
     return emit(args, obj, text)
 
 
+def _advise_depth(args: argparse.Namespace, sizes: Any, th: Any,
+                  layout: Layout) -> tuple[dict[str, Any], str]:
+    """The speculation depth the depth policy would run this batch at in `layout`, and each depth's price
+    (splash/core/spec_depth.py; a fresh choice: no margin, no dwell)."""
+    from splash.core.spec_depth import DepthConfig, depth_times, expected_tokens, prices
+
+    need(args.speculative_depth, "--speculative-depth")
+    if not 0 <= args.speculative_accept <= 1:
+        raise ConfigError(f"--speculative-accept must be in [0, 1], got {args.speculative_accept}")
+    cfg = DepthConfig(args.speculative_depth, draft_layers=args.speculative_draft_layers)
+    times = depth_times(sizes, th, layout, [args.context] * args.batch, cfg)
+    per = prices(times, [args.speculative_accept] * args.batch)
+    best = min(per, key=lambda k: (per[k], k))
+    a = args.speculative_accept
+    rows = [[str(k) + (" *" if k == best else ""), f"{times[k] * 1e3:,.2f}",
+             f"{float(expected_tokens(a, k)):.2f}", f"{per[k] * 1e3 * args.batch:,.3f}",
+             f"{per[0] / per[k]:.2f}"] for k in sorted(times)]
+    spec = {"depth": best, "accept": args.speculative_accept, "draft_layers": args.speculative_draft_layers,
+            "step_ms": {k: times[k] * 1e3 for k in times}, "ms_per_token": {k: per[k] * 1e3 for k in per},
+            "speedup": {k: per[0] / per[k] for k in per}}
+    text = (f"speculation in {layout.label} at per-draft acceptance {args.speculative_accept:g} "
+            f"({args.speculative_draft_layers} MTP layer(s) per draft): run depth {best}\n"
+            + table(rows, ["depth", "step ms", "tokens/request", "ms per token/request", "vs depth 0"]))
+    return spec, text
+
+
 # ---- advise ---------------------------------------------------------------------------------------
 def profile_theta(gpu: str, ranks: int, sizes: AttentionSizes, memory_fraction: float | None,
                   memory_gib: float | None):  # -> Theta
@@ -200,6 +227,10 @@ def run_advise(args: argparse.Namespace) -> int:
             + table(rows, ["layout", "step ms", "mem GiB", "fits", "switch fits", "KV tok/rank",
                            "KV distinct/group", "longest s"]
                     + (["requests fit at s"] if sizes.cfg.is_hybrid else [])))
+    if getattr(args, "speculative_depth", 0):
+        spec, lines = _advise_depth(args, sizes, th, d.layout)
+        obj["speculation"] = spec
+        text += "\n" + lines
     return emit(args, obj, text)
 
 
