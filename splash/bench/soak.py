@@ -46,6 +46,10 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-pages", type=int, default=160)
     p.add_argument("--max-tokens", type=int, default=24, help="longest answer a request asks for")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=("NGRAM", "MTP"),
+                   help="serve with speculative decoding (MTP: A and B get an MTP layer); the greedy checks "
+                        "then compare speculative answers with plain decoding")
+    p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--plot", default=None, metavar="PNG", help="KV usage over time, updates marked")
@@ -97,15 +101,24 @@ def _reference(a: argparse.Namespace, paths: list[str], checks: list[tuple[int, 
 
 
 def _models(a: argparse.Namespace) -> list[str]:
-    from splash.model.tiny import cache_dir, write_builtin_model
+    import dataclasses
 
+    from splash.core.config import ConfigError
+    from splash.core.presets import PRESETS
+    from splash.model.tiny import BUILTIN_MODELS, cache_dir, write_tiny_model
+
+    if a.preset not in BUILTIN_MODELS:
+        raise ConfigError(f"--preset {a.preset!r}: choose one of {', '.join(BUILTIN_MODELS)}")
+    mtp = getattr(a, "speculative_algorithm", None) == "MTP"  # (A and B with an MTP layer each)
     out = []
     for seed in (0, 1):
-        path = os.path.join(cache_dir(), f"soak-{a.preset}-seed{seed}")
+        path = os.path.join(cache_dir(), f"soak-{a.preset}{'-mtp' if mtp else ''}-seed{seed}")
         if not os.path.isfile(os.path.join(path, "config.json")):
             os.makedirs(cache_dir(), exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=".soak-", dir=cache_dir())
-            write_builtin_model(tmp, a.preset, seed=seed)
+            cfg = PRESETS[a.preset]
+            write_tiny_model(tmp, seed=seed, cfg=dataclasses.replace(cfg, num_nextn_predict_layers=1) if mtp
+                             else cfg)
             try:
                 os.replace(tmp, path)  # (atomic: a concurrent soak wrote the same weights first)
             except OSError:
@@ -125,6 +138,9 @@ def _server(a: argparse.Namespace, path: str, port: int) -> list[str]:
         cmd += ["--tp", str(a.tp), "--layout", a.layout or "auto"]
     elif a.layout:
         cmd += ["--layout", a.layout]
+    if getattr(a, "speculative_algorithm", None):
+        cmd += ["--speculative-algorithm", a.speculative_algorithm, "--speculative-num-steps",
+                str(a.speculative_num_steps)]
     return cmd
 
 
