@@ -59,19 +59,26 @@ SEARCH = {"type": "function", "function": {
 TOOLS = [WEATHER, SEARCH]
 
 
-def build_tokenizer():
+def bpe_tokenizer(corpus: list[str], special: list[str], plain_added: list[str], bos: str):
+    """A byte-level BPE (600 tokens) trained on `corpus`, with `special` tokens, `plain_added` ones added
+    but not special (as DeepSeek's `<think>`), and a BOS of its own before every encoding (so a
+    template's must not be doubled)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False, special_tokens=SPECIAL)
-    tok.train_from_iterator(CORPUS.splitlines() + [TEMPLATE, json.dumps(TOOLS)] * 3, trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED])
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A",
-                                                       special_tokens=[(BOS, tok.token_to_id(BOS))])
+                                  show_progress=False, special_tokens=special)
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain_added])
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
     return tok
+
+
+def build_tokenizer():
+    return bpe_tokenizer(CORPUS.splitlines() + [TEMPLATE, json.dumps(TOOLS)] * 3, SPECIAL, PLAIN_ADDED, BOS)
 
 
 def write_agent_checkpoint(d: Path | str, seed: int = 0) -> str:

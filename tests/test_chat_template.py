@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers_agent import bpe_tokenizer
 
 from splash.chat import dsv32
 from splash.chat.template import ChatTemplateError, render, resolve_chat_template
@@ -125,21 +126,9 @@ def as_transformers_serve_sends(messages):
 
 
 def build_tokenizer():
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False, special_tokens=SPECIAL)
     corpus = [TEMPLATE, OTHER_TEMPLATE, json.dumps(TOOLS), dsv32.TOOLS_TEMPLATE] + [
         str(m.get("content")) for m in CONVERSATION]
-    tok.train_from_iterator(corpus, trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED])
-    # the tokenizer adds a BOS of its own: the template's must not be doubled
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))])
-    return tok
+    return bpe_tokenizer(corpus, SPECIAL, PLAIN_ADDED, BOS)
 
 
 def write_checkpoint(d: Path, model_type: str = "deepseek_v3", template=TEMPLATE, jinja_file=None) -> str:

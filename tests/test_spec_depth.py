@@ -73,7 +73,7 @@ def test_policy_learns_the_step_times_and_acceptance():
     """A prior that thinks verify rows are free meets steps where they are not (wide batch) and
     steps where they are (one request): the measured ratios turn depth 3 off at 64 and keep it at 1."""
     th = theta(t0=0.02, t_experts=0.02, t_row=1e-6)
-    pol = DepthPolicy(SIZES, th, None, DepthConfig(3, margin=0.05, min_dwell=2))
+    pol = DepthPolicy(SIZES, th, DepthConfig(3, margin=0.05, min_dwell=2))
     wide, narrow = seqs(64, accepted=60, rejected=40), seqs(1, accepted=60, rejected=40)
     assert pol.decide(wide, 0, "tp") == 3  # the prior: depth 3 at ~0.6 acceptance
     # what the machine really takes: wide steps 10 ms + 2 ms per row (row-bound), narrow 50 ms + 2 ms

@@ -93,39 +93,38 @@ class LLMEngine(RLControl, Recovery):
         self._spec_init()
 
     def _spec_init(self) -> None:
-        """Speculative decoding (splash/engine/spec.py): the scheduler asks for drafts of each decoding
-        sequence; off for models with per-request state (their state cannot take back rejected rows)."""
-        k = self.config.num_drafts
+        """Speculative decoding (splash/engine/spec.py, splash/engine/mtp.py): the scheduler asks for
+        drafts of each decoding sequence, from the n-gram lookup or the last MTP draft phase."""
         self.mtp: Any = None  # the MTP draft phase after each step (splash/engine/mtp.py), when on
         self.depth: Any = None  # `--speculative-policy auto`: spec.DepthPolicy (attached by engine/build.py)
-        if not k:
+        if not self.config.num_drafts:
             return
-        from splash.engine.spec import can_speculate, ngram_propose
-
         if self.config.speculative_algorithm == "MTP":
             from splash.engine.mtp import MtpDrafter
 
-            def room(seq: Seq) -> int:
-                p, n_out = seq.params, len(seq.output_token_ids)
-                if not can_speculate(p, n_out, seq.guide):
-                    return 0
-                cap = k if self.depth is None else self.depth.k
-                return cap if p.max_tokens is None else max(0, min(cap, p.max_tokens - n_out - 1))
-
-            self.mtp = MtpDrafter(self.scheduler, self.runner, k, room)
+            self.mtp = MtpDrafter(self.scheduler, self.runner, self._draft_room)
             return
+        from splash.engine.spec import ngram_propose
+
         lo, hi = self.config.speculative_ngram_min_match, self.config.speculative_ngram_max_match
 
         def propose(seq: Seq, room: int) -> list[int]:
-            p = seq.params
-            n_out = len(seq.output_token_ids)
-            if not can_speculate(p, n_out, seq.guide):
-                return []
-            depth = k if self.depth is None else self.depth.k
-            cap = min(depth, room) if p.max_tokens is None else min(depth, room, p.max_tokens - n_out - 1)
+            cap = min(self._draft_room(seq), room)
             return ngram_propose(seq.token_slice(0, seq.num_tokens), cap, lo, hi) if cap > 0 else []
 
         self.scheduler.proposer = propose
+
+    def _draft_room(self, seq: Seq) -> int:
+        """Drafts `seq` may verify in its next step: the depth in force (the policy's, or the configured
+        one), none where its next token rule cannot take several rows at once (spec.can_speculate), and
+        no more than its max_tokens leaves after the token the verify emits anyway."""
+        from splash.engine.spec import can_speculate
+
+        p, n_out = seq.params, len(seq.output_token_ids)
+        if not can_speculate(p, n_out, seq.guide):
+            return 0
+        cap = self.config.num_drafts if self.depth is None else self.depth.k
+        return cap if p.max_tokens is None else max(0, min(cap, p.max_tokens - n_out - 1))
 
     def grammar_backend(self) -> Any:
         """The structured-output compiler (xgrammar over this model's vocabulary), made on first use and

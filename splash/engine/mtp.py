@@ -31,12 +31,9 @@ from splash.step.plan import DraftWork, SeqSlice, StepPlan
 class MtpDrafter:
     """Builds each step's draft plan and hands the drafts to the scheduler (its `proposer`)."""
 
-    def __init__(self, scheduler: Any, runner: Any, num_drafts: int,
-                 can_speculate: Callable[[Any], int]) -> None:
-        self.scheduler, self.runner, self.k = scheduler, runner, num_drafts
+    def __init__(self, scheduler: Any, runner: Any, can_speculate: Callable[[Any], int]) -> None:
+        self.scheduler, self.runner = scheduler, runner
         self.can_speculate = can_speculate  # seq -> drafts it may take next step (0: none)
-        self.phases = 0  # draft plans run
-        self.rows = 0  # MTP rows run (extend rows + chain rows)
         scheduler.proposer = self.propose
 
     def propose(self, seq: Any, room: int) -> list[int]:
@@ -78,8 +75,6 @@ class MtpDrafter:
         plan = StepPlan(step=st.plan.step, layout=self.scheduler.layout, input_ids=ids, seqs=slices,
                         kind="draft", payload=DraftWork(src, chain))
         out = self.runner.draft(plan)
-        self.phases += 1
-        self.rows += len(ids) + sum(max(n - 1, 0) for n in chain)
         if out is None:
             return
         for seq, n, row_ids in zip(chained, (n for n in chain if n > 0), out.tolist()):

@@ -121,16 +121,17 @@ class DepthPolicy:
 
     Acceptance: per request, accepted drafts and rejections (a verify that stopped short), shrunk towards
     the engine-wide rate (starting at 0.5). Step times: per batch-size bucket and depth, the ratio of
-    measured to predicted time of the pure-decode steps run there (EMA); a depth not yet run in a bucket
-    borrows the nearest measured depth's ratio and is priced `explore` times lower, so the policy tries a
-    depth the prior misjudges once instead of never (then its own measurements decide). Rank 0 only."""
+    measured to predicted time of the pure-decode steps run there (median of the last KEEP); a depth not
+    yet run in a bucket borrows another bucket's or the nearest depth's ratio and is priced `explore`
+    times lower, so the policy tries a depth the prior misjudges once instead of never (then its own
+    measurements decide). Re-priced every EVERY steps. Rank 0 only."""
 
     KEEP = 7
     STALE = 256
     EVERY = 4  # steps between decisions
 
-    def __init__(self, sizes: Any, theta: Any, layout: Any, cfg: Any, explore: float = 0.8) -> None:
-        self.sizes, self.theta, self.layout, self.cfg = sizes, theta, layout, cfg
+    def __init__(self, sizes: Any, theta: Any, cfg: Any, explore: float = 0.8) -> None:
+        self.sizes, self.theta, self.cfg = sizes, theta, cfg
         self.explore = explore
         self.k = cfg.max_depth  # start speculating: acceptance is measured only by trying
         self.steps_at = 0
@@ -254,4 +255,4 @@ def attach_depth_policy(engine: Any, cfg: Any, dtype: Any, world: int) -> None:
     theta, _ = load_or_default_theta(c.theta, world, cfg, dt, dev)
     dcfg = DepthConfig(c.num_drafts, margin=c.switch_margin, min_dwell=c.min_dwell_steps,
                        draft_layers=cfg.draft_layers)
-    engine.depth = DepthPolicy(AttentionSizes(cfg, dt, dt), theta, None, dcfg)
+    engine.depth = DepthPolicy(AttentionSizes(cfg, dt, dt), theta, dcfg)

@@ -50,6 +50,10 @@ class StatePool:
         self._heads = {i: heads for i in self.layers}
         for i in self.layers:
             self._rec[i], self._conv[i] = self._zeros(heads)
+        # a verify step's snapshot (arm_snapshot): slot -> row, the slots, and layer -> (rec, conv) copies
+        self._snap: dict[int, int] = {}
+        self._snap_idx = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._snap_data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _zeros(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         d, S = self.head_dim, self.num_slots
@@ -95,8 +99,8 @@ class StatePool:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(recurrent [slots, h, d, d], conv [slots, 3*h*d, K-1]) of model layer i (what a step's KDA
         layer reads and updates: an armed snapshot copies its slots of this layer first)."""
-        snap = getattr(self, "_snap_data", None)
-        if snap is not None and self._snap and i not in snap:
+        snap = self._snap_data
+        if self._snap and i not in snap:
             idx = self._snap_idx
             snap[i] = (self._rec[i].index_select(0, idx), self._conv[i].index_select(0, idx))
         return self._rec[i], self._conv[i]
@@ -169,14 +173,14 @@ class StatePool:
         step each layer's copy is of the placement the step computes in, the one the restore writes to."""
         self._snap = {int(s): k for k, s in enumerate(slots)}
         self._snap_idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        self._snap_data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._snap_data = {}
 
     def forget_snapshot(self) -> None:
         self._snap, self._snap_data = {}, {}
 
     def restore_snapshot(self, slots: Sequence[int]) -> None:
         """Put back the state `arm_snapshot` kept of `slots` (their rows since were rejected drafts)."""
-        snap = getattr(self, "_snap", {})
+        snap = self._snap
         missing = [s for s in slots if s not in snap]
         if missing or len(self._snap_data) != len(self.layers):
             raise RuntimeError(f"no whole state snapshot of slots {list(slots)} (a restore must follow the "
