@@ -23,6 +23,7 @@ from typing import Any
 from splash.argtypes import positive_float, positive_int
 from splash.core.config import ConfigError
 from splash.core.sizes import parse_bytes
+from splash.core.stores import kv_format
 
 LAYOUT_NAMES = ("tp", "dp", "cp", "dop")  # the runtime's names of the core's layouts (core.layouts.LAYOUTS)
 AUTO_START = "dop"  # where --layout auto starts: the most KV a budget allows, sharded projections
@@ -150,6 +151,11 @@ class EngineConfig:
         "cannot give)", action=argparse.BooleanOptionalAction,
         also=(("--disable-radix-cache", {"action": "store_false", "help": "SGLang's name for "
                                          "--no-enable-prefix-caching"}),))
+    kv_cache_dtype: str = _opt(
+        "auto", "cache", "--kv-cache-dtype", "KV cache element format: auto (the model's dtype), bfloat16, "
+        "float32, float64, fp8_e4m3 (latent and rotary key FP8, one scale per layer: the checkpoint's "
+        "k_scale, else 1.0), fp8_ds_mla (DeepSeek-V3.2's 656-byte token: FP8 latent in tiles of 128 with float32 "
+        "scales, BF16 rotary key), fp8 (= fp8_ds_mla); a DSA indexer's keys are FP8 in both FP8 formats")
     num_state_slots: int | None = _opt(None, "cache", "--num-state-slots", "KDA hybrids: requests whose "
                                        "recurrent state a rank holds at once (default --max-num-seqs)",
                                        type=positive_int)
@@ -326,6 +332,8 @@ class EngineConfig:
 
     # ---- validation --------------------------------------------------------------------------------
     def _check(self) -> None:
+        if self.kv_cache_dtype not in ("auto", None, ""):
+            object.__setattr__(self, "kv_cache_dtype", kv_format(self.kv_cache_dtype))
         def positive(name: str, none_ok: bool = True) -> None:
             v = getattr(self, name)
             if v is None and none_ok:
@@ -494,6 +502,7 @@ class EngineConfig:
         return {"model_path": self.model, "dtype": self.dtype, "tp_size": self.world, "nnodes": self.nnodes,
                 "node_rank": self.node_rank, "dist_init_addr": self.dist_init_addr,
                 "context_length": self.max_model_len, "page_size": self.page_size,
+                "kv_cache_dtype": self.kv_cache_dtype or "auto",
                 "max_running_requests": self.max_num_seqs,
                 "chunked_prefill_size": self.max_num_batched_tokens,
                 "random_seed": self.seed, "enable_memory_saver": bool(self.enable_memory_saver),

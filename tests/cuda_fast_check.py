@@ -115,6 +115,29 @@ def part_k() -> None:
                     err_o < tol[dtype] and err_l < tol[dtype] and same_inf,
                     f"max |out - ref| / max(1, |ref|) {err_o:.1e}, |lse - ref| {err_l:.1e} "
                     f"(tol {tol[dtype]:.0e}), empty rows -inf: {same_inf}")
+    # FP8 caches (--kv-cache-dtype fp8_e4m3 / fp8_ds_mla): the Triton kernel dequantises the byte rows
+    # in its loop; the reference attends the rows the pool's codec decodes (real MLA dims 512 + 64)
+    from splash.core.presets import PRESETS
+    from splash.kv.pool import KVPool
+
+    cfg = PRESETS["deepseek-v3"]
+    for fmt in ("fp8_e4m3", "fp8_ds_mla"):
+        for dtype in (torch.float32, torch.bfloat16):
+            kv = KVPool.for_model(cfg.replace(num_hidden_layers=1), 64, 16, dtype, DEV, fmt)
+            gen = torch.Generator().manual_seed(1)
+            n = kv.num_tokens
+            x = torch.randn(n, cfg.latent_dim, generator=gen).to(DEV, dtype)
+            kv.write(0, torch.arange(n, device=DEV), x)
+            table = torch.randperm(64, generator=gen).view(2, 32).to(DEV)
+            rs, rp = torch.tensor([0, 1, 1], device=DEV), torch.tensor([300, 17, 511], device=DEV)
+            ql = torch.randn(3, 16, cfg.kv_lora_rank, generator=gen).to(DEV, dtype) * 0.05
+            qp = torch.randn(3, 16, cfg.qk_rope_head_dim, generator=gen).to(DEV, dtype) * 0.05
+            dec = kv.decode(0, kv.layer(0))  # [pages, P, D] values
+            want_o, want_l = reference(dec, table, rs, rp, ql, qp, 0.0625)
+            out, lse = triton_mla.paged_attention(ql, qp, kv.layer(0), table, rs, rp, 0.0625, lse=True,
+                                                  fmt=kv.kernel_format(0))
+            err = (out.double() - want_o).abs().max().item() / max(1.0, want_o.abs().max().item())
+            verdict(f"kernel {fmt} {str(dtype)[6:]}", err < tol[dtype], f"max |out - ref| {err:.1e}")
     if DEV == "cpu":
         return
     # graph capture: same launch, new positions written into the captured row_pos buffer

@@ -96,7 +96,7 @@ class AttentionLayout(ABC):
     def keys(layer_idx: int, s: SliceCtx, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys [m, D], positions [m]) of slice `s` that this rank holds, new rows included."""
         slots, pos = s.key_slots()
-        return ctx.kv.flat_layer(layer_idx)[slots], pos
+        return ctx.kv.gather(layer_idx, slots), pos
 
     def attend_slices(self, layer_idx: int, idx: list[int] | None, key: str, q_lat: torch.Tensor,
                       q_pe: torch.Tensor, ctx: ForwardContext, scale: float, lse: bool = False
@@ -108,7 +108,7 @@ class AttentionLayout(ABC):
         sp = ctx.sparse
         if sp is not None and sp.active:
             slots = sp.selection(self, layer_idx, idx, key, ctx)
-            return sparse.attend_selected(q_lat, q_pe, ctx.kv.flat_layer(layer_idx), slots, scale, lse,
+            return sparse.attend_selected(q_lat, q_pe, ctx.kv, layer_idx, slots, scale, lse,
                                           self.kernels.enforce_eager)
         kernel = paged.kernel_for(q_lat, self.kernels.enforce_eager) if self.batch_slices else "torch"
         if kernel != "torch" and ctx.page_table is not None and ctx.kv is not None:
@@ -117,7 +117,7 @@ class AttentionLayout(ABC):
                 cache = self.__dict__["_native"] = paged.RowCache()
             row_seq, row_pos = cache.get_on(ctx, key, idx, q_lat.device)
             got = paged.attention(kernel, q_lat, q_pe, ctx.kv.layer(layer_idx), ctx.page_table, row_seq,
-                                  row_pos, scale, lse)
+                                  row_pos, scale, lse, ctx.kv.kernel_format(layer_idx))
             if got is not None:
                 return got
         if self.batch_slices:

@@ -100,9 +100,10 @@ class _Group:
                lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out [B*L, h, d_c], lse [B*L, h] or None) of the group's rows; `q` [n, h, D] all rows."""
         h = q.shape[1]
-        layer = ctx.kv.layer(layer_idx)  # [num_pages, P, D]
-        D = layer.shape[-1]
-        keys = layer.view(layer.shape[0], -1).index_select(0, self.pages).view(self.size, self.width, D)
+        layer = ctx.kv.layer(layer_idx)  # [num_pages, P, row] (the stored rows: an FP8 cache's bytes)
+        keys = layer.view(layer.shape[0], -1).index_select(0, self.pages).view(self.size, self.width, -1)
+        keys = ctx.kv.decode(layer_idx, keys)  # (only the gathered pages are decoded)
+        D = keys.shape[-1]
         if self.junk is not None:
             keys = keys.masked_fill_(self.junk, 0)
         if self.rows is not None:

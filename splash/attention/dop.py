@@ -90,7 +90,8 @@ class DOPLayout(AttentionLayout):
         chunks = []
         for k, rows in zip(split.mha, split.mha_rows):
             s = ctx.seqs[k]
-            lat = latent_new[rows] if k not in prefixes else torch.cat([prefixes[k], latent_new[rows]])
+            new = ctx.kv.as_stored(layer_idx, latent_new[rows])  # (what the pool holds: FP8 round trip)
+            lat = new if k not in prefixes else torch.cat([prefixes[k], new])
             pos = torch.arange(s.end, device=lat.device)
             chunks.append(mha.Chunk(q_nope[rows], q_pe[rows], lat, pos, ctx.positions[rows]))
         for rows, (o, _) in zip(split.mha_rows, mha.attend_many(mla, chunks, mla.softmax_scale)):
@@ -105,9 +106,10 @@ class DOPLayout(AttentionLayout):
         if not withp:
             return {}
         sizes = [sum(seqs[k].start for k in withp if seqs[k].owner == r) for r in range(world)]
-        flat = ctx.kv.flat_layer(layer_idx)
-        mine = [flat[seqs[k].key_slots()[0][: seqs[k].start]] for k in withp if seqs[k].owner == ctx.rank]
-        send = torch.cat(mine) if mine else flat.new_zeros(0, flat.shape[-1])
+        kv = ctx.kv
+        mine = [kv.gather(layer_idx, seqs[k].key_slots()[0][: seqs[k].start]) for k in withp
+                if seqs[k].owner == ctx.rank]
+        send = torch.cat(mine) if mine else torch.zeros(0, kv.dim, dtype=kv.dtype, device=kv.device)
         got = ctx.comm.all_gather_var(send, tag=layer_idx, sizes=sizes)
         out, at = {}, 0
         for r in range(world):

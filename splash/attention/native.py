@@ -36,13 +36,16 @@ _SRC = os.path.join(_CSRC, "mla_paged.c")
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno"]
 _FUNCS = {torch.float64: "mla_paged_f64", torch.float32: "mla_paged_f32", torch.bfloat16: "mla_paged_bf16"}
+_FP8_FUNCS = {dt: f"{name}_fp8" for dt, name in _FUNCS.items()}  # over an FP8 cache's byte rows
 # the DSA index top-k (csrc/dsa_index.c): (score dtype, index-key pool dtype) -> function
 _DSA_SRC = os.path.join(_CSRC, "dsa_index.c")
 _DSA_FUNCS = {(torch.float64, torch.float64): "dsa_topk_f64", (torch.float32, torch.float32): "dsa_topk_f32",
-              (torch.float32, torch.bfloat16): "dsa_topk_f32_bf16"}
+              (torch.float32, torch.bfloat16): "dsa_topk_f32_bf16",
+              (torch.float64, torch.uint8): "dsa_topk_f64_fp8",  # FP8 keys (bytes: values, then scales)
+              (torch.float32, torch.uint8): "dsa_topk_f32_fp8"}
 _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
 _MLA_ARGS = [_vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, _i64, _i64,
-             ctypes.c_double, _vp, _vp, _i64]
+             ctypes.c_double, _vp, _vp, _i64, _i64, _i64, ctypes.c_double]
 _DSA_ARGS = [_vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _i64, _i64, _vp, _i64,
              _i64, _i64, _i64, _vp, _vp, _vp, _i64, _i64]
 _DSA_WAVE = 1 << 23  # scores the index kernel holds at once (rows past it are scored in later waves)
@@ -116,7 +119,7 @@ class _Library:
         return self.lib
 
 
-_mla = _Library(_SRC, list(_FUNCS.values()), _MLA_ARGS, "attention kernel")
+_mla = _Library(_SRC, [*_FUNCS.values(), *_FP8_FUNCS.values()], _MLA_ARGS, "attention kernel")
 _dsa = _Library(_DSA_SRC, list(_DSA_FUNCS.values()), _DSA_ARGS, "DSA index kernel")
 
 
@@ -136,13 +139,16 @@ def supports(q: torch.Tensor) -> bool:
 
 
 def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor, tables: torch.Tensor,
-                    row_seq: torch.Tensor, row_pos: torch.Tensor, scale: float, lse: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    row_seq: torch.Tensor, row_pos: torch.Tensor, scale: float, lse: bool = False,
+                    fmt: tuple[int, float] = (0, 1.0)) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed-MLA attention of rows q_lat [n, h, d_c] / q_pe [n, h, d_r] (any row and head strides: the
     absorbed queries are used where the projections left them) over one layer of the pool [pages, P, D].
 
     Row r attends the keys of page table `tables[row_seq[r]]` (local page ids, -1 = not held here) at
     positions <= row_pos[r] -> (out [n, h, d_c], lse [n, h] or None); a row with no key gets 0 / -inf.
+    `fmt` (`KVPool.kernel_format`): (0, _) values of q's dtype; (1, scale) FP8 e4m3 bytes [pages, P, D]
+    times a per-layer scale; (2, _) fp8_ds_mla rows [pages, P, d_c + 4 ceil(d_c / 128) + 2 d_r], each
+    dequantised as the kernel loads it.
     """
     lib = library()
     assert lib is not None
@@ -153,18 +159,22 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
     n, h, d_c = q_lat.shape
     d_r = q_pe.shape[-1]
     P = layer.shape[1]
-    if not layer.is_contiguous() or layer.dtype != q_lat.dtype or layer.shape[-1] != d_c + d_r:
-        raise ValueError("paged_attention: the pool layer must be contiguous, of q's dtype and width")
+    kind, tscale = fmt
+    rb = d_c + d_r if kind != 2 else d_c + 4 * -(-d_c // 128) + 2 * d_r
+    want = q_lat.dtype if kind == 0 else torch.uint8
+    if not layer.is_contiguous() or layer.dtype != want or layer.shape[-1] != rb:
+        raise ValueError("paged_attention: the pool layer must be contiguous, of q's dtype (or an FP8 "
+                         "cache's bytes) and of its row width")
     acc = torch.float32 if q_lat.dtype == torch.bfloat16 else q_lat.dtype
     out = torch.empty(n, h, d_c, dtype=q_lat.dtype)
     total = torch.empty(n, h, dtype=acc) if lse else None
     tables = tables.contiguous()
     row_seq, row_pos = row_seq.contiguous(), row_pos.contiguous()
-    err = getattr(lib, _FUNCS[q_lat.dtype])(
+    err = getattr(lib, (_FP8_FUNCS if kind else _FUNCS)[q_lat.dtype])(
         q_lat.data_ptr(), q_lat.stride(0), q_lat.stride(1), q_pe.data_ptr(), q_pe.stride(0), q_pe.stride(1),
         layer.data_ptr(), tables.data_ptr(), tables.shape[1], row_seq.data_ptr(), row_pos.data_ptr(),
         n, h, d_c, d_r, P, scale, out.data_ptr(), total.data_ptr() if total is not None else 0,
-        torch.get_num_threads())
+        torch.get_num_threads(), rb, kind, float(tscale))
     if err:
         raise MemoryError("paged_attention: out of memory for the kernel's scratch buffers")
     return out, total
@@ -196,7 +206,8 @@ def index_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, page_size: 
     if w.stride(-1) != 1:
         w = w.contiguous()
     N, H, d = q.shape
-    if not keys.is_contiguous() or keys.shape[-1] != d or w.shape != (N, H) or positions.shape != (N,):
+    row = d + 4 * -(-d // 128) if keys.dtype == torch.uint8 else d
+    if not keys.is_contiguous() or keys.shape[-1] != row or w.shape != (N, H) or positions.shape != (N,):
         raise ValueError("index_topk: keys: a contiguous pool of q's head dim; w [N, H]; positions [N]")
     long = torch.long  # (each called per slice and layer: the checks kept cheap)
     if tables.dtype != long or tables.stride(-1) != 1:
@@ -217,7 +228,7 @@ def index_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, page_size: 
     err = getattr(lib, _DSA_FUNCS[(q.dtype, keys.dtype)])(
         q.data_ptr(), q.stride(0), q.stride(1), w.data_ptr(), w.stride(0), N,
         rows.data_ptr() if rows is not None else 0, positions.data_ptr(), keys.data_ptr(),
-        keys.numel() // (page_size * d), page_size, tables.data_ptr(), tstride, tables.shape[-1], nt,
+        keys.numel() // (page_size * row), page_size, tables.data_ptr(), tstride, tables.shape[-1], nt,
         row_seq.data_ptr() if row_seq is not None else 0, n, H, d, k, out_sc.data_ptr(),
         out_pos.data_ptr(), out_slot.data_ptr(), _DSA_WAVE, torch.get_num_threads())
     if err == 2:

@@ -73,14 +73,19 @@ def supports(q: torch.Tensor, eager: bool = False) -> bool:
 
 def attention(kernel: str, q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor,
               tables: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor, scale: float,
-              lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+              lse: bool = False, fmt: tuple[int, float] | None = (0, 1.0)
+              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Absorbed-MLA attention over one pool layer through `kernel` ("native" | "triton", as `kernel_for`
     chose; the contract above); None when that kernel cannot run it after all (the caller takes the torch
-    path: a Triton build that fails for a dtype warns once and is not tried again)."""
+    path: a Triton build that fails for a dtype warns once and is not tried again). `fmt`: the layer's
+    element format (`KVPool.kernel_format`; FP8 rows are dequantised inside the kernel's loop); None:
+    one no kernel reads (the torch path decodes it)."""
+    if fmt is None:
+        return None
     if kernel == "native":
-        return native.paged_attention(q_lat, q_pe, layer, tables, row_seq, row_pos, scale, lse)
+        return native.paged_attention(q_lat, q_pe, layer, tables, row_seq, row_pos, scale, lse, fmt)
     try:
-        return _triton.paged_attention(q_lat, q_pe, layer, tables, row_seq, row_pos, scale, lse)
+        return _triton.paged_attention(q_lat, q_pe, layer, tables, row_seq, row_pos, scale, lse, fmt)
     except Exception as e:  # a compile error on this GPU: never during a graph replay (warm-up runs first)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise

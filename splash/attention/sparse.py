@@ -37,6 +37,7 @@ from splash.attention import native, paged
 from splash.attention.kernel import acc_dtype
 
 if TYPE_CHECKING:
+    from splash.kv.pool import KVPool
     from splash.model.context import ForwardContext, SliceCtx
     from splash.model.indexer import IndexRows
 
@@ -158,7 +159,7 @@ def local_candidates(layer: int, s: SliceCtx, rows: IndexRows, q_rows: torch.Ten
     if pos.numel() == 0:
         neg = torch.full((n, k), -1, dtype=torch.long, device=q_rows.device)
         return torch.full((n, k), float("-inf"), dtype=rows.w.dtype, device=q_rows.device), neg, neg.clone()
-    keys = ctx.kv.store_flat("index_k", layer)[slots]
+    keys = ctx.kv.gather_store("index_k", layer, slots)
     sc = index_scores(rows.q[q_rows], rows.w[q_rows], keys)
     sc.masked_fill_(pos[None, :] > ctx.positions[q_rows][:, None], float("-inf"))  # causal
     best, col = top_keys(sc, k)
@@ -194,12 +195,13 @@ def subset_candidates(layer: int, idx: list[int] | None, rows: IndexRows, ctx: F
             torch.cat([p[2] for p in parts]), seg)
 
 
-def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor,
+def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: KVPool, layer: int, slots: torch.Tensor,
                     scale: float, lse: bool = False, eager: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Absorbed MLA of each row over its selected keys: q_lat [n, h, d_c], q_pe [n, h, d_r], the layer's
-    latent `flat` [slots, D], slots [n, k] (-1: none) -> (out [n, h, d_c], lse [n, h] or None). A row
+    """Absorbed MLA of each row over its selected keys: q_lat [n, h, d_c], q_pe [n, h, d_r], the pool `kv`
+    and model layer `layer`, slots [n, k] (-1: none) -> (out [n, h, d_c], lse [n, h] or None). A row
     with no key here gets out 0 and lse -inf (CP merges it away)."""
+    flat = kv.flat_layer(layer)
     n, h, d_c = q_lat.shape
     kernel = paged.kernel_for(q_lat, eager) if n and slots.shape[1] else "torch"
     if kernel != "torch":
@@ -210,7 +212,8 @@ def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor,
         slots = torch.sort(slots, dim=-1).values  # in pool order: pages are read front to back
         got = paged.attention(kernel, q_lat, q_pe, flat.view(-1, 1, flat.shape[1]), slots,
                               torch.arange(n, device=dev),
-                              torch.full((n,), k - 1, dtype=torch.long, device=dev), scale, lse)
+                              torch.full((n,), k - 1, dtype=torch.long, device=dev), scale, lse,
+                              kv.kernel_format(layer))
         if got is not None:
             return got
     acc = acc_dtype(q_lat.dtype)
@@ -220,12 +223,12 @@ def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor,
     if n == 0 or k == 0:
         return out, total
     q = torch.cat([q_lat, q_pe], dim=-1)  # [n, h, D]
-    step = max(1, _CHUNK // max(1, k * flat.shape[1]))
+    step = max(1, _CHUNK // max(1, k * kv.dim))
     for a in range(0, n, step):
         b = min(n, a + step)
         sl = slots[a:b]
         miss = sl < 0
-        keys = flat[sl.clamp(min=0)]  # [r, k, D]
+        keys = kv.decode(layer, flat[sl.clamp(min=0)])  # [r, k, D] (only the selected rows decoded)
         s = torch.matmul(q[a:b], keys.transpose(1, 2)).to(acc)  # [r, h, k]
         s.mul_(scale)
         s.masked_fill_(miss[:, None, :], float("-inf"))

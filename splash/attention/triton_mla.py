@@ -14,6 +14,11 @@ the step's contexts, and every bound inside the kernel is read from device memor
 the launch needs no host sync and has the same arguments every step of a batch size, so a CUDA graph
 can capture it. Scores and softmax run in float32 for bf16/fp16/fp32 (fp32 products exact: IEEE, not
 TF32) and in float64 for float64 (no tensor cores: element-wise products, slow but exact to rounding).
+
+FP8 caches (`FMT` 1: fp8_e4m3, every value FP8 times one per-layer scale; 2: fp8_ds_mla, d_c FP8 values,
+a float32 scale per 128, then d_r BF16): the pool layer is bytes [pages, P, RB]; each key tile is loaded
+as bytes and dequantised in registers (FP8 bitcast, scale bytes assembled into a float32: no unaligned
+wide loads), then cast to the query dtype, so the dot products run as for a plain cache of that dtype.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def _mla_decode(QL, QP, KV, TAB, RSEQ, RPOS, O, LSE,
                 P: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
                 BDC: tl.constexpr, BDR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                 SPLITS, USE_DOT: tl.constexpr, F64: tl.constexpr, UPCAST: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, FMT: tl.constexpr = 0, RB: tl.constexpr = 0, TSCALE=1.0):
     r = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -76,8 +81,37 @@ def _mla_decode(QL, QP, KV, TAB, RSEQ, RPOS, O, LSE,
         page = tl.load(TAB + seq * stab + kpos // P, mask=inb, other=-1)
         ok = inb & (page >= 0)
         slot = page.to(tl.int64) * P + (kpos % P)
-        c = tl.load(KV + slot[:, None] * D + dc[None, :], mask=ok[:, None] & dcm[None, :], other=0.0)
-        kpe = tl.load(KV + slot[:, None] * D + DC + dr[None, :], mask=ok[:, None] & drm[None, :], other=0.0)
+        if FMT == 0:
+            c = tl.load(KV + slot[:, None] * D + dc[None, :], mask=ok[:, None] & dcm[None, :], other=0.0)
+            kpe = tl.load(KV + slot[:, None] * D + DC + dr[None, :], mask=ok[:, None] & drm[None, :],
+                          other=0.0)
+        else:
+            row = KV + slot[:, None] * RB
+            cb = tl.load(row + dc[None, :], mask=ok[:, None] & dcm[None, :], other=0)
+            c = cb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if FMT == 1:
+                pb = tl.load(row + DC + dr[None, :], mask=ok[:, None] & drm[None, :], other=0)
+                kpe = pb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * TSCALE
+                c = c * TSCALE
+            else:
+                NT: tl.constexpr = (DC + 127) // 128
+                sp_ = row + DC + (dc[None, :] // 128) * 4
+                sm = ok[:, None] & dcm[None, :]
+                b0 = tl.load(sp_, mask=sm, other=0).to(tl.int32)
+                b1 = tl.load(sp_ + 1, mask=sm, other=0).to(tl.int32)
+                b2 = tl.load(sp_ + 2, mask=sm, other=0).to(tl.int32)
+                b3 = tl.load(sp_ + 3, mask=sm, other=0).to(tl.int32)
+                tile = (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+                c = c * tl.where(sm, tile, 0.0)
+                rp = row + DC + NT * 4 + dr[None, :] * 2
+                rm = ok[:, None] & drm[None, :]
+                lo = tl.load(rp, mask=rm, other=0).to(tl.int32)
+                hi = tl.load(rp + 1, mask=rm, other=0).to(tl.int32)
+                kpe = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)
+            if F64:
+                c, kpe = c.to(tl.float64), kpe.to(tl.float64)
+            else:
+                c, kpe = c.to(QL.dtype.element_ty), kpe.to(QL.dtype.element_ty)
         if UPCAST:  # the CPU interpreter's dot multiplies bf16 bit patterns: give it the exact fp32 values
             q_lat, q_pe = q_lat.to(tl.float32), q_pe.to(tl.float32)
             c, kpe = c.to(tl.float32), kpe.to(tl.float32)
@@ -95,7 +129,7 @@ def _mla_decode(QL, QP, KV, TAB, RSEQ, RPOS, O, LSE,
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if USE_DOT:
-            p_v = p.to(KV.dtype.element_ty)  # probabilities rounded to the value dtype, as the torch path
+            p_v = p.to(QL.dtype.element_ty)  # probabilities rounded to the value dtype, as the torch path
             if UPCAST:
                 p_v = p_v.to(tl.float32)
             pv = tl.dot(p_v, c, input_precision=PREC, out_dtype=tl.float32)
@@ -138,17 +172,23 @@ def plan_splits(rows: int, head_blocks: int, dev: torch.device) -> int:
 
 def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor, tables: torch.Tensor,
                     row_seq: torch.Tensor, row_pos: torch.Tensor, scale: float, lse: bool = False,
-                    splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    fmt: tuple[int, float] = (0, 1.0), splits: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed-MLA attention of q_lat [n, h, d_c] / q_pe [n, h, d_r] over one pool layer [pages, P, D]
-    -> (out [n, h, d_c], lse [n, h] or None), as `native.paged_attention`. All tensors on one device;
-    `tables` [B, W] and `row_seq`/`row_pos` [n] integer. `splits` overrides `plan_splits` (tests)."""
+    -> (out [n, h, d_c], lse [n, h] or None), as `native.paged_attention` (`fmt` too: an FP8 cache's
+    byte rows are dequantised in the loop). All tensors on one device; `tables` [B, W] and
+    `row_seq`/`row_pos` [n] integer. `splits` overrides `plan_splits` (tests)."""
     n, h, d_c = q_lat.shape
     d_r = q_pe.shape[-1]
     P = layer.shape[1]
+    kind, tscale = fmt
+    rb = d_c + d_r if kind != 2 else d_c + 4 * -(-d_c // 128) + 2 * d_r
     if q_lat.dtype not in DTYPES:
         raise TypeError(f"triton MLA kernel: unsupported dtype {q_lat.dtype}")
-    if not layer.is_contiguous() or layer.dtype != q_lat.dtype or layer.shape[-1] != d_c + d_r:
-        raise ValueError("paged_attention: the pool layer must be contiguous, of q's dtype and width")
+    want = q_lat.dtype if kind == 0 else torch.uint8
+    if not layer.is_contiguous() or layer.dtype != want or layer.shape[-1] != rb:
+        raise ValueError("paged_attention: the pool layer must be contiguous, of q's dtype (or an FP8 "
+                         "cache's bytes) and of its row width")
     if q_lat.stride(-1) != 1:
         q_lat = q_lat.contiguous()
     if q_pe.stride(-1) != 1:
@@ -176,7 +216,7 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
             BDR=max(16, triton.next_power_of_2(d_r)), BH=BH, BN=BN, SPLITS=S, USE_DOT=not f64, F64=f64,
             UPCAST=_INTERPRET and q_lat.element_size() == 2,
             PREC="ieee" if q_lat.dtype == torch.float32 else None, num_warps=4 if f64 else 8,
-            num_stages=_STAGES[q_lat.element_size()])
+            num_stages=_STAGES[q_lat.element_size()], FMT=kind, RB=rb, TSCALE=float(tscale))
     if S == 1:
         return out, (part_l[0] if lse else None)
     total = torch.logsumexp(part_l, dim=0)  # [n, h]; -inf where no split saw a key

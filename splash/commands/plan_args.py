@@ -15,8 +15,10 @@ from splash.core.sizes import AttentionSizes
 # Presets whose published checkpoints are FP8 (GLM-5: zai-org/GLM-5-FP8, the precision the paper serves
 # GLM-5 in; its BF16 weights alone overflow an H200 at T = 8).
 FP8_NATIVE = ("deepseek-v3", "deepseek-v3.2", "kimi-k2", "glm-5")
-KV_DTYPE_HELP = ("KV dtype: bf16 (2 bytes a value, default), fp8 (the paper's layout: FP8 latent and "
-                 "indexer key with a float32 scale per 128 values, BF16 rotary key), fp16, fp32, fp64")
+KV_DTYPE_HELP = ("KV element format (--kv-cache-dtype's names): bf16 (2 bytes a value, default), fp8 (= "
+                 "fp8_ds_mla, the paper's layout: FP8 latent and indexer key with a float32 scale per 128 "
+                 "values, BF16 rotary key), fp8_e4m3 (every latent value FP8, one scale per layer), fp16, "
+                 "fp32, fp64")
 
 
 # ---- shared helpers (also used by `splash simulate`) ----------------------------------------------

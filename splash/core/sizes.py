@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splash.core.config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
-from splash.core.stores import Store, layer_state_bytes, request_state_bytes, request_stores, token_stores
+from splash.core.stores import (
+    Store,
+    kv_format,
+    layer_state_bytes,
+    request_state_bytes,
+    request_stores,
+    store_row_bytes,
+    token_stores,
+)
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
           "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -47,28 +55,14 @@ KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
 FP8_SCALE_BYTES = 4  # DeepSeek-V3 FP8 checkpoints store one fp32 `weight_scale_inv` per block
-FP8_KV_GROUP = 128  # values per float32 scale of an FP8 KV store (DeepSeek's FP8 MLA and indexer caches)
-ROPE_KV_DTYPE = "bf16"  # an FP8 KV cache keeps the latent's rotary key d_r in BF16
-
-
-def _fp8_values(n: int) -> float:
-    """Bytes of n FP8 values with one float32 scale per FP8_KV_GROUP of them."""
-    return n + -(-n // FP8_KV_GROUP) * FP8_SCALE_BYTES
 
 
 def store_token_bytes(cfg: ModelConfig, store: Store, kv_dtype: str) -> float:
-    """Bytes one token adds to `store` in one of its layers under `kv_dtype`.
-
-    fp8 is the layout the paper counts (appendix B.1), as DeepSeek's FP8 caches store it: the latent's
-    d_c in FP8 with a float32 scale per 128 values and its rotary key d_r in BF16 (positions do not
-    survive FP8), every other store (the indexer key) FP8 with a scale per 128. Any other dtype: width x
-    its bytes per value."""
-    dt = normalize_dtype(kv_dtype)
-    if dt != "fp8":
-        return store.width * dtype_bytes(dt)
-    if store.name == "latent":
-        return _fp8_values(cfg.kv_lora_rank) + cfg.qk_rope_head_dim * dtype_bytes(ROPE_KV_DTYPE)
-    return _fp8_values(store.width)
+    """Bytes one token adds to `store` in one of its layers under KV format `kv_dtype` (the store
+    table's element formats, `splash.core.stores.store_parts`): fp8 (= fp8_ds_mla) is the layout the
+    paper counts (appendix B.1), DeepSeek's: the latent's d_c in FP8 with a float32 scale per 128 values,
+    its rotary key d_r in BF16, the indexer key FP8 with a scale per 128; a plain dtype: width x bytes."""
+    return store_row_bytes(cfg, store, kv_dtype)
 
 
 def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int) -> float:
@@ -171,7 +165,7 @@ class AttentionSizes:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
-        object.__setattr__(self, "kv_dtype", normalize_dtype(self.kv_dtype))
+        object.__setattr__(self, "kv_dtype", kv_format(self.kv_dtype))
         if self.state_dtype is not None:
             object.__setattr__(self, "state_dtype", normalize_dtype(self.state_dtype))
 

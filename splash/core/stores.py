@@ -32,6 +32,22 @@ replica, no exchange: the rank that projects a head updates its state); replicat
 owners (DP) -> the owner holds the whole state; replicated projections without owners (CP: every rank
 has every row) -> every rank holds (and updates) the whole state. `state_share` answers it per rank.
 
+Element formats (`--kv-cache-dtype`): how a per-token store's values sit in bytes, one more column of
+the table. A plain format keeps every value in one dtype; the FP8 formats pack each token's row:
+
+| format      | `latent` row (d_c + d_r values)                         | `index_k` row (DSA layers)         |
+|-------------|---------------------------------------------------------|------------------------------------|
+| plain `dt`  | d_c + d_r values of dt                                  | index_head_dim values of dt        |
+| `fp8_e4m3`  | d_c + d_r FP8 e4m3 (one float32 scale per layer, kept   | FP8 e4m3, a float32 scale per 128  |
+|             | beside the pool, not per token)                         |                                    |
+|`fp8_ds_mla` | d_c FP8 e4m3, a float32 scale per 128 of them, d_r BF16 | FP8 e4m3, a float32 scale per 128  |
+
+`fp8_ds_mla` is DeepSeek-V3.2's cache (FlashMLA's 656-byte token: 512 + 4 x 4 + 64 x 2) and the layout
+the paper counts (appendix B.1: 788 bytes a V3.2 layer with the indexer's 128 + 4); `fp8` names it. The
+indexer's keys are FP8 with their scale in both FP8 formats, as DeepSeek stores them. An `mtp_*` store
+takes its base store's row. `store_parts` is the one rule; bytes per token (`splash.core.sizes`), the
+runtime pool's rows and its codecs (`splash/kv/codec.py`) all read it.
+
 Pure Python: the runtime's pool (`splash/kv/pool.py`) and the core's sizes/capacity/manifests ask this.
 """
 
@@ -40,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splash.core.config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
+from splash.core.config import DTYPE_BYTES, ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
 
 if TYPE_CHECKING:
     from splash.core.layouts import Layout
@@ -96,6 +112,69 @@ def values_per_token(cfg: ModelConfig) -> int:
     """KV values one token takes over all layers and per-token stores (latent + indexer keys)."""
     return sum(s.values_per_token for s in token_stores(cfg))
 
+
+
+# ---- element formats of the per-token stores (`--kv-cache-dtype`) -----------------------------------
+FP8_FORMATS = ("fp8_e4m3", "fp8_ds_mla")
+KV_FORMAT_ALIASES = {"fp8": "fp8_ds_mla", "float8": "fp8_ds_mla", "fp8_ds": "fp8_ds_mla",
+                     "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+FP8_GROUP = 128  # values per float32 scale in an FP8 row (DeepSeek's tiles: FlashMLA and the indexer)
+FP8_MAX = 448.0  # the largest finite FP8 e4m3 value
+SCALE_DTYPE = "fp32"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One run of a token's row in a store: `values` values kept as `dtype`, then (`group` > 0) one
+    float32 scale per `group` of them, the last group possibly short."""
+
+    values: int
+    dtype: str
+    group: int = 0
+
+    @property
+    def scales(self) -> int:
+        return -(-self.values // self.group) if self.group else 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.values * DTYPE_BYTES[self.dtype]) + self.scales * int(DTYPE_BYTES[SCALE_DTYPE])
+
+
+def kv_format(name: str) -> str:
+    """The canonical name of a KV element format: a plain dtype (`bf16`, `fp32`, ...), `fp8_e4m3` or
+    `fp8_ds_mla` (`fp8` is DeepSeek's layout, the paper's); ConfigError on anything else."""
+    key = str(name).lower().strip()
+    key = KV_FORMAT_ALIASES.get(key, key)
+    if key in FP8_FORMATS:
+        return key
+    if key == "fp8_e5m2":
+        raise ConfigError("kv cache dtype fp8_e5m2 is not supported; use fp8_e4m3 or fp8_ds_mla")
+    try:
+        return normalize_dtype(key)
+    except ConfigError:
+        raise ConfigError(f"unknown KV cache dtype {name!r}; choose one of auto, bfloat16, float32, "
+                          "float64, fp8 (= fp8_ds_mla), fp8_e4m3, fp8_ds_mla") from None
+
+
+def store_parts(cfg: ModelConfig, store: Store, fmt: str) -> tuple[Part, ...]:
+    """How one token's values of `store` (one layer) sit in its row under format `fmt`, in order."""
+    fmt = kv_format(fmt)
+    if store.per != "token":
+        raise ConfigError(f"store {store.name!r} is per request: it has no KV element format")
+    kind = store.base or store.name
+    if fmt not in FP8_FORMATS:
+        return (Part(store.width, fmt),)
+    if kind != "latent":  # the indexer's keys: FP8 with a scale per 128, as DeepSeek stores them
+        return (Part(store.width, "fp8", FP8_GROUP),)
+    if fmt == "fp8_e4m3":  # one per-layer scale, outside the row
+        return (Part(cfg.kv_lora_rank + cfg.qk_rope_head_dim, "fp8"),)
+    return (Part(cfg.kv_lora_rank, "fp8", FP8_GROUP), Part(cfg.qk_rope_head_dim, "bf16"))
+
+
+def store_row_bytes(cfg: ModelConfig, store: Store, fmt: str) -> int:
+    """Bytes one token takes in `store` in one of its layers under `fmt`."""
+    return sum(p.nbytes for p in store_parts(cfg, store, fmt))
 
 
 def request_stores(cfg: ModelConfig) -> tuple[Store, ...]:

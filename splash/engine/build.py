@@ -124,13 +124,16 @@ def build_engine(config: EngineConfig | str | None = None, /, *, rank_group: Any
         eos.add(tok_eos)
     name = model_name(config.model)
     dt = str(net.dtype).removeprefix("torch.")
-    from splash.core.stores import token_stores
+    from splash.core.stores import store_row_bytes, token_stores
+    from splash.kv.pool import format_of
 
-    elem = net.embed.element_size()
+    fmt = format_of(rc.kv_cache_dtype, net.dtype)
     info = {"model": name, "model_type": cfg.model_type, "dtype": dt, "device": str(runner.device),
-            "kv_dtype": dt,
+            "kv_dtype": fmt, "kv_cache_dtype": rc.kv_cache_dtype or "auto",
             # every per-token store a page holds (the latent; a DSA model's indexer keys), bytes per token
-            "kv_bytes_per_token": {s.name: s.values_per_token * elem for s in token_stores(cfg)},
+            # in the pool's element format: the core's rule (`store_row_bytes`), the pool's rows
+            "kv_bytes_per_token": {s.name: store_row_bytes(cfg, s, fmt) * len(s.layers)
+                                   for s in token_stores(cfg)},
             "nnodes": launch.nnodes, "weight_bytes_per_rank": [f["weight_bytes"] for f in facts],
             "kv_reserve_bytes": facts[0]["reserve_bytes"],
             "state_bytes_per_rank": [f.get("state_bytes", 0) for f in facts]}

@@ -255,4 +255,5 @@ def attach_depth_policy(engine: Any, cfg: Any, dtype: Any, world: int) -> None:
     theta, _ = load_or_default_theta(c.theta, world, cfg, dt, dev)
     dcfg = DepthConfig(c.num_drafts, margin=c.switch_margin, min_dwell=c.min_dwell_steps,
                        draft_layers=cfg.draft_layers)
-    engine.depth = DepthPolicy(AttentionSizes(cfg, dt, dt), theta, dcfg)
+    kv = (getattr(engine, "info", None) or {}).get("kv_dtype") or dt  # the pool's element format
+    engine.depth = DepthPolicy(AttentionSizes(cfg, dt, kv), theta, dcfg)

@@ -189,3 +189,26 @@ class RenamedReader:
 
     def close(self) -> None:
         self.reader.close()
+
+
+KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.kv_scale", "self_attn.attn.k_scale")
+
+
+def kv_scales(path: str | os.PathLike[str], layers: Sequence[int]) -> dict[int, float]:
+    """The per-layer FP8 KV scales a checkpoint ships (vLLM's `k_scale` / `kv_scale` scalars of an MLA
+    layer: stored value = latent / scale), by model layer; {} when it ships none (scale 1.0 then)."""
+    reader = CheckpointReader(path)
+    try:
+        out: dict[int, float] = {}
+        for i in layers:
+            for tail in KV_SCALE_NAMES:
+                name = f"model.layers.{i}.{tail}"
+                if reader.has(name):
+                    v = float(reader.get(name, torch.float64).reshape(-1)[0])
+                    if not v > 0:
+                        raise ConfigError(f"{name} = {v}: an FP8 KV scale must be positive")
+                    out[i] = v
+                    break
+        return out
+    finally:
+        reader.close()

@@ -58,7 +58,8 @@ def server_args(engine: Any, stats: dict[str, Any], model_name: str, launch: dic
     out = {
         "model_path": path, "tokenizer_path": path if tok is not None else None,
         "served_model_name": model_name, "skip_tokenizer_init": tok is None, "trust_remote_code": False,
-        "load_format": "auto", "dtype": stats.get("dtype"), "kv_cache_dtype": "auto",
+        "load_format": "auto", "dtype": stats.get("dtype"),
+        "kv_cache_dtype": stats.get("kv_cache_dtype", "auto"),
         "device": str(stats.get("device", "cpu")).split(":")[0],
         "context_length": stats.get("max_model_len"), "page_size": stats.get("page_size"),
         "max_running_requests": stats.get("max_num_seqs"),

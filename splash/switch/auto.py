@@ -68,6 +68,7 @@ class AutoLayout:
     sizes: Any
     policy_cfg: Any
     feedback: Any
+    kv_dtype: str  # the pool's element format (the core's name)
     steps_since_switch: int
     _last_eval: tuple[Any, int] | None
     decisions: Any
@@ -75,7 +76,7 @@ class AutoLayout:
 
     def _init_policy(self, dtype: Any, margin: float, min_dwell: int, budget: bool) -> None:
         dt = dtype_name(dtype)
-        self.sizes = AttentionSizes(self.cfg, dt, dt)
+        self.sizes = AttentionSizes(self.cfg, dt, self.kv_dtype)
         P = self.alloc.page_size
         d = self.theta.to_dict()
         d.update(act_bytes=dtype_bytes(dt))  # activations exchanged in the engine's own dtype

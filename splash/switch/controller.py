@@ -106,7 +106,9 @@ class SwitchController(AutoLayout):
         self.mode = mode
         self.schedule = deque(parse_schedule(schedule) if isinstance(schedule, str) else
                               parse_schedule(list(schedule)))
-        self.planner = SwitchPlanner(cfg, self.alloc, dtype)
+        # the pool's element format (--kv-cache-dtype): what a page weighs in every plan and policy
+        self.kv_dtype = (getattr(engine, "info", None) or {}).get("kv_dtype") or dtype_name(dtype)
+        self.planner = SwitchPlanner(cfg, self.alloc, dtype, self.kv_dtype)
         self.replicas = ReplicaPages(self.alloc, weight_pages, self.planner.page_bytes)
         self.auto = auto
         self.policy_cfg = None
@@ -414,7 +416,8 @@ def attach_switching(engine: Any, cfg: Any, model: Any, config: EngineConfig) ->
     world = engine.allocator.world
     wp = [0] * world
     if config.memory_per_rank is not None and config.switching:
-        page_bytes = KVPool.bytes_per_page(cfg, engine.allocator.page_size, model.dtype)
+        page_bytes = KVPool.bytes_per_page(cfg, engine.allocator.page_size, model.dtype,
+                                           config.kv_cache_dtype)
         wp = [replica_pages(model, world, page_bytes)] * world
     th, src = None, ""
     if config.auto:

@@ -173,7 +173,7 @@ class SwitchExecutor:
                 self._launch(self._installed)
             self._install(self._installed)
         freed = list(self.plan.frees[self.rank])
-        if self.poison_freed and freed and self.pool.data.is_floating_point():
+        if self.poison_freed and freed:
             # Debug aid: any later read of a retired page (of any store) turns into NaN logits.
             self.pool.poison(torch.tensor(freed, dtype=torch.long, device=self.pool.device))
         if hasattr(self.model, "attn_sharded"):

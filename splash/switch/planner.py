@@ -32,6 +32,7 @@ from splash.core.config import ModelConfig, normalize_dtype
 from splash.core.layouts import Layout
 from splash.core.manifest import Manifest, held_state, switch_manifest
 from splash.core.sizes import AttentionSizes
+from splash.core.stores import kv_format
 from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks
 from splash.step.plan import LAYOUTS
 from splash.switch.columns import Columns, first_bad, request_error, request_scalars
@@ -61,7 +62,7 @@ class SwitchPlanner:
         cfg.check_ranks(alloc.world)
         self.cfg, self.alloc = cfg, alloc
         self.dtype = dtype_name(dtype)
-        self.kv_dtype = dtype_name(kv_dtype if kv_dtype is not None else dtype)
+        self.kv_dtype = kv_format(str(kv_dtype if kv_dtype is not None else dtype).removeprefix("torch."))
         self.sizes = AttentionSizes(cfg, self.dtype, self.kv_dtype)  # one per planner: it memoises weights
         self._weight_ops: dict[tuple[object, ...], str] = {}
         T = alloc.world

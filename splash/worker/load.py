@@ -97,8 +97,12 @@ def load_rank(config: EngineConfig, grid: Any) -> RankState:
         state_bytes = slots * StatePool.bytes_per_slot(cfg, tdtype, budget_heads)
     pages = kv_pages(cfg, tdtype, spec.page_size, pool_weights, reserve, spec.memory_per_rank,
                      spec.num_kv_pages, spec.max_num_seqs, max_model_len, dev, keep_free=keep_free,
-                     state_bytes=state_bytes)
-    pool = KVPool.for_model(cfg, pages, spec.page_size, tdtype, dev)
+                     state_bytes=state_bytes, kv_cache_dtype=spec.kv_cache_dtype)
+    pool = KVPool.for_model(cfg, pages, spec.page_size, tdtype, dev, spec.kv_cache_dtype)
+    if pool.fmt == "fp8_e4m3":
+        from splash.model.loader import kv_scales
+
+        pool.tensor_scale.update(kv_scales(path, pool.latent_layers))
     runner = ModelRunner(net, pool, layout, grid.comm, grid.rank, spec.world)
     if slots:
         runner.state = StatePool.for_model(cfg, slots, tdtype, dev, heads=heads)

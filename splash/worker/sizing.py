@@ -55,7 +55,8 @@ def reserve_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: 
 
 def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: int, reserve: int,
              memory_per_rank: int | str | None, num_kv_pages: int | None, max_num_seqs: int,
-             max_model_len: int, device: torch.device, keep_free: int = 0, state_bytes: int = 0) -> int:
+             max_model_len: int, device: torch.device, keep_free: int = 0, state_bytes: int = 0,
+             kv_cache_dtype: str | None = None) -> int:
     """Pages of one rank's KV pool: an explicit count, what the budget leaves, or a default.
 
     `keep_free`: bytes the default (unbudgeted) pool leaves unused beyond its usual share, e.g. for the
@@ -67,7 +68,7 @@ def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: i
         if num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1, got {num_kv_pages}")
         return int(num_kv_pages)
-    per_page = KVPool.bytes_per_page(cfg, page_size, kv_dtype)
+    per_page = KVPool.bytes_per_page(cfg, page_size, kv_dtype, kv_cache_dtype)
     if memory_per_rank is not None:
         budget = parse_bytes(memory_per_rank)
         kv = budget - weights - reserve - state_bytes

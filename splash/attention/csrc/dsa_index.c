@@ -11,7 +11,9 @@
  * Row and table indices and page ids are checked (return 2 when out of range; 1: out of memory).
  *
  * Nothing is gathered: keys are read where they lie in the pool [pages * P, d]. Scores are in the
- * score type A (float, or double for double models) with the keys converted on load (bf16 -> float);
+ * score type A (float, or double for double models) with the keys converted on load (bf16 -> float;
+ * an FP8 cache's row [d FP8 e4m3 bytes, a float32 scale per 128] -> value x its group's scale, exact, as
+ * DeepSeek's fp8 index applies the key scale: a power of two commutes with ReLU and the weighted sum);
  * the dot products are a small GEMM per (row, block of keys), vectors across heads (queries
  * transposed to [d, H]), so no per-head horizontal sums. Each score is stored as an order-preserving
  * unsigned key; the k-th best is found by a radix select (O(m), exact ties counted; a long row's only
@@ -31,6 +33,28 @@
 #include <string.h>
 
 typedef uint16_t bf16;
+
+/* FP8 e4m3 (fn: no infinities, 0x7f / 0xff NaN) -> float, exactly; a table built on first use */
+static float fp8_lut[256];
+static int fp8_lut_ready = 0;
+static void fp8_lut_init(void) {
+    if (fp8_lut_ready) return;
+    for (int v = 0; v < 256; v++) {
+        const int sgn = v >> 7, e = (v >> 3) & 15, m = v & 7;
+        float f;
+        if (e == 15 && m == 7) f = NAN;
+        else if (e == 0) f = ldexpf((float)m, -9);
+        else f = ldexpf((float)(8 + m), e - 10);
+        fp8_lut[v] = sgn ? -f : f;
+    }
+    fp8_lut_ready = 1;
+}
+/* value dd of an FP8 row of d values (scales after the values, one float32 per 128) */
+static inline float fp8_row_at(const uint8_t *row, int64_t dd, int64_t d) {
+    float sc;
+    memcpy(&sc, row + d + 4 * (dd >> 7), 4);
+    return fp8_lut[row[dd]] * sc;
+}
 
 static inline float bf16_to_f(bf16 v) {
     uint32_t u = ((uint32_t)v) << 16;
@@ -109,10 +133,10 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
     return lo;
 }
 
-/* DEFINE(NAME, T, A, V, VI, U, UBITS, LOAD, CONV, KEY, UNKEY): T pool type, A score type, V / VI its
- * vector / same-width integer vector, U the score key type of UBITS bits; CONV: keys are converted
- * into a buffer first (T != A). */
-#define DEFINE(NAME, T, A, V, VI, U, UBITS, LOAD, CONV, KEY, UNKEY)                                         \
+/* DEFINE(NAME, T, A, V, VI, U, UBITS, LOAD, CONV, KEY, UNKEY, ROW): T pool type, A score type, V / VI
+ * its vector / same-width integer vector, U the score key type of UBITS bits; CONV: keys are converted
+ * into a buffer first (T != A), LOAD(row, dd) the value dd of a key row; ROW(d): T elements per key row. */
+#define DEFINE(NAME, T, A, V, VI, U, UBITS, LOAD, CONV, KEY, UNKEY, ROW)                                       \
     enum { NAME##_L = (int)(sizeof(V) / sizeof(A)) };                                                        \
                                                                                                              \
     /* scores of NR keys against one row: qt [d, Hp] (heads padded with zero weights), wp [Hp] */           \
@@ -279,6 +303,7 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
              int64_t tstride, int64_t W, int64_t nt, const int64_t *row_seq, int64_t n, int64_t H, int64_t d, \
              int64_t k, A *out_sc, int64_t *out_pos, int64_t *out_slot, int64_t budget, int64_t nthreads) {  \
         if (n <= 0 || k <= 0) return 0;                                                                      \
+        fp8_lut_init();                                                                                      \
         if (nthreads < 1) nthreads = 1;                                                                      \
         for (int64_t r = 0; r < n; r++) { /* rows and tables in range (an id past the pool: below) */        \
             const int64_t src = rows ? rows[r] : r;                                                          \
@@ -455,21 +480,21 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
                     const T *raw[NR], *nxt[NR]; /* this block's keys in the pool, and the next block's */    \
                     for (int64_t j = 0; j < NR && I.c0 + j < I.c1; j++) {                                    \
                         while (t >= gr[e + 1].start - gr[e].start) t = 0, e++;                                \
-                        raw[j] = kv + (gr[e].id * P + t++) * d;                                              \
+                        raw[j] = kv + (gr[e].id * P + t++) * ROW(d);                                            \
                     }                                                                                        \
                     for (int64_t i = I.c0; i < I.c1; i += NR) {                                              \
                         const int64_t nk = I.c1 - i < NR ? I.c1 - i : NR;                                    \
                         for (int64_t j = 0; j < NR && i + NR + j < I.c1; j++) { /* fetched while we score */ \
                             while (t >= gr[e + 1].start - gr[e].start) t = 0, e++;                            \
-                            nxt[j] = kv + (gr[e].id * P + t++) * d;                                          \
-                            for (int64_t b = 0; b < d * (int64_t)sizeof(T); b += 64)                         \
+                            nxt[j] = kv + (gr[e].id * P + t++) * ROW(d);                                        \
+                            for (int64_t b = 0; b < ROW(d) * (int64_t)sizeof(T); b += 64)                      \
                                 __builtin_prefetch((const char *)nxt[j] + b);                                \
                         }                                                                                    \
                         const A *kp[NR];                                                                     \
                         for (int64_t j = 0; j < nk; j++) {                                                   \
                             if (CONV) {                                                                      \
                                 A *dst = kf + j * d;                                                         \
-                                for (int64_t dd = 0; dd < d; dd++) dst[dd] = LOAD(raw[j][dd]);               \
+                                for (int64_t dd = 0; dd < d; dd++) dst[dd] = (A)LOAD(raw[j], dd);           \
                                 kp[j] = dst;                                                                 \
                             } else {                                                                         \
                                 kp[j] = (const A *)(const void *)raw[j];                                     \
@@ -542,7 +567,13 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
         return err;                                                                                          \
     }
 
-#define ID(x) (x)
-DEFINE(dsa_topk_f64, double, double, vd, vdi, uint64_t, 64, ID, 0, key_d, unkey_d)
-DEFINE(dsa_topk_f32, float, float, vf, vfi, uint32_t, 32, ID, 0, key_f, unkey_f)
-DEFINE(dsa_topk_f32_bf16, bf16, float, vf, vfi, uint32_t, 32, bf16_to_f, 1, key_f, unkey_f)
+#define AT(row, dd) ((row)[dd])
+#define AT_BF16(row, dd) bf16_to_f((row)[dd])
+#define AT_FP8(row, dd) fp8_row_at((row), (dd), d)
+#define PLAIN(d) (d)
+#define FP8ROW(d) ((d) + 4 * (((d) + 127) / 128))
+DEFINE(dsa_topk_f64, double, double, vd, vdi, uint64_t, 64, AT, 0, key_d, unkey_d, PLAIN)
+DEFINE(dsa_topk_f32, float, float, vf, vfi, uint32_t, 32, AT, 0, key_f, unkey_f, PLAIN)
+DEFINE(dsa_topk_f32_bf16, bf16, float, vf, vfi, uint32_t, 32, AT_BF16, 1, key_f, unkey_f, PLAIN)
+DEFINE(dsa_topk_f64_fp8, uint8_t, double, vd, vdi, uint64_t, 64, AT_FP8, 1, key_d, unkey_d, FP8ROW)
+DEFINE(dsa_topk_f32_fp8, uint8_t, float, vf, vfi, uint32_t, 32, AT_FP8, 1, key_f, unkey_f, FP8ROW)

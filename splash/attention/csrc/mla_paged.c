@@ -14,6 +14,11 @@
  * Layout: queries as q_lat [n, h, dc] and q_pe [n, h, dr], any row/head strides (last dim dense);
  * kv [pages, P, D = dc + dr] (one layer of the pool); out [n, h, dc]; lse [n, h] (acc type)
  * or NULL. A row that sees no key gets out 0 and lse -inf.
+ *
+ * FP8 caches (the *_fp8 entry points; splash/kv/codec.py writes the rows): kv is bytes [pages, P, rb],
+ * fmt 1 (fp8_e4m3): D FP8 e4m3 values times one per-layer scale; fmt 2 (fp8_ds_mla): dc FP8 values, a
+ * float32 scale per 128 of them, then dr BF16 values. Each key row is dequantised as it is loaded, into
+ * the same buffer the plain kernels convert bf16 into: nothing else of the pool is ever decoded.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,6 +42,49 @@ static inline bf16 f_to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
+
+/* FP8 e4m3 (fn: no infinities, 0x7f / 0xff NaN) -> float, exactly; a table built on first use */
+static float fp8_lut[256];
+static int fp8_lut_ready = 0;
+static void fp8_lut_init(void) {
+    if (fp8_lut_ready) return;
+    for (int v = 0; v < 256; v++) {
+        const int sgn = v >> 7, e = (v >> 3) & 15, m = v & 7;
+        float f;
+        if (e == 15 && m == 7) f = NAN;
+        else if (e == 0) f = ldexpf((float)m, -9);
+        else f = ldexpf((float)(8 + m), e - 10);
+        fp8_lut[v] = sgn ? -f : f;
+    }
+    fp8_lut_ready = 1;
+}
+
+/* the first n values of one FP8 key row (fmt 1 or 2, above) into dst, in type A (float or double) */
+#define FP8_ROW(NAME, A)                                                                                \
+    static inline void NAME(const uint8_t *row, int64_t n, int64_t dc, int fmt, double tscale, A *dst) { \
+        if (fmt == 1) {                                                                                 \
+            const A ts = (A)tscale;                                                                     \
+            for (int64_t d = 0; d < n; d++) dst[d] = (A)fp8_lut[row[d]] * ts;                           \
+            return;                                                                                     \
+        }                                                                                               \
+        const int64_t nt = (dc + 127) / 128, m = n < dc ? n : dc;                                       \
+        const uint8_t *sc = row + dc;                                                                   \
+        for (int64_t d0 = 0; d0 < m; d0 += 128) {                                                       \
+            float f;                                                                                    \
+            memcpy(&f, sc + 4 * (d0 / 128), 4);                                                         \
+            const A scale = (A)f;                                                                       \
+            const int64_t d1 = d0 + 128 < m ? d0 + 128 : m;                                             \
+            for (int64_t d = d0; d < d1; d++) dst[d] = (A)fp8_lut[row[d]] * scale;                      \
+        }                                                                                               \
+        const uint8_t *rp = sc + 4 * nt;                                                                \
+        for (int64_t d = dc; d < n; d++) {                                                              \
+            bf16 b;                                                                                     \
+            memcpy(&b, rp + 2 * (d - dc), 2);                                                           \
+            dst[d] = (A)bf16_to_f(b);                                                                   \
+        }                                                                                               \
+    }
+FP8_ROW(fp8_row_f, float)
+FP8_ROW(fp8_row_d, double)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -143,11 +191,14 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
 
 #define HB 16 /* heads per unit at most (scores of HB heads share each key load) */
 
-/* DEFINE(name, T, A, LOAD, STORE): T storage type, A accumulation type. */
-#define DEFINE(NAME, T, A, LOAD, STORE, FAST)                                                                 \
-    static void NAME##_unit(const T *q, const T *kv, const int64_t *tbl, int64_t pos, int64_t h0,        \
+/* DEFINE(name, T, KT, A, LOAD, STORE, FAST, KROW): T query/output type, KT key storage type (T, or bytes of
+ * an FP8 cache), A accumulation type; KROW(k, n, dst): the first n values of key row k into dst (A). */
+#define PLAIN_ROW(k, n, dst)                                                                            \
+    for (int64_t d_ = 0; d_ < (n); d_++) (dst)[d_] = LOAD((k)[d_])
+#define DEFINE(NAME, T, KT, A, LOAD, STORE, FAST, KROW)                                                  \
+    static void NAME##_unit(const T *q, const KT *kv, const int64_t *tbl, int64_t pos, int64_t h0,       \
                             int64_t hh, int64_t h, int64_t D, int64_t dc, int64_t P, A scale, T *out,    \
-                            A *lse, A *work, int64_t *slots) {                                                          \
+                            A *lse, A *work, int64_t *slots, int64_t rb, int fmt, double tscale) {      \
         const int64_t m = pos + 1; /* keys at positions 0..pos, those on held pages visible */           \
         A *qf = work;              /* [hh, D] */                                                        \
         A *acc = qf + hh * D;      /* [hh, dc] */                                                       \
@@ -164,9 +215,9 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
             if (id < 0) continue;                                                                       \
             const int64_t nk = (pg == npages - 1) ? m - pg * P : P;                                     \
             for (int64_t t = 0; t < nk; t++) {                                                          \
-                const T *k = kv + (id * P + t) * D;                                                     \
+                const KT *k = kv + (id * P + t) * rb;                                                   \
                 slots[cnt] = id * P + t;                                                                \
-                for (int64_t d = 0; d < D; d++) kf[d] = LOAD(k[d]);                                     \
+                KROW(k, D, kf);                                                                         \
                 int64_t j = 0;                                                                          \
                 for (; j + 4 <= hh; j += 4) {                                                           \
                     const A *q0 = qf + j * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;                  \
@@ -214,8 +265,12 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
         for (int64_t c = 0; c < cnt; c += 4) {                                                          \
             const int64_t g = cnt - c < 4 ? cnt - c : 4;                                                \
             for (int64_t u = 0; u < 4; u++) {                                                           \
-                const T *k = kv + slots[c + (u < g ? u : 0)] * D;                                       \
-                for (int64_t d = 0; d < dc; d++) kf[u * D + d] = u < g ? LOAD(k[d]) : (A)0;              \
+                if (u < g) {                                                                            \
+                    const KT *k = kv + slots[c + u] * rb;                                               \
+                    KROW(k, dc, kf + u * D);                                                            \
+                } else {                                                                                \
+                    for (int64_t d = 0; d < dc; d++) kf[u * D + d] = (A)0;                              \
+                }                                                                                       \
             }                                                                                           \
             const A *k0 = kf, *k1 = kf + D, *k2 = kf + 2 * D, *k3 = kf + 3 * D;                         \
             for (int64_t j = 0; j < hh; j++) {                                                          \
@@ -234,11 +289,13 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
     }                                                                                                   \
                                                                                                         \
     int NAME(const T *ql, int64_t ql_n, int64_t ql_h, const T *qp, int64_t qp_n, int64_t qp_h,            \
-             const T *kv, const int64_t *tables, int64_t tstride, const int64_t *row_seq,                 \
+             const KT *kv, const int64_t *tables, int64_t tstride, const int64_t *row_seq,                \
              const int64_t *row_pos, int64_t n, int64_t h, int64_t dc, int64_t dr, int64_t P, double scale, \
-             T *out, A *lse, int64_t nthreads) {                                                        \
+             T *out, A *lse, int64_t nthreads, int64_t rb, int64_t fmt, double tscale) {                \
         const int64_t D = dc + dr;                                                                      \
         if (n <= 0) return 0;                                                                           \
+        if (rb <= 0) rb = D;                                                                            \
+        fp8_lut_init();                                                                                 \
         int64_t maxpos = 0;                                                                             \
         for (int64_t r = 0; r < n; r++)                                                                 \
             if (row_pos[r] > maxpos) maxpos = row_pos[r];                                               \
@@ -265,12 +322,13 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
                     memcpy(qbuf + j * D, ql + r * ql_n + (h0 + j) * ql_h, sizeof(T) * (size_t)dc);       \
                     memcpy(qbuf + j * D + dc, qp + r * qp_n + (h0 + j) * qp_h, sizeof(T) * (size_t)dr);  \
                 }                                                                                       \
-                if (FAST)                                                                               \
+                if (FAST && fmt == 0)                                                                   \
                     FAST_CALL(qbuf, kv, tables + row_seq[r] * tstride, row_pos[r], h0, hh, D, dc, \
                               P, scale, out + r * h * dc, lse ? lse + r * h : NULL, work, slots);         \
                 else                                                                                    \
                     NAME##_unit(qbuf, kv, tables + row_seq[r] * tstride, row_pos[r], h0, hh, h,  \
-                                D, dc, P, (A)scale, out + r * h * dc, lse ? lse + r * h : NULL, work, slots); \
+                                D, dc, P, (A)scale, out + r * h * dc, lse ? lse + r * h : NULL, work, slots, \
+                                rb, (int)fmt, tscale);                                                  \
             }                                                                                           \
             free(work);                                                                                 \
             free(slots);                                                                                \
@@ -289,6 +347,15 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
 #define FAST_CALL(...) ((void)0)
 #define BF16_OK 0
 #endif
-DEFINE(mla_paged_f64, double, double, ID, ID, 0)
-DEFINE(mla_paged_f32, float, float, ID, ID, 0)
-DEFINE(mla_paged_bf16, bf16, float, bf16_to_f, f_to_bf16, BF16_OK)
+#define FP8_F(k, n, dst) fp8_row_f((k), (n), dc, fmt, tscale, (dst))
+#define FP8_D(k, n, dst) fp8_row_d((k), (n), dc, fmt, tscale, (dst))
+#define LOAD ID
+DEFINE(mla_paged_f64, double, double, double, ID, ID, 0, PLAIN_ROW)
+DEFINE(mla_paged_f32, float, float, float, ID, ID, 0, PLAIN_ROW)
+DEFINE(mla_paged_f64_fp8, double, uint8_t, double, ID, ID, 0, FP8_D)
+DEFINE(mla_paged_f32_fp8, float, uint8_t, float, ID, ID, 0, FP8_F)
+#undef LOAD
+#define LOAD bf16_to_f
+DEFINE(mla_paged_bf16, bf16, bf16, float, bf16_to_f, f_to_bf16, BF16_OK, PLAIN_ROW)
+DEFINE(mla_paged_bf16_fp8, bf16, uint8_t, float, bf16_to_f, f_to_bf16, 0, FP8_F)
+#undef LOAD
