@@ -154,8 +154,9 @@ class EngineConfig:
     kv_cache_dtype: str = _opt(
         "auto", "cache", "--kv-cache-dtype", "KV cache element format: auto (the model's dtype), bfloat16, "
         "float32, float64, fp8_e4m3 (latent and rotary key FP8, one scale per layer: the checkpoint's "
-        "k_scale, else 1.0), fp8_ds_mla (DeepSeek-V3.2's 656-byte token: FP8 latent in tiles of 128 with float32 "
-        "scales, BF16 rotary key), fp8 (= fp8_ds_mla); a DSA indexer's keys are FP8 in both FP8 formats")
+        "k_scale, else 1.0), fp8_ds_mla (DeepSeek-V3.2's 656-byte token: FP8 latent in tiles of 128 with "
+        "float32 scales, BF16 rotary key), fp8 (= fp8_ds_mla); a DSA indexer's keys are FP8 in both FP8 "
+        "formats")
     num_state_slots: int | None = _opt(None, "cache", "--num-state-slots", "KDA hybrids: requests whose "
                                        "recurrent state a rank holds at once (default --max-num-seqs)",
                                        type=positive_int)
