@@ -20,6 +20,7 @@ import torch
 from dist_utils import run_ranks
 from helpers_ckpt import build_checkpoint, hf_logits, hf_reference
 from helpers_dsa import build_dsa_checkpoint
+from prometheus_client.parser import text_string_to_metric_families
 
 from splash.attention import native, sparse
 from splash.attention.kernel import attend
@@ -31,6 +32,7 @@ from splash.core.stores import token_stores
 from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
 from splash.kv.pool import KVPool
+from splash.server.metrics import ServerMetrics
 
 FORMATS = ("bf16", "fp32", "fp8_e4m3", "fp8_ds_mla")
 P = 4
@@ -335,6 +337,12 @@ def test_a_memory_budget_admits_about_1_76x_the_tokens_of_bf16(tmp_path):
             cfg = eng.runner.model.cfg
             assert per_token == kv_bytes_per_token(cfg, "bf16" if fmt == "auto" else fmt)
             assert set(st["kv_bytes_per_token"]) == {s.name for s in token_stores(cfg)}
+            metrics = ServerMetrics("mla")
+            metrics.refresh(st)
+            text = metrics.render().decode()
+            got_m = {s.labels["store"]: s.value for f in text_string_to_metric_families(text)
+                     for s in f.samples if s.name == "splash:kv_bytes_per_token"}
+            assert got_m == {k: float(v) for k, v in st["kv_bytes_per_token"].items()}
         finally:
             eng.shutdown()
     ratio = got["fp8_ds_mla"] / got["auto"]

@@ -40,7 +40,15 @@ def register(kinds: argparse._SubParsersAction) -> None:
                    help="DSA models: decode tok/s at each of --contexts against the same model with "
                         "index_topk >= the context (dense); use --batch 1 and a small --output-len")
     p.add_argument("--contexts", default="1024,4096,16384", metavar="N,N",
-                   help="prompt lengths for --sparse-vs-dense (default 1024,4096,16384)")
+                   help="prompt lengths for --sparse-vs-dense and --kv-compare (default 1024,4096,16384)")
+    p.add_argument("--kv-compare", action="store_true",
+                   help="the FP8 KV cache formats against the model's dtype: decode tok/s at each of "
+                        "--contexts, tokens each layout admits at --memory-per-rank (default 256MiB; T from "
+                        "--tp) next to the core's pool rule, and the logprob drift of greedy tokens")
+    p.add_argument("--kv-parts", default="all", choices=("all", "decode", "admission", "drift"),
+                   help="--kv-compare: which parts to run (default all)")
+    p.add_argument("--drift-prompts", type=positive_int, default=16,
+                   help="--kv-compare: stdlib prompts (of --input-len tokens) the drift is measured on")
     p.add_argument("--json-schema", default=None, metavar="FILE|builtin",
                    help="decode tok/s constrained by this JSON schema against unconstrained, at each of "
                         "--batches, with the grammar's time per step (builtin: an agent-style schema)")
@@ -142,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
         from splash.bench import sparse
 
         return sparse.run(args)
+    if args.kv_compare:
+        from splash.bench import kvformat
+
+        return kvformat.run(args)
     if args.json_schema:
         from splash.bench import structured
 
