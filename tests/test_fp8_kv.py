@@ -348,3 +348,23 @@ def test_a_memory_budget_admits_about_1_76x_the_tokens_of_bf16(tmp_path):
     ratio = got["fp8_ds_mla"] / got["auto"]
     assert ratio == pytest.approx(1152 / 656, rel=0.01), ratio
     assert got["fp8_e4m3"] / got["auto"] == pytest.approx(1152 / 576, rel=0.01)
+
+
+@pytest.mark.timeout(120)
+def test_prefix_cache_shares_fp8_pages(v3):
+    """Requests sharing a prompt prefix reuse its FP8 pages and give what uncached prefills give."""
+    shared = list(range(60, 77))
+    prompts = [shared + [3, 4], shared + [9], shared + [5, 6, 7]]
+    out = {}
+    for cache in (True, False):
+        eng = build_engine(model=v3, num_kv_pages=64, kv_cache_dtype="fp8_ds_mla",
+                           enable_prefix_caching=cache,
+                           **{**ENGINE, "max_num_seqs": 1})  # one at a time: the later ones find the prefix
+        try:
+            out[cache] = run(eng, prompts)
+            hits = eng.stats().get("prefix_cache_hits", 0)
+        finally:
+            eng.shutdown()
+        assert (hits >= 2 * 16) if cache else hits == 0, hits
+    assert out[True][0] == out[False][0]
+    close(out[True][1], out[False][1], "prefix cache")
