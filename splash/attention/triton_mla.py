@@ -94,7 +94,6 @@ def _mla_decode(QL, QP, KV, TAB, RSEQ, RPOS, O, LSE,
                 kpe = pb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * TSCALE
                 c = c * TSCALE
             else:
-                NT: tl.constexpr = (DC + 127) // 128
                 sp_ = row + DC + (dc[None, :] // 128) * 4
                 sm = ok[:, None] & dcm[None, :]
                 b0 = tl.load(sp_, mask=sm, other=0).to(tl.int32)
@@ -103,7 +102,7 @@ def _mla_decode(QL, QP, KV, TAB, RSEQ, RPOS, O, LSE,
                 b3 = tl.load(sp_ + 3, mask=sm, other=0).to(tl.int32)
                 tile = (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
                 c = c * tl.where(sm, tile, 0.0)
-                rp = row + DC + NT * 4 + dr[None, :] * 2
+                rp = row + DC + ((DC + 127) // 128) * 4 + dr[None, :] * 2  # past the tile scales
                 rm = ok[:, None] & drm[None, :]
                 lo = tl.load(rp, mask=rm, other=0).to(tl.int32)
                 hi = tl.load(rp + 1, mask=rm, other=0).to(tl.int32)

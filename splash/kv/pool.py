@@ -74,8 +74,7 @@ class KVPool:
         self.codecs: dict[str, Codec] = codecs
         self.tensor_scale: dict[int, float] = {}  # fp8_e4m3: a layer's scale (checkpoint k_scale), else 1
         lat = self.codecs["latent"]
-        self.storage = lat.storage  # every store's tensor has this dtype (one format per pool)
-        self.data = torch.zeros(num_layers, num_pages, page_size, lat.row, dtype=self.storage,
+        self.data = torch.zeros(num_layers, num_pages, page_size, lat.row, dtype=lat.storage,
                                 device=self.device)
         # name -> [len(layers), num_pages, page_size, row]; row of layer i in `_rows[name][i]`
         self.extra: dict[str, torch.Tensor] = {}
@@ -133,6 +132,18 @@ class KVPool:
         return cls.for_model(cfg, n, page_size, dtype, device, kv_cache_dtype)
 
     @property
+    def storage(self) -> torch.dtype:
+        """The dtype every store's tensor has (one element format per pool; bytes for FP8)."""
+        return self.data.dtype
+
+    def _encode(self, name: str, i: int, rows: torch.Tensor) -> torch.Tensor:
+        """Model-dtype rows [k, width] of store `name` in layer i -> stored rows (FP8: quantised)."""
+        codec = self.codecs[name]
+        if not codec.packed:
+            return rows.to(self.storage)
+        return codec.encode(rows.to(self.dtype), self.tensor_scale.get(i, 1.0) if name == "latent" else 1.0)
+
+    @property
     def packed(self) -> bool:
         """Whether rows are kept as bytes of a packed (FP8) format rather than values."""
         return self.codecs["latent"].packed
@@ -162,7 +173,7 @@ class KVPool:
         if name == "latent":
             return self.write(i, slots, rows)
         if slots.numel():
-            enc = self.codecs[name].encode(rows.to(self.dtype))
+            enc = self._encode(name, i, rows)
             self.store_flat(name, i).index_copy_(0, slots, enc)
 
     def gather_store(self, name: str, i: int, slots: torch.Tensor) -> torch.Tensor:
@@ -188,10 +199,9 @@ class KVPool:
         """Latent rows [k, D] as layer i would give them back once written (an FP8 cache's round trip;
         the rows themselves for the model's dtype): for a path that attends new rows without reading
         the pool, so that it sees what every other layout reads."""
-        if not self.packed and self.codecs["latent"].storage == self.dtype:
+        if not self.packed and self.storage == self.dtype:
             return rows
-        enc = self.codecs["latent"].encode(rows.to(self.dtype), self.tensor_scale.get(i, 1.0))
-        return self.decode(i, enc)
+        return self.decode(i, self._encode("latent", i, rows))
 
     def kernel_format(self, i: int) -> tuple[int, float] | None:
         """What a paged kernel is told about layer i's latent rows (`native.paged_attention`'s `fmt`):
@@ -200,7 +210,7 @@ class KVPool:
         torch path decodes."""
         lat = self.codecs["latent"]
         if not lat.packed:
-            return (0, 1.0) if lat.storage == self.dtype else None
+            return (0, 1.0) if self.storage == self.dtype else None
         return (lat.kernel_format, self.tensor_scale.get(i, 1.0))
 
     def decoded_layer(self, i: int) -> torch.Tensor:
@@ -271,8 +281,7 @@ class KVPool:
     def write(self, i: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store `rows` [k, D] (the model's values) at flat `slots` [k] of layer i, encoded."""
         if slots.numel():
-            enc = self.codecs["latent"].encode(rows.to(self.dtype), self.tensor_scale.get(i, 1.0))
-            self.flat_layer(i).index_copy_(0, slots, enc)
+            self.flat_layer(i).index_copy_(0, slots, self._encode("latent", i, rows))
 
     def read_pages(self, pages: torch.Tensor) -> list[torch.Tensor]:
         """Copies [L_s, len(pages), P, width] of some pages, one per store (latent first)."""
