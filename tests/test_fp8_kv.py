@@ -111,11 +111,12 @@ def test_rows_are_deepseeks_layout_and_quantised_per_token():
 
 
 @pytest.mark.skipif(native.library() is None or native.dsa_library() is None, reason="no C compiler")
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_ds_mla", "bfloat16"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["f64", "f32", "bf16"])
 def test_kernels_dequantise_fp8_rows_in_their_loops(fmt, dtype):
-    """The C paged kernel over FP8 bytes = the torch kernel over the decoded keys; the sparse (selected
-    keys) path too; the DSA index kernel over FP8 keys selects what the torch path selects."""
+    """The C paged kernel over FP8 bytes (or a BF16 cache under wider queries) = the torch kernel over
+    the decoded keys; the sparse (selected keys) path too; the DSA index kernel over FP8 keys selects
+    what the torch path selects."""
     cfg = PRESETS["tiny-dsa"].replace(kv_lora_rank=160, index_head_dim=136)  # a short last tile of 128
     pool = KVPool.for_model(cfg, 12, 4, dtype, kv_cache_dtype=fmt)
     g = torch.Generator().manual_seed(2)
@@ -144,7 +145,8 @@ def test_kernels_dequantise_fp8_rows_in_their_loops(fmt, dtype):
         m.setenv("SPLASH_ATTN_KERNEL", "torch")
         want, _ = sparse.attend_selected(ql, qp, pool, 0, sel, 0.1)
     assert (got.double() - want.double()).abs().max() < tol
-    if dtype == torch.bfloat16:
+    assert pool.kernel_format(0) is not None  # every case here ran in the kernel, not the torch path
+    if dtype == torch.bfloat16 or fmt == "bfloat16":
         return
     keys = pool.store_flat("index_k", 0)
     assert keys.dtype == torch.uint8 and keys.shape[-1] == 136 + 8
@@ -240,6 +242,12 @@ def v3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    return build_dsa_checkpoint(tmp_path_factory.mktemp("fp8-v32") / "v32", "v32", seed=4, index_head_dim=48,
+                                index_topk=4)
+
+
+@pytest.fixture(scope="module")
 def glm(tmp_path_factory):
     return build_dsa_checkpoint(tmp_path_factory.mktemp("fp8-dsa") / "glm", "glm", seed=3, index_head_dim=48,
                                 index_topk=4)
@@ -254,9 +262,10 @@ def one_rank(path: str, fmt: str):
 
 
 @pytest.fixture(scope="module")
-def refs(v3, glm):
+def refs(v3, v32, glm):
     """The T = 1 FP8 engines' tokens and logits (the reference every layout and switch must give)."""
-    return {(name, "fp8_ds_mla"): one_rank(path, "fp8_ds_mla") for name, path in (("v3", v3), ("glm", glm))}
+    return {(name, "fp8_ds_mla"): one_rank(path, "fp8_ds_mla")
+            for name, path in (("v3", v3), ("v32", v32), ("glm", glm))}
 
 
 @pytest.mark.slow
@@ -295,17 +304,19 @@ def test_float64_engine_equals_transformers_with_the_same_quantisation(v3, fmt, 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.usefixtures("one_torch_thread")
-def test_layouts_and_switches_equal_the_one_rank_fp8_engine(group, v3, glm, refs):
-    """T = 2: every layout's start and all 12 directions, on V3 and on a GLM-5-shaped DSA model (FP8
-    indexer keys move with the pages). T = 4: one random schedule on V3 (lean: one T = 4 case)."""
+def test_layouts_and_switches_equal_the_one_rank_fp8_engine(group, v3, v32, glm, refs):
+    """T = 2: all 12 directions on V3 and on a GLM-5-shaped DSA model (FP8 indexer keys move with the
+    pages), a random schedule from DP on DeepSeek-V3.2's shape. T = 4: one random schedule on V3 (lean:
+    one T = 4 case). The switch planner prices pages in the format's bytes (the manifests)."""
     circuit = ["tp", "dp", "cp", "dop", "tp", "cp", "dp", "dop", "cp", "tp", "dop", "dp", "tp"]
     all12 = ",".join(f"{i + 1}:{lay}" for i, lay in enumerate(circuit[1:]))
+    rnd = random.Random(group.world)
+    lays = [rnd.choice(["tp", "dp", "cp", "dop"]) for _ in range(6)]
+    schedule = ",".join(f"{2 * i + 1}:{lay}" for i, lay in enumerate(lays))
     if group.world == 4:
-        rnd = random.Random(4)
-        lays = [rnd.choice(["tp", "dp", "cp", "dop"]) for _ in range(6)]
-        cases = [("v3", v3, "dop", ",".join(f"{2 * i + 1}:{lay}" for i, lay in enumerate(lays)))]
+        cases = [("v3", v3, "dop", schedule)]
     else:
-        cases = [("v3", v3, "tp", all12), ("glm", glm, "tp", all12)]
+        cases = [("v3", v3, "tp", all12), ("glm", glm, "tp", all12), ("v32", v32, "dp", schedule)]
     for name, path, start, schedule in cases:
         ref_toks, ref_logits = refs[(name, "fp8_ds_mla")]
         eng = build_engine(model=path, layout=start, rank_group=group, num_kv_pages=96,
@@ -314,6 +325,10 @@ def test_layouts_and_switches_equal_the_one_rank_fp8_engine(group, v3, glm, refs
             toks, logits = run(eng)
             st = eng.stats()
             moved = [e.bytes_per_layer for e in eng.switcher.events if e.refused is None]
+            planner = eng.switcher.planner
+            cfg = eng.runner.local.model.cfg
+            assert planner.sizes.k == kv_bytes_per_token(cfg, "fp8_ds_mla")
+            assert planner.page_bytes == P * kv_bytes_per_token(cfg, "fp8_ds_mla")
         finally:
             eng.shutdown()
         label = f"{name} T={group.world} {schedule}"
@@ -368,3 +383,24 @@ def test_prefix_cache_shares_fp8_pages(v3):
         assert (hits >= 2 * 16) if cache else hits == 0, hits
     assert out[True][0] == out[False][0]
     close(out[True][1], out[False][1], "prefix cache")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_mtp_drafts_keep_their_kv_in_fp8_and_change_no_token(tmp_path):
+    """MTP speculation over an FP8 cache (the draft layer's latent is a row of the latent's tensor, so
+    FP8 too): the greedy tokens are the non-speculating FP8 engine's."""
+    from helpers_ckpt import add_mtp_layer
+
+    path = add_mtp_layer(build_checkpoint(tmp_path / "mtp", "v3", seed=6), seed=1)
+    plain = one_rank(path, "fp8_ds_mla")
+    eng = build_engine(model=path, num_kv_pages=64, kv_cache_dtype="fp8_ds_mla", speculative_algorithm="MTP",
+                       speculative_policy="always", **ENGINE)
+    try:
+        spec = run(eng)
+        st = eng.stats()
+        assert eng.runner.pool.packed and "mtp_latent" in st["kv_bytes_per_token"]
+        assert st["spec_draft_tokens"] > 0
+    finally:
+        eng.shutdown()
+    assert spec[0] == plain[0]

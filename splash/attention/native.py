@@ -14,6 +14,7 @@ machine without a C compiler gets the torch path too, with one warning. CUDA nev
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import logging
 import os
@@ -37,6 +38,7 @@ _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPI
           "-fno-math-errno"]
 _FUNCS = {torch.float64: "mla_paged_f64", torch.float32: "mla_paged_f32", torch.bfloat16: "mla_paged_bf16"}
 _FP8_FUNCS = {dt: f"{name}_fp8" for dt, name in _FUNCS.items()}  # over an FP8 cache's byte rows
+_BF16KV_FUNCS = {torch.float64: "mla_paged_f64_bf16kv", torch.float32: "mla_paged_f32_bf16kv"}  # BF16 cache
 # the DSA index top-k (csrc/dsa_index.c): (score dtype, index-key pool dtype) -> function
 _DSA_SRC = os.path.join(_CSRC, "dsa_index.c")
 _DSA_FUNCS = {(torch.float64, torch.float64): "dsa_topk_f64", (torch.float32, torch.float32): "dsa_topk_f32",
@@ -100,8 +102,11 @@ class _Library:
             self.tried = True
             from splash.model.tiny import cache_dir
 
-            with open(self.src, "rb") as f:
-                tag = hashlib.sha1(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+            h = hashlib.sha1(" ".join(_FLAGS).encode())
+            for path in [self.src, *sorted(glob.glob(os.path.join(_CSRC, "*.h")))]:  # (headers it includes)
+                with open(path, "rb") as f:
+                    h.update(f.read())
+            tag = h.hexdigest()[:12]
             name = os.path.splitext(os.path.basename(self.src))[0]
             target = os.path.join(cache_dir(), "kernels", f"{name}-{tag}-{_cpu_tag()}.so")
             try:
@@ -119,7 +124,8 @@ class _Library:
         return self.lib
 
 
-_mla = _Library(_SRC, [*_FUNCS.values(), *_FP8_FUNCS.values()], _MLA_ARGS, "attention kernel")
+_mla = _Library(_SRC, [*_FUNCS.values(), *_FP8_FUNCS.values(), *_BF16KV_FUNCS.values()], _MLA_ARGS,
+                "attention kernel")
 _dsa = _Library(_DSA_SRC, list(_DSA_FUNCS.values()), _DSA_ARGS, "DSA index kernel")
 
 
@@ -147,8 +153,8 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
     Row r attends the keys of page table `tables[row_seq[r]]` (local page ids, -1 = not held here) at
     positions <= row_pos[r] -> (out [n, h, d_c], lse [n, h] or None); a row with no key gets 0 / -inf.
     `fmt` (`KVPool.kernel_format`): (0, _) values of q's dtype; (1, scale) FP8 e4m3 bytes [pages, P, D]
-    times a per-layer scale; (2, _) fp8_ds_mla rows [pages, P, d_c + 4 ceil(d_c / 128) + 2 d_r], each
-    dequantised as the kernel loads it.
+    times a per-layer scale; (2, _) fp8_ds_mla rows [pages, P, d_c + 4 ceil(d_c / 128) + 2 d_r]; (3, _)
+    BF16 values under float32/float64 queries; each row converted as the kernel loads it.
     """
     lib = library()
     assert lib is not None
@@ -161,7 +167,7 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
     P = layer.shape[1]
     kind, tscale = fmt
     rb = d_c + d_r if kind != 2 else d_c + 4 * -(-d_c // 128) + 2 * d_r
-    want = q_lat.dtype if kind == 0 else torch.uint8
+    want = {0: q_lat.dtype, 3: torch.bfloat16}.get(kind, torch.uint8)
     if not layer.is_contiguous() or layer.dtype != want or layer.shape[-1] != rb:
         raise ValueError("paged_attention: the pool layer must be contiguous, of q's dtype (or an FP8 "
                          "cache's bytes) and of its row width")
@@ -170,7 +176,7 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
     total = torch.empty(n, h, dtype=acc) if lse else None
     tables = tables.contiguous()
     row_seq, row_pos = row_seq.contiguous(), row_pos.contiguous()
-    err = getattr(lib, (_FP8_FUNCS if kind else _FUNCS)[q_lat.dtype])(
+    err = getattr(lib, {0: _FUNCS, 3: _BF16KV_FUNCS}.get(kind, _FP8_FUNCS)[q_lat.dtype])(
         q_lat.data_ptr(), q_lat.stride(0), q_lat.stride(1), q_pe.data_ptr(), q_pe.stride(0), q_pe.stride(1),
         layer.data_ptr(), tables.data_ptr(), tables.shape[1], row_seq.data_ptr(), row_pos.data_ptr(),
         n, h, d_c, d_r, P, scale, out.data_ptr(), total.data_ptr() if total is not None else 0,

@@ -81,10 +81,12 @@ def _mla_decode(QL, QP, KV, TAB, RSEQ, RPOS, O, LSE,
         page = tl.load(TAB + seq * stab + kpos // P, mask=inb, other=-1)
         ok = inb & (page >= 0)
         slot = page.to(tl.int64) * P + (kpos % P)
-        if FMT == 0:
+        if FMT == 0 or FMT == 3:  # values (3: a BF16 cache under float32 / float64 queries)
             c = tl.load(KV + slot[:, None] * D + dc[None, :], mask=ok[:, None] & dcm[None, :], other=0.0)
             kpe = tl.load(KV + slot[:, None] * D + DC + dr[None, :], mask=ok[:, None] & drm[None, :],
                           other=0.0)
+            if FMT == 3:
+                c, kpe = c.to(QL.dtype.element_ty), kpe.to(QL.dtype.element_ty)
         else:
             row = KV + slot[:, None] * RB
             cb = tl.load(row + dc[None, :], mask=ok[:, None] & dcm[None, :], other=0)
@@ -184,7 +186,7 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
     rb = d_c + d_r if kind != 2 else d_c + 4 * -(-d_c // 128) + 2 * d_r
     if q_lat.dtype not in DTYPES:
         raise TypeError(f"triton MLA kernel: unsupported dtype {q_lat.dtype}")
-    want = q_lat.dtype if kind == 0 else torch.uint8
+    want = {0: q_lat.dtype, 3: torch.bfloat16}.get(kind, torch.uint8)
     if not layer.is_contiguous() or layer.dtype != want or layer.shape[-1] != rb:
         raise ValueError("paged_attention: the pool layer must be contiguous, of q's dtype (or an FP8 "
                          "cache's bytes) and of its row width")

@@ -2,15 +2,15 @@
 
 Three parts, one table each (JSON and a PNG with --json / --plot):
 - decode: for each of --contexts, a batch of random prompts of that length is prefilled, then decoded
-  greedily; only the decode steps are timed (`sparse.decode_rate`), once per KV format (the model's own
-  dtype as "auto", then the FP8 formats). Attention reads the latent rows: FP8 reads 656 of 1,152 bytes
-  a token at DeepSeek's dims, dequantising them in the kernel's loop.
+  greedily; only the decode steps are timed (`sparse.decode_rate`), once per KV format of --kv-formats
+  (the first is the reference: "auto", the model's own dtype, by default). Attention reads the latent
+  rows: FP8 reads 656 of 1,152 bytes a token at DeepSeek's dims, dequantising them in the kernel's loop.
 - admission: at a fixed --memory-per-rank (default 256MiB), the tokens each rank's pool holds in each
   layout (T = --tp), per format, next to what the analytical core's pool rule (`model_pool_tokens`, what
   `splash plan capacity --model ... --kv-dtype` reports) predicts from the same budget and the engine's
   measured step reserve.
-- drift: the cost of FP8 against BF16, as the logprob drift of greedy tokens: the BF16-cache engine's
-  greedy continuations of --drift-prompts stdlib prompts are scored teacher-forced by every format's
+- drift: the cost of FP8 against the reference format, as the logprob drift of greedy tokens: the
+  reference engine's greedy continuations of --drift-prompts stdlib prompts are scored teacher-forced by every format's
   engine (prompt logprobs), so each position compares the same token; plus how many free-running greedy
   tokens agree before the first difference.
 """
@@ -24,7 +24,6 @@ from typing import Any
 
 from splash.model.gemm import cpu_isa
 
-FP8 = ("fp8_ds_mla", "fp8_e4m3")
 LAYOUTS = ("tp", "dp", "cp", "dop")
 
 
@@ -83,7 +82,7 @@ def admission_rows(path: str, args: argparse.Namespace, formats: list[str]) -> l
 
 
 def drift(path: str, args: argparse.Namespace, formats: list[str]) -> dict[str, Any]:
-    """Logprob drift of the BF16 cache's greedy tokens under each FP8 format (teacher-forced)."""
+    """Logprob drift of the reference format's greedy tokens under each other format (teacher-forced)."""
     from splash.bench.speculative import stdlib_prompts
     from splash.config import EngineConfig
     from splash.engine.sampling import SamplingParams
@@ -146,8 +145,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     path = resolve_model_path(args.model or "small")
     cfg = ModelConfig.from_hf(path)
-    base = "auto"
-    formats = [base, *FP8]
+    formats = [f.strip() for f in str(args.kv_formats).split(",") if f.strip()]
+    if len(formats) < 2:
+        raise ValueError("--kv-formats needs the reference format and at least one more, e.g. auto,fp8")
     t0 = time.perf_counter()
     doc: dict[str, Any] = {"model": args.model or "small", "dtype": args.dtype or "bfloat16",
                            "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
@@ -171,7 +171,7 @@ def table(doc: dict[str, Any]) -> str:
     if "decode" in doc:
         lines.append(f"decode tok/s, batch {doc['batch']}, {doc['decode_tokens']} steps (auto: the model's "
                      "dtype)")
-        ratios = "".join(f"{f + '/auto':>18}" for f in fmts[1:])
+        ratios = "".join(f"{f + '/' + fmts[0]:>18}" for f in fmts[1:])
         lines.append(f"{'context':>8}" + "".join(f"{f:>13}" for f in fmts) + ratios)
         for r in doc["decode"]:
             lines.append(f"{r['context']:>8}" + "".join(f"{r[f]['decode_tokens_per_s']:>13.2f}" for f in fmts)
@@ -179,7 +179,7 @@ def table(doc: dict[str, Any]) -> str:
     if "admission" in doc:
         lines.append(f"admission at --memory-per-rank {doc['memory_per_rank']}, T={doc['ranks']}: tokens per "
                      "rank (runtime / core's pool rule)")
-        ratios = "".join(f"{f + '/auto':>18}" for f in fmts[1:])
+        ratios = "".join(f"{f + '/' + fmts[0]:>18}" for f in fmts[1:])
         lines.append(f"{'layout':>9}" + "".join(f"{f:>22}" for f in fmts) + ratios)
         for r in doc["admission"]:
             cells = "".join(f"{r[f]['tokens_per_rank']:>12,} / {r[f]['core_tokens_per_rank']:<7,}"

@@ -45,6 +45,10 @@ def register(kinds: argparse._SubParsersAction) -> None:
                    help="the FP8 KV cache formats against the model's dtype: decode tok/s at each of "
                         "--contexts, tokens each layout admits at --memory-per-rank (default 256MiB; T from "
                         "--tp) next to the core's pool rule, and the logprob drift of greedy tokens")
+    p.add_argument("--kv-formats", default="auto,fp8_ds_mla,fp8_e4m3", metavar="F,F",
+                   help="--kv-compare: KV formats, the first the reference (default "
+                        "auto,fp8_ds_mla,fp8_e4m3; under a float32 model bfloat16,fp8_ds_mla,fp8_e4m3 "
+                        "compares storage alone)")
     p.add_argument("--kv-parts", default="all", choices=("all", "decode", "admission", "drift"),
                    help="--kv-compare: which parts to run (default all)")
     p.add_argument("--drift-prompts", type=positive_int, default=16,

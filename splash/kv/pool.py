@@ -205,12 +205,14 @@ class KVPool:
 
     def kernel_format(self, i: int) -> tuple[int, float] | None:
         """What a paged kernel is told about layer i's latent rows (`native.paged_attention`'s `fmt`):
-        (0, 1) values of the model's dtype, (1, scale) fp8_e4m3, (2, 1) fp8_ds_mla; None: a plain format
-        of another dtype than the model's (`--kv-cache-dtype bfloat16` under a float32 model), which the
-        torch path decodes."""
+        (0, 1) values of the model's dtype, (1, scale) fp8_e4m3, (2, 1) fp8_ds_mla, (3, 1) BF16 values
+        under a float32/float64 model; None: another plain mix (the torch path decodes it)."""
         lat = self.codecs["latent"]
         if not lat.packed:
-            return (0, 1.0) if self.storage == self.dtype else None
+            if self.storage == self.dtype:
+                return (0, 1.0)
+            wide = self.dtype in (torch.float32, torch.float64)
+            return (3, 1.0) if self.storage == torch.bfloat16 and wide else None
         return (lat.kernel_format, self.tensor_scale.get(i, 1.0))
 
     def decoded_layer(self, i: int) -> torch.Tensor:

@@ -34,34 +34,14 @@
 
 typedef uint16_t bf16;
 
-/* FP8 e4m3 (fn: no infinities, 0x7f / 0xff NaN) -> float, exactly; a table built on first use */
-static float fp8_lut[256];
-static int fp8_lut_ready = 0;
-static void fp8_lut_init(void) {
-    if (fp8_lut_ready) return;
-    for (int v = 0; v < 256; v++) {
-        const int sgn = v >> 7, e = (v >> 3) & 15, m = v & 7;
-        float f;
-        if (e == 15 && m == 7) f = NAN;
-        else if (e == 0) f = ldexpf((float)m, -9);
-        else f = ldexpf((float)(8 + m), e - 10);
-        fp8_lut[v] = sgn ? -f : f;
-    }
-    fp8_lut_ready = 1;
-}
-/* value dd of an FP8 row of d values (scales after the values, one float32 per 128) */
-static inline float fp8_row_at(const uint8_t *row, int64_t dd, int64_t d) {
-    float sc;
-    memcpy(&sc, row + d + 4 * (dd >> 7), 4);
-    return fp8_lut[row[dd]] * sc;
-}
-
 static inline float bf16_to_f(bf16 v) {
     uint32_t u = ((uint32_t)v) << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
+
+#include "kv_formats.h"
 
 #ifndef VBYTES /* vector bytes (tests build other widths; GCC splits wider ones into native vectors) */
 #if defined(__AVX512F__)
@@ -133,10 +113,10 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
     return lo;
 }
 
-/* DEFINE(NAME, T, A, V, VI, U, UBITS, LOAD, CONV, KEY, UNKEY, ROW): T pool type, A score type, V / VI
+/* DEFINE(NAME, T, A, V, VI, U, UBITS, LOAD, CONV, KEY, UNKEY, ROW, KROW): T pool type, A score type, V / VI
  * its vector / same-width integer vector, U the score key type of UBITS bits; CONV: keys are converted
- * into a buffer first (T != A), LOAD(row, dd) the value dd of a key row; ROW(d): T elements per key row. */
-#define DEFINE(NAME, T, A, V, VI, U, UBITS, LOAD, CONV, KEY, UNKEY, ROW)                                       \
+ * into a buffer first (T != A) by KROW(row, d, dst); ROW(d): T elements per key row. */
+#define DEFINE(NAME, T, A, V, VI, U, UBITS, LOAD, CONV, KEY, UNKEY, ROW, KROW)                                       \
     enum { NAME##_L = (int)(sizeof(V) / sizeof(A)) };                                                        \
                                                                                                              \
     /* scores of NR keys against one row: qt [d, Hp] (heads padded with zero weights), wp [Hp] */           \
@@ -494,7 +474,7 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
                         for (int64_t j = 0; j < nk; j++) {                                                   \
                             if (CONV) {                                                                      \
                                 A *dst = kf + j * d;                                                         \
-                                for (int64_t dd = 0; dd < d; dd++) dst[dd] = (A)LOAD(raw[j], dd);           \
+                                KROW(raw[j], d, dst);                                                       \
                                 kp[j] = dst;                                                                 \
                             } else {                                                                         \
                                 kp[j] = (const A *)(const void *)raw[j];                                     \
@@ -567,13 +547,12 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
         return err;                                                                                          \
     }
 
-#define AT(row, dd) ((row)[dd])
-#define AT_BF16(row, dd) bf16_to_f((row)[dd])
-#define AT_FP8(row, dd) fp8_row_at((row), (dd), d)
+#define NO_ROW(row, d, dst) ((void)0)
+#define BF16_ROW(row, d, dst) bf16_run_f((const uint8_t *)(row), (d), (dst))
 #define PLAIN(d) (d)
 #define FP8ROW(d) ((d) + 4 * (((d) + 127) / 128))
-DEFINE(dsa_topk_f64, double, double, vd, vdi, uint64_t, 64, AT, 0, key_d, unkey_d, PLAIN)
-DEFINE(dsa_topk_f32, float, float, vf, vfi, uint32_t, 32, AT, 0, key_f, unkey_f, PLAIN)
-DEFINE(dsa_topk_f32_bf16, bf16, float, vf, vfi, uint32_t, 32, AT_BF16, 1, key_f, unkey_f, PLAIN)
-DEFINE(dsa_topk_f64_fp8, uint8_t, double, vd, vdi, uint64_t, 64, AT_FP8, 1, key_d, unkey_d, FP8ROW)
-DEFINE(dsa_topk_f32_fp8, uint8_t, float, vf, vfi, uint32_t, 32, AT_FP8, 1, key_f, unkey_f, FP8ROW)
+DEFINE(dsa_topk_f64, double, double, vd, vdi, uint64_t, 64, 0, 0, key_d, unkey_d, PLAIN, NO_ROW)
+DEFINE(dsa_topk_f32, float, float, vf, vfi, uint32_t, 32, 0, 0, key_f, unkey_f, PLAIN, NO_ROW)
+DEFINE(dsa_topk_f32_bf16, bf16, float, vf, vfi, uint32_t, 32, 0, 1, key_f, unkey_f, PLAIN, BF16_ROW)
+DEFINE(dsa_topk_f64_fp8, uint8_t, double, vd, vdi, uint64_t, 64, 0, 1, key_d, unkey_d, FP8ROW, fp8_tiles_d)
+DEFINE(dsa_topk_f32_fp8, uint8_t, float, vf, vfi, uint32_t, 32, 0, 1, key_f, unkey_f, FP8ROW, fp8_tiles_f)

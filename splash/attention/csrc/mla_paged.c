@@ -19,6 +19,7 @@
  * fmt 1 (fp8_e4m3): D FP8 e4m3 values times one per-layer scale; fmt 2 (fp8_ds_mla): dc FP8 values, a
  * float32 scale per 128 of them, then dr BF16 values. Each key row is dequantised as it is loaded, into
  * the same buffer the plain kernels convert bf16 into: nothing else of the pool is ever decoded.
+ * A BF16 cache under float32/float64 queries (--kv-cache-dtype bfloat16, *_bf16kv, fmt 3) loads alike.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,28 +44,14 @@ static inline bf16 f_to_bf16(float f) {
 }
 
 
-/* FP8 e4m3 (fn: no infinities, 0x7f / 0xff NaN) -> float, exactly; a table built on first use */
-static float fp8_lut[256];
-static int fp8_lut_ready = 0;
-static void fp8_lut_init(void) {
-    if (fp8_lut_ready) return;
-    for (int v = 0; v < 256; v++) {
-        const int sgn = v >> 7, e = (v >> 3) & 15, m = v & 7;
-        float f;
-        if (e == 15 && m == 7) f = NAN;
-        else if (e == 0) f = ldexpf((float)m, -9);
-        else f = ldexpf((float)(8 + m), e - 10);
-        fp8_lut[v] = sgn ? -f : f;
-    }
-    fp8_lut_ready = 1;
-}
+#include "kv_formats.h"
 
 /* the first n values of one FP8 key row (fmt 1 or 2, above) into dst, in type A (float or double) */
-#define FP8_ROW(NAME, A)                                                                                \
+#define FP8_ROW(NAME, A, RUN, BF16_RUN)                                                                         \
     static inline void NAME(const uint8_t *row, int64_t n, int64_t dc, int fmt, double tscale, A *dst) { \
         if (fmt == 1) {                                                                                 \
             const A ts = (A)tscale;                                                                     \
-            for (int64_t d = 0; d < n; d++) dst[d] = (A)fp8_lut[row[d]] * ts;                           \
+            RUN(row, n, ts, dst);                                                                       \
             return;                                                                                     \
         }                                                                                               \
         const int64_t nt = (dc + 127) / 128, m = n < dc ? n : dc;                                       \
@@ -74,17 +61,12 @@ static void fp8_lut_init(void) {
             memcpy(&f, sc + 4 * (d0 / 128), 4);                                                         \
             const A scale = (A)f;                                                                       \
             const int64_t d1 = d0 + 128 < m ? d0 + 128 : m;                                             \
-            for (int64_t d = d0; d < d1; d++) dst[d] = (A)fp8_lut[row[d]] * scale;                      \
+            RUN(row + d0, d1 - d0, scale, dst + d0);                                                    \
         }                                                                                               \
-        const uint8_t *rp = sc + 4 * nt;                                                                \
-        for (int64_t d = dc; d < n; d++) {                                                              \
-            bf16 b;                                                                                     \
-            memcpy(&b, rp + 2 * (d - dc), 2);                                                           \
-            dst[d] = (A)bf16_to_f(b);                                                                   \
-        }                                                                                               \
+        if (n > dc) BF16_RUN(sc + 4 * nt, n - dc, dst + dc);                                            \
     }
-FP8_ROW(fp8_row_f, float)
-FP8_ROW(fp8_row_d, double)
+FP8_ROW(fp8_row_f, float, fp8_run_f, bf16_run_f)
+FP8_ROW(fp8_row_d, double, fp8_run_d, bf16_run_d)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -354,6 +336,10 @@ DEFINE(mla_paged_f64, double, double, double, ID, ID, 0, PLAIN_ROW)
 DEFINE(mla_paged_f32, float, float, float, ID, ID, 0, PLAIN_ROW)
 DEFINE(mla_paged_f64_fp8, double, uint8_t, double, ID, ID, 0, FP8_D)
 DEFINE(mla_paged_f32_fp8, float, uint8_t, float, ID, ID, 0, FP8_F)
+#define BF16KV_F(k, n, dst) bf16_run_f((const uint8_t *)(k), (n), (dst))
+#define BF16KV_D(k, n, dst) bf16_run_d((const uint8_t *)(k), (n), (dst))
+DEFINE(mla_paged_f64_bf16kv, double, bf16, double, ID, ID, 0, BF16KV_D)
+DEFINE(mla_paged_f32_bf16kv, float, bf16, float, ID, ID, 0, BF16KV_F)
 #undef LOAD
 #define LOAD bf16_to_f
 DEFINE(mla_paged_bf16, bf16, bf16, float, bf16_to_f, f_to_bf16, BF16_OK, PLAIN_ROW)
