@@ -10,9 +10,9 @@ Three parts, one table each (JSON and a PNG with --json / --plot):
   `splash plan capacity --model ... --kv-dtype` reports) predicts from the same budget and the engine's
   measured step reserve.
 - drift: the cost of FP8 against the reference format, as the logprob drift of greedy tokens: the
-  reference engine's greedy continuations of --drift-prompts stdlib prompts are scored teacher-forced by every format's
-  engine (prompt logprobs), so each position compares the same token; plus how many free-running greedy
-  tokens agree before the first difference.
+  reference engine's greedy continuations of --drift-prompts stdlib prompts are scored teacher-forced by
+  every format's engine (prompt logprobs), so each position compares the same token; plus how many
+  free-running greedy tokens agree before the first difference.
 """
 
 from __future__ import annotations
