@@ -404,3 +404,18 @@ def test_mtp_drafts_keep_their_kv_in_fp8_and_change_no_token(tmp_path):
     finally:
         eng.shutdown()
     assert spec[0] == plain[0]
+
+
+@pytest.mark.timeout(120)
+def test_torch_paths_read_fp8_as_the_kernels_do(v3, glm, refs):
+    """--enforce-eager (the torch reference paths: batched page gathers, the MHA form's decompressed
+    keys, the DSA torch top-k) over the same FP8 cache gives the kernels' tokens and logits."""
+    for name, path in (("v3", v3), ("glm", glm)):
+        eng = build_engine(model=path, num_kv_pages=64, kv_cache_dtype="fp8_ds_mla", enforce_eager=True,
+                           **ENGINE)
+        try:
+            toks, logits = run(eng)
+        finally:
+            eng.shutdown()
+        assert toks == refs[(name, "fp8_ds_mla")][0], name
+        close(logits, refs[(name, "fp8_ds_mla")][1], f"{name} eager")
