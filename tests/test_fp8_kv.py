@@ -419,3 +419,30 @@ def test_torch_paths_read_fp8_as_the_kernels_do(v3, glm, refs):
             eng.shutdown()
         assert toks == refs[(name, "fp8_ds_mla")][0], name
         close(logits, refs[(name, "fp8_ds_mla")][1], f"{name} eager")
+
+
+@pytest.mark.timeout(120)
+def test_fp8_e4m3_takes_the_checkpoints_k_scale(tmp_path):
+    """A checkpoint's per-layer `self_attn.k_scale` (vLLM's name) is the layer's FP8 scale: the cache
+    stores latent / scale in FP8; a layer without one keeps 1.0."""
+    from safetensors.torch import load_file, save_file
+
+    path = build_checkpoint(tmp_path / "scaled", "v3", seed=2)
+    file = f"{path}/model.safetensors"
+    w = load_file(file)
+    w["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25, dtype=torch.float64)
+    save_file(w, file, metadata={"format": "pt"})
+    eng = build_engine(model=path, num_kv_pages=16, kv_cache_dtype="fp8_e4m3", **ENGINE)
+    try:
+        pool = eng.runner.pool
+        assert pool.tensor_scale == {0: 0.25}
+        x = torch.randn(4, pool.dim, dtype=torch.float64) * 3
+        pool.write(0, torch.arange(4), x)
+        pool.write(1, torch.arange(4), x)
+        e4 = lambda t: t.clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float64)  # noqa: E731
+        assert torch.equal(pool.gather(0, torch.arange(4)), e4(x / 0.25) * 0.25)
+        assert torch.equal(pool.gather(1, torch.arange(4)), e4(x))
+        toks, _ = run(eng, PROMPTS[:2], 3)
+        assert all(len(t) == 3 for t in toks)
+    finally:
+        eng.shutdown()

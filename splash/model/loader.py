@@ -95,7 +95,7 @@ class CheckpointReader:
         sl = self._slice(name)
         nd = len(sl.get_shape())
         if not (rows or cols or mid):
-            return sl[:]
+            return sl[...]  # (a 0-dim scalar too, e.g. an FP8 KV `k_scale`)
         if mid and nd != 3:
             raise ValueError(f"{name}: a dim-1 span needs a 3-D tensor, this one has {nd} dims")
         return sl[span_index(nd, rows, cols, mid)]
