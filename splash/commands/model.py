@@ -138,7 +138,8 @@ def _info(args: argparse.Namespace) -> int:
             "vocab_size": cfg.vocab_size, "parameters": params,
             "kv_values_per_token": values_per_token(cfg),
             "kv_bytes_per_token_bf16": kv_bytes_per_token(cfg, "bf16"),
-            "kv_bytes_per_token_fp8": kv_bytes_per_token(cfg, "fp8"),
+            "kv_bytes_per_token_fp8": kv_bytes_per_token(cfg, "fp8"),  # = fp8_ds_mla (--kv-cache-dtype)
+            "kv_bytes_per_token_fp8_e4m3": kv_bytes_per_token(cfg, "fp8_e4m3"),
             "rope_scaling": (cfg.rope_scaling or {}).get("rope_type"),
             "quantization": (cfg.quantization_config or {}).get("quant_method")}
     if cfg.is_sparse:  # DSA: the lightning indexer's dims and which layers run one
