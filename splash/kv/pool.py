@@ -215,14 +215,6 @@ class KVPool:
             return (3, 1.0) if self.storage == torch.bfloat16 and wide else None
         return (lat.kernel_format, self.tensor_scale.get(i, 1.0))
 
-    def decoded_layer(self, i: int) -> torch.Tensor:
-        """Every latent row of layer i decoded, [num_pages * P, D] (a view when the format is the model's
-        dtype). For the torch paths that index a whole layer; kernels read the bytes instead."""
-        flat = self.flat_layer(i)
-        if not self.packed and flat.dtype == self.dtype:
-            return flat
-        return self.codecs["latent"].decode(flat, self.tensor_scale.get(i, 1.0))
-
     def _extra_of(self, i: int) -> list[tuple[str, int]]:
         """(name, width) of the stores beside the latent that layer i has, in pool order."""
         return [(n, self._widths[n]) for n in self.extra if i in self._rows[n]]
