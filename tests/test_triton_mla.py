@@ -125,6 +125,33 @@ def test_holes_chunks_and_empty_rows(dtype):
     assert err_o < TOL[dtype] and err_l < TOL[dtype], (err_o, err_l)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_ds_mla", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fp8_and_bf16_caches_dequantised_in_the_loop(fmt, dtype):
+    """An FP8 cache's byte rows (a latent of 160: a short last tile of 128) or a BF16 cache under wider
+    queries, through `KVPool.kernel_format`: the kernel equals the reference over the decoded keys."""
+    from splash.core.presets import PRESETS
+    from splash.kv.pool import KVPool
+
+    cfg = PRESETS["tiny"].replace(kv_lora_rank=160, num_hidden_layers=1)
+    pool = KVPool.for_model(cfg, 12, 4, dtype, kv_cache_dtype=fmt)
+    g = torch.Generator().manual_seed(3)
+    n = pool.num_tokens
+    pool.write(0, torch.arange(n), torch.randn(n, cfg.latent_dim, generator=g, dtype=torch.float64).to(dtype))
+    table = torch.tensor([[3, 7, -1, 1, 0, 9, -1, -1], [2, 4, 5, 6, 8, 10, 11, -1]])
+    row_seq, row_pos = torch.tensor([0, 1, 1]), torch.tensor([22, 9, 26])
+    q_lat = torch.randn(3, 5, 160, generator=g, dtype=torch.float64).to(dtype) * 0.2
+    q_pe = torch.randn(3, 5, cfg.qk_rope_head_dim, generator=g, dtype=torch.float64).to(dtype) * 0.2
+    keys = pool.decode(0, pool.layer(0)).double()  # every row decoded, for the reference only
+    want_o, want_l = reference(keys, table, row_seq, row_pos, q_lat, q_pe, 0.1)
+    out, lse = triton_mla.paged_attention(q_lat.to(DEV), q_pe.to(DEV), pool.layer(0).to(DEV), table.to(DEV),
+                                          row_seq.to(DEV), row_pos.to(DEV), 0.1, lse=True,
+                                          fmt=pool.kernel_format(0))
+    assert (out.double().cpu() - want_o).abs().max().item() < TOL[dtype]
+    fin = torch.isfinite(want_l)
+    assert (lse.double().cpu()[fin] - want_l[fin]).abs().max().item() < TOL[dtype]
+
+
 def test_default_splits_and_strided_queries():
     """The split count planned from the shape (what the engine launches), queries as views of a wider
     tensor (the absorbed projections leave them strided)."""

@@ -106,9 +106,9 @@ def _mla_decode(QL, QP, KV, TAB, RSEQ, RPOS, O, LSE,
                 c = c * tl.where(sm, tile, 0.0)
                 rp = row + DC + ((DC + 127) // 128) * 4 + dr[None, :] * 2  # past the tile scales
                 rm = ok[:, None] & drm[None, :]
-                lo = tl.load(rp, mask=rm, other=0).to(tl.int32)
-                hi = tl.load(rp + 1, mask=rm, other=0).to(tl.int32)
-                kpe = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)
+                r0 = tl.load(rp, mask=rm, other=0).to(tl.int32)  # (lo / hi: the split's bounds)
+                r1 = tl.load(rp + 1, mask=rm, other=0).to(tl.int32)
+                kpe = ((r0 | (r1 << 8)) << 16).to(tl.float32, bitcast=True)
             if F64:
                 c, kpe = c.to(tl.float64), kpe.to(tl.float64)
             else:
