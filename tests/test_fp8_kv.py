@@ -430,18 +430,29 @@ def test_fp8_e4m3_takes_the_checkpoints_k_scale(tmp_path):
     path = build_checkpoint(tmp_path / "scaled", "v3", seed=2)
     file = f"{path}/model.safetensors"
     w = load_file(file)
-    w["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25, dtype=torch.float64)
+    w["model.layers.0.self_attn.k_scale"] = torch.tensor(0.3, dtype=torch.float64)
     save_file(w, file, metadata={"format": "pt"})
     eng = build_engine(model=path, num_kv_pages=16, kv_cache_dtype="fp8_e4m3", **ENGINE)
     try:
         pool = eng.runner.pool
-        assert pool.tensor_scale == {0: 0.25}
+        assert pool.tensor_scale == {0: 0.3}
         x = torch.randn(4, pool.dim, dtype=torch.float64) * 3
         pool.write(0, torch.arange(4), x)
         pool.write(1, torch.arange(4), x)
         e4 = lambda t: t.clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float64)  # noqa: E731
-        assert torch.equal(pool.gather(0, torch.arange(4)), e4(x / 0.25) * 0.25)
+        assert torch.equal(pool.gather(0, torch.arange(4)), e4(x / 0.3) * 0.3)
         assert torch.equal(pool.gather(1, torch.arange(4)), e4(x))
+        if native.library() is not None:  # the kernel applies the scale as the torch path does
+            q = torch.randn(2, 3, pool.dim, dtype=torch.float64)
+            d_c = eng.runner.model.cfg.kv_lora_rank
+            got, _ = native.paged_attention(q[..., :d_c], q[..., d_c:], pool.layer(0),
+                                            torch.tensor([[0]]), torch.zeros(2, dtype=torch.long),
+                                            torch.tensor([1, 3]), 0.1, False, pool.kernel_format(0))
+            keys = pool.gather(0, torch.arange(4))
+            for r, last in enumerate((1, 3)):
+                want, _ = attend(q[r:r + 1, :, :d_c], q[r:r + 1, :, d_c:], keys[:last + 1],
+                                 torch.arange(last + 1), torch.tensor([last]), 0.1)
+                assert (got[r:r + 1] - want).abs().max() < 1e-13
         toks, _ = run(eng, PROMPTS[:2], 3)
         assert all(len(t) == 3 for t in toks)
     finally:

@@ -69,8 +69,7 @@ class Codec:
                 q, s = quantize_groups(v, p.group)
                 out += [q.view(torch.uint8), s.view(torch.uint8)]
             elif p.dtype == "fp8":
-                q = (v / tensor_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8) if tensor_scale != 1.0 else \
-                    v.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+                q = (v / tensor_scale if tensor_scale != 1.0 else v).clamp(-FP8_MAX, FP8_MAX).to(FP8)
                 out.append(q.view(torch.uint8))
             else:
                 out.append(v.to(_TORCH[p.dtype]).contiguous().view(torch.uint8))
@@ -94,8 +93,8 @@ class Codec:
                     s = rows[:, at:at + sb].contiguous().view(torch.float32).to(self.compute)
                     at += sb
                     v = v * s.repeat_interleave(p.group, dim=1)[:, :p.values]
-                elif tensor_scale != 1.0:
-                    v = v * torch.tensor(tensor_scale, dtype=torch.float32).to(self.compute)
+                elif tensor_scale != 1.0:  # (in the model's dtype, as the kernels multiply)
+                    v = v * tensor_scale
                 out.append(v)
             else:
                 out.append(raw.view(_TORCH[p.dtype]).to(self.compute))
