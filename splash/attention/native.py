@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from splash.kv.codec import index_row, kv_row
+
 if TYPE_CHECKING:
     from splash.model.context import ForwardContext
 
@@ -166,8 +168,7 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
     d_r = q_pe.shape[-1]
     P = layer.shape[1]
     kind, tscale = fmt
-    rb = d_c + d_r if kind != 2 else d_c + 4 * -(-d_c // 128) + 2 * d_r
-    want = {0: q_lat.dtype, 3: torch.bfloat16}.get(kind, torch.uint8)
+    want, rb = kv_row(kind, d_c, d_r, q_lat.dtype)
     if not layer.is_contiguous() or layer.dtype != want or layer.shape[-1] != rb:
         raise ValueError("paged_attention: the pool layer must be contiguous, of q's dtype (or an FP8 "
                          "cache's bytes) and of its row width")
@@ -212,7 +213,7 @@ def index_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, page_size: 
     if w.stride(-1) != 1:
         w = w.contiguous()
     N, H, d = q.shape
-    row = d + 4 * -(-d // 128) if keys.dtype == torch.uint8 else d
+    row = index_row(d, keys.dtype)
     if not keys.is_contiguous() or keys.shape[-1] != row or w.shape != (N, H) or positions.shape != (N,):
         raise ValueError("index_topk: keys: a contiguous pool of q's head dim; w [N, H]; positions [N]")
     long = torch.long  # (each called per slice and layer: the checks kept cheap)

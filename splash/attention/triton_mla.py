@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splash.kv.codec import kv_row
+
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _MAX_SPLITS = 16
 # software-pipelined key tiles: each stage holds a [BN, D] tile in shared memory (fp32: 72 KiB a stage)
@@ -183,10 +185,9 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
     d_r = q_pe.shape[-1]
     P = layer.shape[1]
     kind, tscale = fmt
-    rb = d_c + d_r if kind != 2 else d_c + 4 * -(-d_c // 128) + 2 * d_r
+    want, rb = kv_row(kind, d_c, d_r, q_lat.dtype)
     if q_lat.dtype not in DTYPES:
         raise TypeError(f"triton MLA kernel: unsupported dtype {q_lat.dtype}")
-    want = {0: q_lat.dtype, 3: torch.bfloat16}.get(kind, torch.uint8)
     if not layer.is_contiguous() or layer.dtype != want or layer.shape[-1] != rb:
         raise ValueError("paged_attention: the pool layer must be contiguous, of q's dtype (or an FP8 "
                          "cache's bytes) and of its row width")

@@ -31,6 +31,12 @@ def with_args(args: argparse.Namespace, **kw: Any) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **kw})
 
 
+def ratios(row: dict[str, Any], formats: list[str], key: str) -> dict[str, float]:
+    """Each later format's `key` over the reference's (the first format's); {} when that is 0."""
+    base = row[formats[0]][key]
+    return {f: row[f][key] / base for f in formats[1:]} if base else {}
+
+
 def decode_rows(path: str, args: argparse.Namespace, formats: list[str]) -> list[dict[str, Any]]:
     from splash.bench.sparse import decode_rate
 
@@ -39,8 +45,7 @@ def decode_rows(path: str, args: argparse.Namespace, formats: list[str]) -> list
         row: dict[str, Any] = {"context": c}
         for fmt in formats:
             row[fmt] = decode_rate(path, with_args(args, kv_cache_dtype=fmt), c)
-        base = row[formats[0]]["decode_tokens_per_s"]
-        row["ratio"] = {f: row[f]["decode_tokens_per_s"] / base for f in formats[1:]} if base else {}
+        row["ratio"] = ratios(row, formats, "decode_tokens_per_s")
         rows.append(row)
     return rows
 
@@ -49,11 +54,10 @@ def admission_rows(path: str, args: argparse.Namespace, formats: list[str]) -> l
     """Tokens per rank each layout's pool holds at --memory-per-rank, per format, and the core's count."""
     from splash.config import EngineConfig
     from splash.core.capacity import model_pool_tokens
-    from splash.core.config import ModelConfig
+    from splash.core.config import ModelConfig, dtype_name
     from splash.core.layouts import Layout
     from splash.core.sizes import AttentionSizes, parse_bytes
     from splash.engine.build import build_engine
-    from splash.switch.planner import dtype_name
 
     world = args.tp or 1
     budget = args.memory_per_rank or "256MiB"
@@ -75,8 +79,7 @@ def admission_rows(path: str, args: argparse.Namespace, formats: list[str]) -> l
                             "kv_bytes_per_token": sum(st["kv_bytes_per_token"].values())}
             finally:
                 eng.shutdown()
-        base = row[formats[0]]["tokens_per_rank"]
-        row["ratio"] = {f: row[f]["tokens_per_rank"] / base for f in formats[1:]} if base else {}
+        row["ratio"] = ratios(row, formats, "tokens_per_rank")
         out.append(row)
     return out
 
@@ -166,26 +169,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(doc: dict[str, Any]) -> str:
     fmts = doc["formats"]
+    names = [f + "/" + fmts[0] for f in fmts[1:]]
+    w = max(18, *(len(n) + 2 for n in names))  # (a column wide enough for its name)
+    ratio_head = "".join(f"{n:>{w}}" for n in names)
+
+    def ratio_cells(r: dict[str, Any], digits: int) -> str:
+        return "".join(f"{r['ratio'].get(f, math.nan):>{w - 1}.{digits}f}x" for f in fmts[1:])
+
     lines = [f"KV formats: {doc['model']} ({doc['dtype']} weights, latent {doc['kv_lora_rank']} + rope "
              f"{doc['qk_rope_head_dim']}), {doc['threads']} threads, CPU {doc['isa']}"]
     if "decode" in doc:
         lines.append(f"decode tok/s, batch {doc['batch']}, {doc['decode_tokens']} steps (auto: the model's "
                      "dtype)")
-        ratios = "".join(f"{f + '/' + fmts[0]:>18}" for f in fmts[1:])
-        lines.append(f"{'context':>8}" + "".join(f"{f:>13}" for f in fmts) + ratios)
+        lines.append(f"{'context':>8}" + "".join(f"{f:>13}" for f in fmts) + ratio_head)
         for r in doc["decode"]:
             lines.append(f"{r['context']:>8}" + "".join(f"{r[f]['decode_tokens_per_s']:>13.2f}" for f in fmts)
-                         + "".join(f"{r['ratio'].get(f, math.nan):>17.2f}x" for f in fmts[1:]))
+                         + ratio_cells(r, 2))
     if "admission" in doc:
         lines.append(f"admission at --memory-per-rank {doc['memory_per_rank']}, T={doc['ranks']}: tokens per "
                      "rank (runtime / core's pool rule)")
-        ratios = "".join(f"{f + '/' + fmts[0]:>18}" for f in fmts[1:])
-        lines.append(f"{'layout':>9}" + "".join(f"{f:>22}" for f in fmts) + ratios)
+        lines.append(f"{'layout':>9}" + "".join(f"{f:>22}" for f in fmts) + ratio_head)
         for r in doc["admission"]:
             cells = "".join(f"{r[f]['tokens_per_rank']:>12,} / {r[f]['core_tokens_per_rank']:<7,}"
                             for f in fmts)
-            lines.append(f"{r['layout']:>9}" + cells
-                         + "".join(f"{r['ratio'].get(f, math.nan):>17.3f}x" for f in fmts[1:]))
+            lines.append(f"{r['layout']:>9}" + cells + ratio_cells(r, 3))
     if "drift" in doc:
         d = doc["drift"]
         lines.append(f"drift against the {d['reference']} cache: {d['prompts']} stdlib prompts x "

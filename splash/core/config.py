@@ -40,6 +40,11 @@ def normalize_dtype(name: str) -> str:
     return key
 
 
+def dtype_name(dtype: object) -> str:
+    """'bf16', torch.bfloat16, 'float64' ... -> the canonical short dtype name (no torch needed here)."""
+    return normalize_dtype(str(dtype).removeprefix("torch."))
+
+
 def dtype_bytes(name: str) -> float:
     return DTYPE_BYTES[normalize_dtype(name)]
 

@@ -137,8 +137,12 @@ class Part:
         return -(-self.values // self.group) if self.group else 0
 
     @property
+    def value_bytes(self) -> int:
+        return int(self.values * DTYPE_BYTES[self.dtype])
+
+    @property
     def nbytes(self) -> int:
-        return int(self.values * DTYPE_BYTES[self.dtype]) + self.scales * int(DTYPE_BYTES[SCALE_DTYPE])
+        return self.value_bytes + self.scales * int(DTYPE_BYTES[SCALE_DTYPE])
 
 
 def kv_format(name: str) -> str:
@@ -157,19 +161,27 @@ def kv_format(name: str) -> str:
                           "float64, fp8 (= fp8_ds_mla), fp8_e4m3, fp8_ds_mla") from None
 
 
+def latent_parts(d_c: int, d_r: int, fmt: str) -> tuple[Part, ...]:
+    """A latent row (d_c normed values, then d_r rotary-key values) under format `fmt`, in order (the
+    kernels ask it by dims alone)."""
+    fmt = kv_format(fmt)
+    if fmt not in FP8_FORMATS:
+        return (Part(d_c + d_r, fmt),)
+    if fmt == "fp8_e4m3":  # one per-layer scale, outside the row
+        return (Part(d_c + d_r, "fp8"),)
+    return (Part(d_c, "fp8", FP8_GROUP), Part(d_r, "bf16"))
+
+
 def store_parts(cfg: ModelConfig, store: Store, fmt: str) -> tuple[Part, ...]:
     """How one token's values of `store` (one layer) sit in its row under format `fmt`, in order."""
     fmt = kv_format(fmt)
     if store.per != "token":
         raise ConfigError(f"store {store.name!r} is per request: it has no KV element format")
-    kind = store.base or store.name
+    if (store.base or store.name) == "latent":
+        return latent_parts(cfg.kv_lora_rank, cfg.qk_rope_head_dim, fmt)
     if fmt not in FP8_FORMATS:
         return (Part(store.width, fmt),)
-    if kind != "latent":  # the indexer's keys: FP8 with a scale per 128, as DeepSeek stores them
-        return (Part(store.width, "fp8", FP8_GROUP),)
-    if fmt == "fp8_e4m3":  # one per-layer scale, outside the row
-        return (Part(cfg.kv_lora_rank + cfg.qk_rope_head_dim, "fp8"),)
-    return (Part(cfg.kv_lora_rank, "fp8", FP8_GROUP), Part(cfg.qk_rope_head_dim, "bf16"))
+    return (Part(store.width, "fp8", FP8_GROUP),)  # the indexer's keys: FP8 + a scale per 128, as DeepSeek
 
 
 def store_row_bytes(cfg: ModelConfig, store: Store, fmt: str) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from splash.core.config import ModelConfig
-from splash.core.stores import FP8_MAX, Part, Store, store_parts
+from splash.core.stores import FP8_GROUP, FP8_MAX, Part, Store, latent_parts, store_parts
 
 FP8 = torch.float8_e4m3fn
 AMAX_FLOOR = 1e-4
@@ -83,13 +83,12 @@ class Codec:
         rows = rows.reshape(-1, self.row)
         out, at = [], 0
         for p in self.parts:
-            vb = int(p.values * (1 if p.dtype == "fp8" else torch.finfo(_TORCH[p.dtype]).bits // 8))
-            raw = rows[:, at:at + vb].contiguous()
-            at += vb
+            raw = rows[:, at:at + p.value_bytes].contiguous()
+            at += p.value_bytes
             if p.dtype == "fp8":
                 v = raw.view(FP8).to(self.compute)
                 if p.group:
-                    sb = p.scales * 4
+                    sb = p.nbytes - p.value_bytes
                     s = rows[:, at:at + sb].contiguous().view(torch.float32).to(self.compute)
                     at += sb
                     v = v * s.repeat_interleave(p.group, dim=1)[:, :p.values]
@@ -108,3 +107,19 @@ class Codec:
         if not self.packed:
             return 0
         return 1 if len(self.parts) == 1 and not self.parts[0].group else 2
+
+
+def kv_row(kind: int, d_c: int, d_r: int, q_dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """(dtype, elements a token) of a pool layer the paged kernels read in format `kind` (`fmt[0]` of
+    `KVPool.kernel_format`): the store table's latent row (`splash.core.stores.store_parts`)."""
+    if kind == 0:
+        return q_dtype, d_c + d_r
+    if kind == 3:
+        return torch.bfloat16, d_c + d_r
+    fmt = "fp8_e4m3" if kind == 1 else "fp8_ds_mla"
+    return torch.uint8, sum(p.nbytes for p in latent_parts(d_c, d_r, fmt))
+
+
+def index_row(d: int, dtype: torch.dtype) -> int:
+    """Elements a token of an index-key store takes: d values, or an FP8 row's bytes (values + scales)."""
+    return Part(d, "fp8", FP8_GROUP).nbytes if dtype == torch.uint8 else d

@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.config import ConfigError, ModelConfig, dtype_name
 from splash.core.sizes import kv_bytes_per_token
 from splash.core.stores import Part, kv_format, token_stores
 from splash.kv.codec import Codec
 
-_CORE_DTYPE = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
 
 def format_of(kv_cache_dtype: str | None, dtype: torch.dtype) -> str:
     """The pool's element format: `--kv-cache-dtype` (None or "auto": the model's dtype)."""
-    if kv_cache_dtype in (None, "", "auto"):
-        return _CORE_DTYPE[dtype]
-    return kv_format(kv_cache_dtype)
+    return dtype_name(dtype) if kv_cache_dtype in (None, "", "auto") else kv_format(kv_cache_dtype)
 
 
 def key_slots(pages: torch.Tensor, ctx_len: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +63,7 @@ class KVPool:
         self._lat = {layer: k for k, layer in enumerate(self.latent_layers)}
         self.dtype = dtype  # the model's: what `write` takes and `gather` returns
         self.device = torch.device(device or "cpu")
-        self.fmt = fmt or _CORE_DTYPE.get(dtype, "fp32")  # the element format's name (core's)
+        self.fmt = fmt or dtype_name(dtype)  # the element format's name (core's)
         if codecs is None:  # a pool built by hand: every store plain, in the model's dtype
             widths = {"latent": dim, **{n: w for n, (_, w) in (extra or {}).items()}}
             codecs = {n: Codec((Part(w, self.fmt),), w, dtype) for n, w in widths.items()}
@@ -184,10 +180,7 @@ class KVPool:
 
     def gather(self, i: int, slots: torch.Tensor) -> torch.Tensor:
         """The latent values [*slots.shape, D] of layer i at flat `slots`, in the model's dtype."""
-        rows = self.flat_layer(i)[slots]
-        if not self.packed and rows.dtype == self.dtype:
-            return rows
-        return self.codecs["latent"].decode(rows, self.tensor_scale.get(i, 1.0))
+        return self.decode(i, self.flat_layer(i)[slots])
 
     def decode(self, i: int, rows: torch.Tensor) -> torch.Tensor:
         """Stored latent rows [..., row] of layer i (raw, as gathered by a kernel's torch path) -> values."""

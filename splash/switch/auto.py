@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from splash.core.config import dtype_bytes
+from splash.core.config import dtype_bytes, dtype_name
 from splash.core.costmodel import Batch, step_cost
 from splash.core.layouts import Layout
 from splash.core.policy import PolicyConfig, choose, evaluate
@@ -24,7 +24,6 @@ from splash.core.sizes import AttentionSizes
 from splash.core.theta import Theta
 from splash.kv.allocator import balanced_owners
 from splash.step.plan import LAYOUTS, StepPlan
-from splash.switch.planner import dtype_name
 
 log = logging.getLogger("splash.switch")
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from splash.config import EngineConfig, parse_schedule
-from splash.core.config import ConfigError
+from splash.core.config import ConfigError, dtype_name
 from splash.core.correction import describe
 from splash.core.prior import load_or_default_theta
 from splash.kv.allocator import request_capacity
@@ -40,7 +40,6 @@ from splash.step.plan import LAYOUTS, StepPlan
 from splash.switch import LiveRequest, SwitchPlanner, SwitchRefusal
 from splash.switch.auto import AutoLayout, LayoutDecision
 from splash.switch.plan import MODES
-from splash.switch.planner import dtype_name
 from splash.switch.replicas import ReplicaPages, replica_pages
 from splash.switch.step import SwitchTiming
 

@@ -28,7 +28,7 @@ from functools import lru_cache
 import numpy as np
 import numpy.ma  # noqa: F401  (np.unique's first call imports it: 10-40 ms, on a switching step's plan)
 
-from splash.core.config import ModelConfig, normalize_dtype
+from splash.core.config import ModelConfig, dtype_name
 from splash.core.layouts import Layout
 from splash.core.manifest import Manifest, held_state, switch_manifest
 from splash.core.sizes import AttentionSizes
@@ -40,11 +40,6 @@ from splash.switch.manifest_check import kv_pairs, weight_op
 from splash.switch.plan import MODES, Headroom, LayerSwitch, LiveRequest, SwitchPlan, SwitchRefusal
 
 _ids = itertools.count(1)
-
-
-def dtype_name(dtype: object) -> str:
-    """'bf16', torch.bfloat16, 'float64' ... -> the analytical core's short dtype name."""
-    return normalize_dtype(str(dtype).removeprefix("torch."))
 
 
 def head_range(layout: str, rank: int, world: int, heads: int) -> tuple[int, int]:

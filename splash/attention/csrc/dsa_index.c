@@ -113,10 +113,10 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
     return lo;
 }
 
-/* DEFINE(NAME, T, A, V, VI, U, UBITS, LOAD, CONV, KEY, UNKEY, ROW, KROW): T pool type, A score type, V / VI
+/* DEFINE(NAME, T, A, V, VI, U, UBITS, CONV, KEY, UNKEY, ROW, KROW): T pool type, A score type, V / VI
  * its vector / same-width integer vector, U the score key type of UBITS bits; CONV: keys are converted
  * into a buffer first (T != A) by KROW(row, d, dst); ROW(d): T elements per key row. */
-#define DEFINE(NAME, T, A, V, VI, U, UBITS, LOAD, CONV, KEY, UNKEY, ROW, KROW)                                       \
+#define DEFINE(NAME, T, A, V, VI, U, UBITS, CONV, KEY, UNKEY, ROW, KROW)                                             \
     enum { NAME##_L = (int)(sizeof(V) / sizeof(A)) };                                                        \
                                                                                                              \
     /* scores of NR keys against one row: qt [d, Hp] (heads padded with zero weights), wp [Hp] */           \
@@ -551,8 +551,8 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
 #define BF16_ROW(row, d, dst) bf16_run_f((const uint8_t *)(row), (d), (dst))
 #define PLAIN(d) (d)
 #define FP8ROW(d) ((d) + 4 * (((d) + 127) / 128))
-DEFINE(dsa_topk_f64, double, double, vd, vdi, uint64_t, 64, 0, 0, key_d, unkey_d, PLAIN, NO_ROW)
-DEFINE(dsa_topk_f32, float, float, vf, vfi, uint32_t, 32, 0, 0, key_f, unkey_f, PLAIN, NO_ROW)
-DEFINE(dsa_topk_f32_bf16, bf16, float, vf, vfi, uint32_t, 32, 0, 1, key_f, unkey_f, PLAIN, BF16_ROW)
-DEFINE(dsa_topk_f64_fp8, uint8_t, double, vd, vdi, uint64_t, 64, 0, 1, key_d, unkey_d, FP8ROW, fp8_tiles_d)
-DEFINE(dsa_topk_f32_fp8, uint8_t, float, vf, vfi, uint32_t, 32, 0, 1, key_f, unkey_f, FP8ROW, fp8_tiles_f)
+DEFINE(dsa_topk_f64, double, double, vd, vdi, uint64_t, 64, 0, key_d, unkey_d, PLAIN, NO_ROW)
+DEFINE(dsa_topk_f32, float, float, vf, vfi, uint32_t, 32, 0, key_f, unkey_f, PLAIN, NO_ROW)
+DEFINE(dsa_topk_f32_bf16, bf16, float, vf, vfi, uint32_t, 32, 1, key_f, unkey_f, PLAIN, BF16_ROW)
+DEFINE(dsa_topk_f64_fp8, uint8_t, double, vd, vdi, uint64_t, 64, 1, key_d, unkey_d, FP8ROW, fp8_tiles_d)
+DEFINE(dsa_topk_f32_fp8, uint8_t, float, vf, vfi, uint32_t, 32, 1, key_f, unkey_f, FP8ROW, fp8_tiles_f)

@@ -46,27 +46,19 @@ static inline bf16 f_to_bf16(float f) {
 
 #include "kv_formats.h"
 
-/* the first n values of one FP8 key row (fmt 1 or 2, above) into dst, in type A (float or double) */
-#define FP8_ROW(NAME, A, RUN, BF16_RUN)                                                                         \
+/* the first n (D or dc: never fewer than dc) values of one FP8 key row (fmt 1 or 2, above) into dst, in
+ * type A (float or double) */
+#define FP8_ROW(NAME, A, RUN, TILES, BF16_RUN)                                                          \
     static inline void NAME(const uint8_t *row, int64_t n, int64_t dc, int fmt, double tscale, A *dst) { \
         if (fmt == 1) {                                                                                 \
-            const A ts = (A)tscale;                                                                     \
-            RUN(row, n, ts, dst);                                                                       \
+            RUN(row, n, (A)tscale, dst);                                                                \
             return;                                                                                     \
         }                                                                                               \
-        const int64_t nt = (dc + 127) / 128, m = n < dc ? n : dc;                                       \
-        const uint8_t *sc = row + dc;                                                                   \
-        for (int64_t d0 = 0; d0 < m; d0 += 128) {                                                       \
-            float f;                                                                                    \
-            memcpy(&f, sc + 4 * (d0 / 128), 4);                                                         \
-            const A scale = (A)f;                                                                       \
-            const int64_t d1 = d0 + 128 < m ? d0 + 128 : m;                                             \
-            RUN(row + d0, d1 - d0, scale, dst + d0);                                                    \
-        }                                                                                               \
-        if (n > dc) BF16_RUN(sc + 4 * nt, n - dc, dst + dc);                                            \
+        TILES(row, dc, dst);                                                                            \
+        if (n > dc) BF16_RUN(row + dc + 4 * ((dc + 127) / 128), n - dc, dst + dc);                      \
     }
-FP8_ROW(fp8_row_f, float, fp8_run_f, bf16_run_f)
-FP8_ROW(fp8_row_d, double, fp8_run_d, bf16_run_d)
+FP8_ROW(fp8_row_f, float, fp8_run_f, fp8_tiles_f, bf16_run_f)
+FP8_ROW(fp8_row_d, double, fp8_run_d, fp8_tiles_d, bf16_run_d)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
