@@ -89,8 +89,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0, help="the weight-update group's port (0: a free one)")
     args = ap.parse_args()
 
-    from splash.dist.launch import free_port
-    from splash.dist.weight_group import join_group
+    from splash.distributed.launch import free_port
+    from splash.distributed.weight_group import join_group
     from splash.model import resolve_model_path
     from splash.model.loader import CheckpointReader
 

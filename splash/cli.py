@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 # Each module exposes `register(subparsers)`, adding parsers whose `func(args) -> int` runs them.
 COMMAND_MODULES = ("plan", "simulate", "model", "generate", "serve", "bench", "calibrate", "demo")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splash.argtypes import positive_float, positive_int
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 from splash.core.sizes import parse_bytes
 from splash.core.stores import kv_format
 

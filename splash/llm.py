@@ -30,7 +30,7 @@ class LLM:
 
     def __init__(self, model: str = "tiny", dtype: str | None = None, *, config: EngineConfig | None = None,
                  **engine_kw: Any) -> None:
-        from splash.core.config import ConfigError
+        from splash.core.model_config import ConfigError
         from splash.engine.group import follow_if_worker
 
         if config is None:

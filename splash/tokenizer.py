@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from splash.chat import dsv32
 from splash.chat.reasoning import thinking_from_kwargs
 from splash.chat.template import ChatTemplateError, normalize_messages, render
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 # Used for splash's own built-in models when their template is gone: one line per turn, then the cue.
 PLAIN_TEMPLATE = (

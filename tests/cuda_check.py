@@ -106,7 +106,7 @@ def part1_2(path) -> None:
 def rank_cases(grid, path, cases, dev_kind):
     import test_switch as ts
 
-    from splash.dist.comm import Communicator
+    from splash.distributed.comm import Communicator
     from splash.kv.pool import KVPool
     from splash.model.deepseek import DeepseekForCausalLM
     from splash.switch import executor as exm
@@ -167,8 +167,8 @@ def patch(ts, exm, dev) -> None:
 def part3(path) -> None:
     import test_switch as ts
 
-    from splash.dist.comm import LocalCommunicator
-    from splash.dist.launch import spawn_workers
+    from splash.distributed.comm import LocalCommunicator
+    from splash.distributed.launch import spawn_workers
     from splash.kv.pool import KVPool
     from splash.model.deepseek import DeepseekForCausalLM
     from splash.switch import executor as exm

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from splash.dist.launch import spawn_workers
+from splash.distributed.launch import spawn_workers
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:

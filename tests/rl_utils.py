@@ -11,7 +11,7 @@ import torch
 from helpers_ckpt import build_checkpoint, hf_logits, hf_reference
 from safetensors.torch import load_file
 
-from splash.dist.weight_group import join_group
+from splash.distributed.weight_group import join_group
 
 
 def two_checkpoints(tmp_path_factory, prompts: list[list[int]], new: int) -> dict:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from splash.dist import affinity
+from splash.distributed import affinity
 
 
 def test_plan_gives_each_rank_its_own_cores(monkeypatch) -> None:

@@ -98,7 +98,7 @@ def test_pool_sizing_and_writes():
     moved = pool.read_pages(torch.tensor([1]))
     pool.write_pages(torch.tensor([4]), moved)
     assert torch.equal(pool.layer(2)[4, 1], rows[1])
-    from splash.core.config import ConfigError
+    from splash.core.model_config import ConfigError
 
     with pytest.raises(ConfigError, match="memory-per-rank"):
         KVPool.from_budget(cfg, per_page - 1, page_size=16)

@@ -373,7 +373,7 @@ def test_serve_peer_gives_splash_the_kv_bytes_the_peer_gets():
 
     import torch
 
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
     from splash.kv.pool import KVPool
     from splash.model import resolve_model_path
 

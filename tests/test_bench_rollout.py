@@ -39,7 +39,7 @@ def test_workload_is_deterministic_and_heavy_tailed():
 
 
 def test_workload_shape_flags_and_their_errors():
-    from splash.core.config import ConfigError
+    from splash.core.model_config import ConfigError
 
     short = Workload(output_scale=3.0, output_max=192)
     _, o = short.sample(320)

@@ -11,10 +11,10 @@ from splash.calibration.fidelity import evaluate, format_summary, format_table, 
 from splash.calibration.fit import Observation, fit_theta, nnls
 from splash.calibration.grid import GridPoint, default_grid, parse_points, quick_grid, split_holdout
 from splash.calibration.measure import Timing, pages_needed
-from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, step_cost
 from splash.core.features import FIT_PARAMS, step_features, theta_params, with_params
 from splash.core.layouts import LAYOUTS, Layout
+from splash.core.model_config import ConfigError
 from splash.core.presets import PRESETS
 from splash.core.prior import (
     CPU_MEASURED,

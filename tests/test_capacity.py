@@ -14,8 +14,8 @@ from splash.core.capacity import (
     residency_limits,
     scenario,
 )
-from splash.core.config import ConfigError
 from splash.core.layouts import LAYOUTS, Layout
+from splash.core.model_config import ConfigError
 from splash.core.sizes import GIB, KIB
 
 

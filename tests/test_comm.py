@@ -10,9 +10,9 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
-from splash.dist import shm
-from splash.dist.comm import LocalCommunicator
-from splash.dist.launch import WorkerError, free_port, resolve_launch, spawn_workers, start_workers
+from splash.distributed import shm
+from splash.distributed.comm import LocalCommunicator
+from splash.distributed.launch import WorkerError, free_port, resolve_launch, spawn_workers, start_workers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,7 +88,7 @@ def test_comm_ops_on_three_ranks(plane: str, monkeypatch) -> None:
         assert out["bcast"] == {"step": 7, "rows": [0, 1, 2, 3, 4]}
         assert out["bcast_big"] == {"rows": list(range(20000))} and out["bcast_after"] == ("small", 2)
         assert out["objects"] == [("rank", j) for j in range(W)]
-        # Bytes: counted by the convention in splash/dist/stats.py, recomputed here by hand.
+        # Bytes: counted by the convention in splash/distributed/stats.py, recomputed here by hand.
         b = out["bytes"]
         assert b[("all_reduce", 0)] == 2 * (2 * (W - 1) * 4 * 3 * 8 // W)
         assert b[("all_gather", 1)] == 3 * sizes[r] * 2 * 8 * (W - 1) + 2 * 2 * 4 * (W - 1)
@@ -357,7 +357,7 @@ def _follow_plans(grid) -> list[int]:
 @pytest.mark.slow
 def test_leader_in_process_with_spawned_workers() -> None:
     """The engine's shape: rank 0 stays in this process (scheduler, server), ranks 1.. are children."""
-    from splash.dist.groups import init_distributed
+    from splash.distributed.groups import init_distributed
 
     world, init = 3, f"tcp://127.0.0.1:{free_port()}"
     workers = start_workers(world, _follow_plans, ranks=[1, 2], init_method=init, backend="gloo",

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from splash.config import ENV_OVERRIDES, EngineConfig, env_defaults
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 
 def parse(*argv: str) -> EngineConfig:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from splash.core.config import ConfigError
 from splash.core.correction import CorrectionConfig, StepCorrection, StepKey, bucket, bucket_label, describe
 from splash.core.costmodel import Batch, step_cost
 from splash.core.layouts import Layout
+from splash.core.model_config import ConfigError
 from splash.core.policy import PolicyConfig, decide
 from splash.core.presets import PRESETS
 from splash.core.regret import RegretGuard, median_se

@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, step_cost, step_costs
 from splash.core.hardware import PROFILES, theta_for
 from splash.core.law import alpha, crossovers, fastest, latency, tau
 from splash.core.layouts import LAYOUTS, Layout
+from splash.core.model_config import ConfigError
 from splash.core.presets import PRESETS
 from splash.core.sizes import AttentionSizes
 from splash.core.switch_time import exposed_switch_time, switch_time

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.core.config import ConfigError
-from splash.dist import groups
+from splash.core.model_config import ConfigError
+from splash.distributed import groups
 
 
 def test_gloo_needs_no_device() -> None:

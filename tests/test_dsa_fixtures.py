@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers_dsa import boundary_gaps, build_dsa_checkpoint, hf_dsa_reference, hf_topk, reference_scores
 
-from splash.core.config import ModelConfig
+from splash.core.model_config import ModelConfig
 from splash.core.presets import PRESETS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -19,7 +19,7 @@ from helpers_ckpt import Seq, SimpleRunner, hf_greedy, hf_logits
 from helpers_dsa import build_dsa_checkpoint, hf_dsa_reference, hf_topk, near_tie_rows
 
 from splash.attention import sparse
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 from splash.model import load_model
 
 torch.set_num_threads(1)

@@ -158,7 +158,7 @@ def test_batched_decode_attention_equals_per_slice_kernel(v3):
 
 
 def test_vllm_tensor_parallel_size_is_the_rank_count():
-    from splash.core.config import ConfigError
+    from splash.core.model_config import ConfigError
 
     with pytest.raises(ConfigError, match="disagrees"):
         LLM("tiny", tensor_parallel_size=2, tp=1, device="cpu")

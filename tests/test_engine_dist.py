@@ -25,10 +25,10 @@ import pytest
 import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
-from splash.core.config import ConfigError, ModelConfig
 from splash.core.costmodel import eq4_bytes
+from splash.core.model_config import ConfigError, ModelConfig
 from splash.core.sizes import AttentionSizes
-from splash.dist.launch import WorkerError, free_port
+from splash.distributed.launch import WorkerError, free_port
 from splash.engine.build import build_engine
 from splash.engine.group import GroupFailed, RankGroup
 from splash.engine.sampling import SamplingParams

@@ -20,7 +20,7 @@ import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
 from splash.config import parse_schedule
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
 
@@ -263,7 +263,7 @@ def test_auto_layout_switches_without_changing_tokens(group, ckpt, tmp_path):
     if group.world != 2:
         pytest.skip("once, at T = 2")
     from splash.calibration import runtime_prior
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
     from splash.core.sizes import AttentionSizes
 
     path, ref, ref_logits = ckpt
@@ -299,8 +299,8 @@ def _guarded_auto(group, ckpt, tmp_path, new: int, timer):
     import json
 
     from splash.calibration import runtime_prior
-    from splash.core.config import ModelConfig
     from splash.core.correction import CorrectionConfig
+    from splash.core.model_config import ModelConfig
     from splash.core.sizes import AttentionSizes
 
     path, _, _ = ckpt

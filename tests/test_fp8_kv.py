@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splash.attention import native, sparse
 from splash.attention.kernel import attend
 from splash.config import EngineConfig
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 from splash.core.presets import PRESETS
 from splash.core.sizes import kv_bytes_per_token, kv_bytes_per_token_layer
 from splash.core.stores import token_stores

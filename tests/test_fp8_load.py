@@ -114,7 +114,7 @@ def test_fp8_slices_cross_block_boundaries(ckpts):
 
 
 def test_fp8_without_scale_is_a_clear_error(ckpts, tmp_path):
-    from splash.core.config import ConfigError
+    from splash.core.model_config import ConfigError
 
     _, fp8, _ = ckpts
     with safe_open(os.path.join(fp8, "model.safetensors"), framework="pt") as f:

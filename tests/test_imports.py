@@ -170,7 +170,7 @@ def test_the_checker_sees_every_import_and_can_fail():
     order = [["splash.core"], ["splash.model"], ["splash.attention"]]
     assert against_order({"splash.model.x": {"splash.attention.y", "splash.core.z"}}, order) == [
         "splash.model.x (layer 2) imports splash.attention.y (layer 3)"]
-    assert len(layers()) >= 10 and layer_of("splash.core.config", layers()) == 1
+    assert len(layers()) >= 10 and layer_of("splash.core.model_config", layers()) == 1
     assert layer_of("splash.nowhere", layers()) is None  # (the facade "splash" is no catch-all)
 
 

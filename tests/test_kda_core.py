@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from splash.core.capacity import footprint, model_capacity, model_pool_tokens, requests_at, state_slots
-from splash.core.config import ModelConfig
 from splash.core.costmodel import Batch, kda_layer_loads, step_cost
 from splash.core.hardware import theta_for
 from splash.core.layouts import (
@@ -20,6 +19,7 @@ from splash.core.layouts import (
     state_placement,
 )
 from splash.core.manifest import Request, state_transfer_requests, switch_layer_bytes, switch_manifest
+from splash.core.model_config import ModelConfig
 from splash.core.presets import PRESETS
 from splash.core.sizes import AttentionSizes, kv_bytes_per_token
 from splash.core.stores import (

@@ -15,7 +15,7 @@ import torch
 from helpers_ckpt import Seq, SimpleRunner, hf_greedy, hf_logits
 from helpers_kda import build_kimi, kda_core_float64, kimi_reference
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
 

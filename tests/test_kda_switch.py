@@ -171,7 +171,7 @@ def test_auto_layout_on_a_hybrid(group, ckpt, tmp_path):
     import json
 
     from splash.calibration import runtime_prior
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
     from splash.core.sizes import AttentionSizes
 
     path, ref, ref_logits = ckpt

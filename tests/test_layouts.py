@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from splash.core.capacity import footprint
-from splash.core.config import ConfigError
 from splash.core.layouts import (
     LAYOUTS,
     Layout,
@@ -18,6 +17,7 @@ from splash.core.layouts import (
     kv_tokens_per_rank,
     longest_balanced_context,
 )
+from splash.core.model_config import ConfigError
 from splash.core.presets import PRESETS
 from splash.core.sizes import AttentionSizes
 

@@ -15,9 +15,9 @@ from dist_utils import run_ranks
 
 from splash.attention.registry import NAMES, make_layout
 from splash.config import KernelConfig
-from splash.core.config import ModelConfig
 from splash.core.costmodel import eq4_bytes
-from splash.dist.comm import LocalCommunicator
+from splash.core.model_config import ModelConfig
+from splash.distributed.comm import LocalCommunicator
 from splash.kv.pool import KVPool
 from splash.model.mla import MLA
 from splash.model.rope import Rotary
@@ -236,7 +236,7 @@ def test_layouts_match_reference_on_gloo_ranks(world: int) -> None:
             assert torch.equal(out, out0), f"{name}/{cname}/{form}: ranks 0 and {r} disagree"
         if form != "absorbed":
             continue  # the byte counts below are the absorbed form's (the paper's formulas)
-        # Bytes summed over ranks, by the convention of splash/dist/stats.py.
+        # Bytes summed over ranks, by the convention of splash/distributed/stats.py.
         tot = {op: sum(per_rank[r][key][1].get((op, LAYER), 0) for r in range(world))
                for op in ("all_reduce", "all_gather", "all_to_all")}
         if name == "tp":

@@ -5,7 +5,6 @@ import math
 import numpy as np
 import pytest
 
-from splash.core.config import ConfigError
 from splash.core.layouts import DIRECTIONS, LAYOUTS, Layout
 from splash.core.manifest import (
     ALL_GATHER,
@@ -16,6 +15,7 @@ from splash.core.manifest import (
     switch_manifest,
     weights_report,
 )
+from splash.core.model_config import ConfigError
 from splash.core.presets import PRESETS
 from splash.core.sizes import MIB, AttentionSizes
 

@@ -21,9 +21,9 @@ from test_fp8_load import FP8
 from test_fp8_load import ckpts as ckpts  # the FP8 / dequantised checkpoint pair fixture, reused
 
 from splash.attention.registry import NAMES, make_layout
-from splash.core.config import ConfigError, ModelConfig
 from splash.core.layouts import Ownership
-from splash.dist.comm import LocalCommunicator
+from splash.core.model_config import ConfigError, ModelConfig
+from splash.distributed.comm import LocalCommunicator
 from splash.kv.pool import KVPool
 from splash.model import DeepseekForCausalLM, load_model
 from splash.model.shard import even_range

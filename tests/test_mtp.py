@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers_ckpt import add_mtp_layer, build_checkpoint, hf_greedy, hf_reference, serve_requests
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
 

@@ -5,9 +5,9 @@ import functools
 
 import pytest
 
-from splash.core.config import ConfigError
 from splash.core.costmodel import Batch
 from splash.core.layouts import LAYOUTS, Layout
+from splash.core.model_config import ConfigError
 from splash.core.policy import Policy, PolicyConfig, decide, evaluate, resident_bytes
 from splash.core.presets import PRESETS
 from splash.core.sizes import GIB, AttentionSizes

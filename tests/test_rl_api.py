@@ -18,7 +18,7 @@ import pytest
 from rl_utils import Trainer, two_checkpoints
 from serve_utils import ServeProcess
 
-from splash.dist.launch import free_port
+from splash.distributed.launch import free_port
 
 # (one torch thread: transformers' float32 router rounds differently when its GEMMs are split over threads)
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]

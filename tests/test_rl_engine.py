@@ -16,7 +16,7 @@ from helpers_ckpt import build_checkpoint
 from rl_utils import Trainer, reference
 from safetensors.torch import load_file
 
-from splash.dist.launch import free_port
+from splash.distributed.launch import free_port
 from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
 from splash.model.update import WeightUpdateError

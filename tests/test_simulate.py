@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from splash.core.config import ConfigError
 from splash.core.hardware import theta_for
 from splash.core.layouts import Layout
+from splash.core.model_config import ConfigError
 from splash.core.policy import PolicyConfig
 from splash.core.presets import PRESETS
 from splash.core.simulate import SimConfig, Workload, plot_rollouts, rollout, rollout_all

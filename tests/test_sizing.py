@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 from splash.core.presets import PRESETS
 from splash.kv.pool import KVPool
 from splash.worker import sizing

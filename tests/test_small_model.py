@@ -11,7 +11,7 @@ import torch
 from helpers_ckpt import Seq, SimpleRunner, hf_reference
 
 from splash.cli import main
-from splash.core.config import ModelConfig
+from splash.core.model_config import ModelConfig
 from splash.core.presets import PRESETS
 
 torch.set_num_threads(1)

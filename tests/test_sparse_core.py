@@ -234,7 +234,7 @@ def test_presets_are_transformers_configs():
     """glm-5 is GlmMoeDsaConfig's defaults read by ModelConfig.from_dict (every layer full); deepseek-v3.2
     is DeepseekV32Config's dims (with DeepSeek-V3's yarn rotary, which the hub checkpoint carries)."""
     tf = pytest.importorskip("transformers")
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
 
     assert ModelConfig.from_dict(tf.GlmMoeDsaConfig().to_dict(), name="glm-5") == GLM5
     v32 = ModelConfig.from_dict(tf.DeepseekV32Config().to_dict(), name="deepseek-v3.2")

@@ -15,7 +15,7 @@ import torch
 from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference, serve_requests
 
 from splash.config import EngineConfig
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
 from splash.engine.spec import accept_greedy, accept_sampled, ngram_propose

@@ -22,9 +22,9 @@ import torch
 from dist_utils import run_ranks
 
 from splash.attention.registry import make_layout
-from splash.core.config import ModelConfig
 from splash.core.manifest import switch_manifest
-from splash.dist.comm import LocalCommunicator
+from splash.core.model_config import ModelConfig
+from splash.distributed.comm import LocalCommunicator
 from splash.kv.allocator import KVAllocator, page_ranks
 from splash.kv.pool import KVPool
 from splash.step.plan import LAYOUTS, SeqSlice, StepPlan
@@ -339,7 +339,7 @@ def check_modes_agree(results: dict) -> None:
 
 
 def run_world(world: int, ckpt: str, reference: dict, cases: list[tuple]) -> dict:
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
 
     per_rank = run_ranks(world, _rank_cases, ckpt, cases, timeout=240)
     cfg = ModelConfig.from_hf(ckpt)

@@ -11,7 +11,7 @@ import torch
 from helpers_ckpt import Seq, SimpleRunner
 
 from splash.cli import main
-from splash.core.config import ModelConfig
+from splash.core.model_config import ModelConfig
 from splash.core.presets import PRESETS
 from splash.tokenizer import load_tokenizer
 

@@ -1,4 +1,4 @@
-"""`splash model train-mtp` (splash.model.train) at toy size: the checkpoint transformers and splash load,
+"""`splash model train-mtp` (splash.training.mtp) at toy size: the checkpoint transformers and splash load,
 its main logits are transformers', the MTP layer's tensors carry DeepSeek-V3's names and shapes and
 compute what SGLang's / vLLM's MTP layer computes, and a seed gives the same weights twice."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from splash.core.config import ConfigError
-from splash.model.train import (
+from splash.core.model_config import ConfigError
+from splash.training.mtp import (
     DEFAULT_DIMS,
     TRAIN_VERSION,
     MTPModel,
@@ -219,7 +219,7 @@ def test_cli_refuses_bad_arguments(trained: tuple[Trained, str], capsys: pytest.
 
 def test_cli_passes_the_shape(trained: tuple[Trained, str], capsys: pytest.CaptureFixture[str],
                               tmp_path: os.PathLike, monkeypatch: pytest.MonkeyPatch) -> None:
-    import splash.model.train as train_mod
+    import splash.training.mtp as train_mod
     from splash.cli import main
 
     _, path = trained

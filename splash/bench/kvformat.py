@@ -54,8 +54,8 @@ def admission_rows(path: str, args: argparse.Namespace, formats: list[str]) -> l
     """Tokens per rank each layout's pool holds at --memory-per-rank, per format, and the core's count."""
     from splash.config import EngineConfig
     from splash.core.capacity import model_pool_tokens
-    from splash.core.config import ModelConfig, dtype_name
     from splash.core.layouts import Layout
+    from splash.core.model_config import ModelConfig, dtype_name
     from splash.core.sizes import AttentionSizes, parse_bytes
     from splash.engine.build import build_engine
 
@@ -143,7 +143,7 @@ def _agree(a: list[int], b: list[int]) -> int:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
     from splash.model import resolve_model_path
 
     path = resolve_model_path(args.model or "small")

@@ -58,7 +58,7 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse flag combinations the side-by-side cannot honour, with the fix, before anything loads."""
-    from splash.core.config import ConfigError, normalize_dtype
+    from splash.core.model_config import ConfigError, normalize_dtype
 
     if args.peer is None:
         for flag, v in (("--shapes", args.shapes), ("--plot", args.plot)):
@@ -85,7 +85,7 @@ def layouts_for(args: argparse.Namespace) -> list[str | None]:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from splash.bench.workload import random_prompts
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
     from splash.model import resolve_model_path
 
     check_args(args)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 PEERS = ("vllm",)
 VENV_DIR = ".venv-vllm"

@@ -52,7 +52,7 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from splash.core.config import ConfigError
+        from splash.core.model_config import ConfigError
 
         if not (self.output_scale > 0 and self.output_alpha > 0):
             raise ConfigError(f"--output-scale and --output-alpha must be > 0, got {self.output_scale:g} "
@@ -337,7 +337,7 @@ def run_order(runs: list[str], rep: int) -> list[str]:
 def rollout(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from splash.core.config import ConfigError
+    from splash.core.model_config import ConfigError
     from splash.engine.group import RankGroup
 
     runs = [r.strip().lower() for r in args.runs.split(",") if r.strip()]
@@ -366,7 +366,7 @@ def rollout(args: argparse.Namespace) -> dict[str, Any]:
     bar = None
     try:
         memory = budget_bytes(group, args, kv_tokens)
-        from splash.core.config import ModelConfig
+        from splash.core.model_config import ModelConfig
         from splash.model import resolve_model_path
 
         vocab = ModelConfig.from_hf(resolve_model_path(args.model)).vocab_size

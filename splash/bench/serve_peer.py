@@ -99,7 +99,7 @@ def kv_pages_like_peer(a: argparse.Namespace) -> int:
     import torch
 
     from splash.config import EngineConfig
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
     from splash.kv.pool import KVPool
     from splash.model import resolve_model_path
 
@@ -123,7 +123,7 @@ def vllm_command(a: argparse.Namespace, py: str, path: str, port: int, name: str
 
 def measure(a: argparse.Namespace) -> dict[str, Any]:
     from splash.bench.peer import free_port, peer_env, peer_python
-    from splash.core.config import ModelConfig, normalize_dtype
+    from splash.core.model_config import ModelConfig, normalize_dtype
     from splash.model import resolve_model_path
 
     py = peer_python()  # before anything starts

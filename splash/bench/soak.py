@@ -103,7 +103,7 @@ def _reference(a: argparse.Namespace, paths: list[str], checks: list[tuple[int, 
 def _models(a: argparse.Namespace) -> list[str]:
     import dataclasses
 
-    from splash.core.config import ConfigError
+    from splash.core.model_config import ConfigError
     from splash.core.presets import PRESETS
     from splash.model.tiny import BUILTIN_MODELS, cache_dir, write_tiny_model
 

@@ -71,7 +71,7 @@ def decode_rate(path: str, args: argparse.Namespace, context: int) -> dict[str, 
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from splash.core.config import SPARSE_MODEL_TYPES, ModelConfig
+    from splash.core.model_config import SPARSE_MODEL_TYPES, ModelConfig
     from splash.model import resolve_model_path
 
     path = resolve_model_path(args.model or "tiny")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from splash.core.config import ConfigError
 from splash.core.costmodel import Batch
+from splash.core.model_config import ConfigError
 
 
 @dataclass(frozen=True, order=True)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from splash.calibration.grid import GridPoint
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 
 @dataclass

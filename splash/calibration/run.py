@@ -69,7 +69,7 @@ def calibrate(ranks: int, points: Sequence[GridPoint], *, layouts: Sequence[str]
               warmup: int = 2, rounds: int = 2, device: str | None = None, profile: str | None = None,
               holdout_every: int = 3, seed: int = 0, progress: bool = True) -> Calibration:
     """Time the grid on `ranks` ranks, fit theta on 2/3 of the points, report fidelity on the rest."""
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
     from splash.model import resolve_model_path
 
     t_start = time.perf_counter()

@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from splash.calibration.fidelity import format_summary, format_table
     from splash.calibration.grid import default_grid, parse_points, quick_grid
     from splash.calibration.run import LAYOUT_NAMES, calibrate
-    from splash.core.config import ConfigError
-    from splash.dist.launch import WorkerError
+    from splash.core.model_config import ConfigError
+    from splash.distributed.launch import WorkerError
 
     layouts = [x.strip().lower() for x in args.layouts.split(",") if x.strip()]
     bad = [x for x in layouts if x not in LAYOUT_NAMES]

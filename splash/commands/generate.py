@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from splash.dist.launch import WorkerError
+    from splash.distributed.launch import WorkerError
     from splash.engine.sampling import SamplingParams
 
     try:

@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -79,7 +79,7 @@ def _check_out_dir(path: str, force: bool, what: str) -> None:
 
 
 def _train_mtp(args: argparse.Namespace) -> int:
-    from splash.model.train import resolve_dims, train_mtp_model
+    from splash.training.mtp import resolve_dims, train_mtp_model
 
     _check_out_dir(args.dir, args.force, "trained model")
     if args.layers is not None and args.layers < 1:
@@ -118,7 +118,7 @@ def _train_mtp(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
     from splash.core.presets import PRESETS
     from splash.core.sizes import kv_bytes_per_token
     from splash.core.stores import values_per_token

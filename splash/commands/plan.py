@@ -25,8 +25,8 @@ from splash.commands.plan_args import (
     table,
 )
 from splash.commands.plan_capacity import run_advise, run_capacity, theta_from
-from splash.core.config import ConfigError
 from splash.core.layouts import DIRECTIONS, Layout
+from splash.core.model_config import ConfigError
 from splash.core.sizes import GIB, MIB
 
 

@@ -7,8 +7,8 @@ import argparse
 import json
 from typing import Any
 
-from splash.core.config import ConfigError, ModelConfig, normalize_dtype
 from splash.core.layouts import LAYOUTS, Layout
+from splash.core.model_config import ConfigError, ModelConfig, normalize_dtype
 from splash.core.presets import PRESETS, resolve_model_config
 from splash.core.sizes import AttentionSizes
 

@@ -18,8 +18,8 @@ from splash.commands.plan_args import (
     state_summary,
     table,
 )
-from splash.core.config import ConfigError
 from splash.core.layouts import LAYOUTS, Layout, longest_balanced_context
+from splash.core.model_config import ConfigError
 from splash.core.sizes import GIB, AttentionSizes
 
 

@@ -15,7 +15,7 @@ from splash.commands.plan import (
     table,
     theta_from,
 )
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 
 def run_rollout(args: argparse.Namespace) -> int:

@@ -24,7 +24,6 @@ from statistics import NormalDist
 
 import numpy as np
 
-from splash.core.config import ConfigError
 from splash.core.layouts import (
     LAYOUTS,
     Layout,
@@ -36,6 +35,7 @@ from splash.core.layouts import (
     state_histories_busiest,
     state_requests_per_rank,
 )
+from splash.core.model_config import ConfigError
 from splash.core.sizes import GIB, KIB, AttentionSizes
 
 PAPER_SEED = 20260922

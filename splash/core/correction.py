@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 MIXES = ("decode", "prefill")
 

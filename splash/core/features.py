@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, LayerLoads, active_requests, kinds_loads
 from splash.core.layouts import Layout
+from splash.core.model_config import ConfigError
 from splash.core.sizes import AttentionSizes
 from splash.core.theta import Theta
 

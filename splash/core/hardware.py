@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 from splash.core.sizes import GIB, AttentionSizes
 from splash.core.theta import Theta
 

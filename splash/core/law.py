@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from splash.core.config import ConfigError
 from splash.core.layouts import LAYOUTS, Layout
+from splash.core.model_config import ConfigError
 
 # alpha_h: the scenario's sampled TP input limit over the DCU reference limit of 58.875k.
 ALPHA = {"dcu": 1.0, "h200": 0.6252985669, "b200": 1.2853801752}

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from splash.core.config import ConfigError, head_slice
+from splash.core.model_config import ConfigError, head_slice
 
 
 class Placement(enum.Enum):

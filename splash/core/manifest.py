@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from splash.core.config import ConfigError, ModelConfig, head_slice
 from splash.core.layouts import Layout, Ownership, StatePlacement
+from splash.core.model_config import ConfigError, ModelConfig, head_slice
 from splash.core.sizes import MIB, AttentionSizes, head_runs
 
 DISCARD, ALL_GATHER, ALL_TO_ALL, KEEP = "discard", "all-gather", "all-to-all", "keep"

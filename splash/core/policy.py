@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from splash.core.capacity import model_pool_tokens
-from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, StepCost, step_cost
 from splash.core.law import Crossover
 from splash.core.layouts import (
@@ -33,6 +32,7 @@ from splash.core.layouts import (
     state_requests_per_rank,
 )
 from splash.core.manifest import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
+from splash.core.model_config import ConfigError
 from splash.core.sizes import AttentionSizes
 from splash.core.switch_time import switch_time
 from splash.core.theta import Theta

@@ -8,7 +8,7 @@ import dataclasses
 import os
 from typing import Any
 
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 
 
 def _yarn(factor: float, orig: int, mscale: float, mscale_all_dim: float, beta_fast: float = 32,

@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 
-from splash.core.config import ConfigError, ModelConfig, dtype_bytes
 from splash.core.layouts import LAYOUTS
+from splash.core.model_config import ConfigError, ModelConfig, dtype_bytes
 from splash.core.sizes import AttentionSizes
 from splash.core.theta import Theta
 

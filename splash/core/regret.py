@@ -35,7 +35,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 
 @dataclass

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from splash.core.capacity import model_pool_tokens
-from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, step_cost
 from splash.core.layouts import LAYOUTS, Layout, kv_pages_per_rank
 from splash.core.manifest import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
+from splash.core.model_config import ConfigError
 from splash.core.policy import Policy, PolicyConfig, activation_bytes, decide
 from splash.core.sizes import AttentionSizes
 from splash.core.spec_depth import DepthConfig, draft_seconds, expected_tokens, price_depths

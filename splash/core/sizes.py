@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from splash.core.config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
+from splash.core.model_config import ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
 from splash.core.stores import (
     Store,
     kv_format,

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from splash.core.config import ConfigError
 from splash.core.costmodel import Batch, step_cost
 from splash.core.layouts import Layout
+from splash.core.model_config import ConfigError
 from splash.core.sizes import AttentionSizes
 from splash.core.theta import Theta
 

@@ -56,7 +56,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splash.core.config import DTYPE_BYTES, ConfigError, ModelConfig, dtype_bytes, head_slice, normalize_dtype
+from splash.core.model_config import (
+    DTYPE_BYTES,
+    ConfigError,
+    ModelConfig,
+    dtype_bytes,
+    head_slice,
+    normalize_dtype,
+)
 
 if TYPE_CHECKING:
     from splash.core.layouts import Layout

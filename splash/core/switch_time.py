@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from splash.core.config import ConfigError
 from splash.core.costmodel import StepCost
+from splash.core.model_config import ConfigError
 from splash.core.theta import Theta
 
 

@@ -8,8 +8,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from splash.core.config import ConfigError
 from splash.core.layouts import LAYOUTS, Layout
+from splash.core.model_config import ConfigError
 
 # Collectives per attention layer (each pays the latency delta once): TP all-reduce after O;
 # DP all-gather of owners' rows; CP exact LSE merge; DOP forward + reverse all-to-all + all-reduce.

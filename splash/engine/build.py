@@ -12,10 +12,10 @@ import os
 from typing import Any
 
 from splash.config import EngineConfig
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 from splash.core.stores import stores
-from splash.dist.groups import DEFAULT_TIMEOUT_S, local_grid, parse_device
-from splash.dist.launch import resolve_launch
+from splash.distributed.groups import DEFAULT_TIMEOUT_S, local_grid, parse_device
+from splash.distributed.launch import resolve_launch
 from splash.engine.group import RankGroup
 from splash.engine.group_runner import GroupRunner
 from splash.engine.llm_engine import LLMEngine

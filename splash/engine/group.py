@@ -26,9 +26,9 @@ import weakref
 from typing import Any
 
 from splash.config import EngineConfig
-from splash.dist import affinity
-from splash.dist.groups import DEFAULT_TIMEOUT_S, check_devices, init_distributed, pick_backend
-from splash.dist.launch import LaunchSpec, WorkerError, WorkerGroup, resolve_launch, start_workers
+from splash.distributed import affinity
+from splash.distributed.groups import DEFAULT_TIMEOUT_S, check_devices, init_distributed, pick_backend
+from splash.distributed.launch import LaunchSpec, WorkerError, WorkerGroup, resolve_launch, start_workers
 from splash.step.plan import StepPlan, control_plan
 from splash.worker.loop import (
     WorkerState,
@@ -214,7 +214,7 @@ class RankGroup:
         bad = [(r, x["error"]) for r, x in enumerate(replies) if "error" in x]
         if bad:
             self.unload()
-            from splash.core.config import ConfigError
+            from splash.core.model_config import ConfigError
 
             r, msg = bad[0]
             raise ConfigError(msg if r == 0 else f"rank {r}: {msg}")

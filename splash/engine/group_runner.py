@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from splash.dist.launch import WorkerError
+from splash.distributed.launch import WorkerError
 from splash.engine.group import GroupFailed
 from splash.step import wire
 from splash.step.plan import StepPlan

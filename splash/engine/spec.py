@@ -244,7 +244,7 @@ class DepthPolicy:
 def attach_depth_policy(engine: Any, cfg: Any, dtype: Any, world: int) -> None:
     """Give an engine with speculation on and `--speculative-policy auto` its DepthPolicy: the layout
     policy's theta prior (--theta, or the device's default), margin and dwell."""
-    from splash.core.config import dtype_name
+    from splash.core.model_config import dtype_name
     from splash.core.prior import load_or_default_theta
     from splash.core.sizes import AttentionSizes
     from splash.core.spec_depth import DepthConfig

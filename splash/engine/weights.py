@@ -30,7 +30,7 @@ def run_op(engine: Any, op: WeightOp) -> dict[str, Any]:
     if group is None:  # one rank
         comm = runner.comm
         if comm is None:
-            from splash.dist.comm import LocalCommunicator
+            from splash.distributed.comm import LocalCommunicator
 
             comm = LocalCommunicator(runner.device)
         return rank_op(runner, comm, 0, op)
@@ -48,7 +48,7 @@ def run_op(engine: Any, op: WeightOp) -> dict[str, Any]:
 
 def disk_op(engine: Any, path: str) -> WeightOp:
     """Check a checkpoint directory against the live model (complete, right shapes) on rank 0."""
-    from splash.core.config import ConfigError, ModelConfig
+    from splash.core.model_config import ConfigError, ModelConfig
     from splash.model.loader import CheckpointReader
 
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.core.config import ModelConfig
+from splash.core.model_config import ModelConfig
 from splash.core.stores import FP8_GROUP, FP8_MAX, Part, Store, latent_parts, store_parts
 
 FP8 = torch.float8_e4m3fn

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.core.config import ConfigError, ModelConfig, dtype_name
+from splash.core.model_config import ConfigError, ModelConfig, dtype_name
 from splash.core.sizes import kv_bytes_per_token
 from splash.core.stores import Part, kv_format, token_stores
 from splash.kv.codec import Codec

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 from splash.core.stores import state_dtype
 
 _TORCH = {"fp64": torch.float64, "fp32": torch.float32}

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.deepseek import DeepseekForCausalLM, held_heads
 
@@ -24,7 +24,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | 
         return dtype
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32
-    from splash.core.config import normalize_dtype
+    from splash.core.model_config import normalize_dtype
 
     key = normalize_dtype(dtype)
     if key not in TORCH_DTYPES:
@@ -39,8 +39,8 @@ def resolve_model_path(model: str | os.PathLike[str]) -> str:
     m = os.fspath(model)
     if m in BUILTIN_MODELS:
         return ensure_builtin_model(m)
-    if m == "trained-mtp":  # the benchmark model with an MTP layer (splash/model/train.py), trained once
-        from splash.model.train import ensure_trained_model
+    if m == "trained-mtp":  # the benchmark model with an MTP layer (splash/training/mtp.py), trained once
+        from splash.training.mtp import ensure_trained_model
 
         return ensure_trained_model()
     if not os.path.isdir(m) or not os.path.isfile(os.path.join(m, "config.json")):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splash.core.config import ConfigError, ModelConfig, head_slice
+from splash.core.model_config import ConfigError, ModelConfig, head_slice
 from splash.model import gemm
 from splash.model.context import ForwardContext
 from splash.model.indexer import Indexer

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splash.core.config import ModelConfig
+from splash.core.model_config import ModelConfig
 from splash.model import gemm
 from splash.model.loader import CheckpointReader
 from splash.model.rope import Rotary

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 from splash.kv.state import core_dtype
 from splash.model import gemm
 from splash.model.loader import CheckpointReader, Span

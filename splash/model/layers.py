@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 from splash.model import gemm
 from splash.model.loader import CheckpointReader
 from splash.model.shard import span

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 Span = tuple[int, int] | None
 

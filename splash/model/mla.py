@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splash.core.config import ModelConfig
+from splash.core.model_config import ModelConfig
 from splash.model import gemm
 from splash.model.layers import RMSNorm, fusable, fused_rows
 from splash.model.loader import CheckpointReader

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 from splash.model import gemm
 from splash.model.layers import MLP
 from splash.model.loader import CheckpointReader

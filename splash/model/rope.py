@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:

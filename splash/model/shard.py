@@ -7,7 +7,7 @@ split by rows. All splits are contiguous, so each rank's share is one `get_slice
 
 from __future__ import annotations
 
-from splash.core.config import ConfigError
+from splash.core.model_config import ConfigError
 
 MOE_MODES = ("auto", "ep", "tp")
 

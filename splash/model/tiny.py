@@ -23,7 +23,7 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 from splash.core.presets import PRESETS
 
 TINY_VERSION = "1"

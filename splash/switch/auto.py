@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from splash.core.config import dtype_bytes, dtype_name
 from splash.core.costmodel import Batch, step_cost
 from splash.core.layouts import Layout
+from splash.core.model_config import dtype_bytes, dtype_name
 from splash.core.policy import PolicyConfig, choose, evaluate
 from splash.core.sizes import AttentionSizes
 from splash.core.theta import Theta

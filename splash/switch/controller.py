@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from splash.config import EngineConfig, parse_schedule
-from splash.core.config import ConfigError, dtype_name
 from splash.core.correction import describe
+from splash.core.model_config import ConfigError, dtype_name
 from splash.core.prior import load_or_default_theta
 from splash.kv.allocator import request_capacity
 from splash.kv.pool import KVPool

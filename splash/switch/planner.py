@@ -28,9 +28,9 @@ from functools import lru_cache
 import numpy as np
 import numpy.ma  # noqa: F401  (np.unique's first call imports it: 10-40 ms, on a switching step's plan)
 
-from splash.core.config import ModelConfig, dtype_name
 from splash.core.layouts import Layout
 from splash.core.manifest import Manifest, held_state, switch_manifest
+from splash.core.model_config import ModelConfig, dtype_name
 from splash.core.sizes import AttentionSizes
 from splash.core.stores import kv_format
 from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks

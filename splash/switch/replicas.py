@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from splash.core.config import ConfigError
 from splash.core.layouts import Layout
+from splash.core.model_config import ConfigError
 from splash.kv.allocator import KVAllocator
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from splash.config import EngineConfig
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 from splash.core.sizes import parse_bytes
 
 

@@ -88,7 +88,7 @@ def _groups(runner: Any) -> dict[str, Any]:
 
 
 def _stage_disk(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> Any:
-    from splash.core.config import ModelConfig
+    from splash.core.model_config import ModelConfig
     from splash.model.loader import CheckpointReader
 
     reader = CheckpointReader(a["path"], ModelConfig.from_hf(a["path"]).quantization_config)
@@ -125,7 +125,7 @@ def _stage_dist(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> Any:
 
 
 def _init_group(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
-    from splash.dist.weight_group import join_group
+    from splash.distributed.weight_group import join_group
 
     groups = _groups(runner)
     if a["group_name"] in groups:
@@ -174,7 +174,7 @@ def _resume(runner: Any, comm: Any, rank: int, a: dict[str, Any]) -> None:
         saved = held.pop("weights")
         reload = None
         if a.get("checkpoint"):
-            from splash.core.config import ModelConfig
+            from splash.core.model_config import ModelConfig
             from splash.model.loader import CheckpointReader
 
             ckpt = a["checkpoint"]

@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from splash.dist.comm import Communicator, Handle, _done, _row_bytes
-from splash.dist.stats import Tag
+from splash.distributed.comm import Communicator, Handle, _done, _row_bytes
+from splash.distributed.stats import Tag
 
 SLOT_BYTES = 4 << 20  # payload bytes per rank and buffer set; larger messages go to gloo
 MAIL_BYTES = 1 << 20  # rank 0's step-plan mailbox; a larger plan goes to gloo

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from splash.core.config import ConfigError, ModelConfig
+from splash.core.model_config import ConfigError, ModelConfig
 
 TRAIN_VERSION = "2"  # 2: the deep and narrow default shape (16 x 128)
 SPECIALS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}  # ids 0, 1, 2

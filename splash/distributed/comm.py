@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from splash.dist.stats import CommStats, Tag
+from splash.distributed.stats import CommStats, Tag
 
 OBJ_INLINE = 16 << 10  # broadcast_object bytes that travel in its first (and usually only) broadcast
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from splash.dist.affinity import bind
-from splash.dist.groups import DEFAULT_TIMEOUT_S, init_distributed
+from splash.distributed.affinity import bind
+from splash.distributed.groups import DEFAULT_TIMEOUT_S, init_distributed
 
 
 class WorkerError(RuntimeError):
@@ -190,7 +190,7 @@ def start_workers(world: int, target: Callable[..., Any], args: Sequence[Any] = 
 
     `target` and `args` must be picklable (module-level function). `timeout_s` bounds every
     data-plane collective inside the workers. `cores`: the CPU cores each rank binds itself to
-    (`splash.dist.affinity.plan`); a rank not in it is not bound.
+    (`splash.distributed.affinity.plan`); a rank not in it is not bound.
     """
     ranks = list(range(world)) if ranks is None else list(ranks)
     init_method = init_method or f"tcp://127.0.0.1:{free_port()}"

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 ENV = "SPLASH_CPU_BIND"
 ON, OFF = ("auto", "on", "1", ""), ("off", "0", "none")
 
-log = logging.getLogger("splash.dist")
+log = logging.getLogger("splash.distributed")
 
 
 def plan(local_ranks: int, threads: int, allowed: Iterable[int] | None = None

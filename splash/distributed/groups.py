@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from splash.core.config import ConfigError
-from splash.dist import shm
-from splash.dist.comm import BaseCommunicator, Communicator, LocalCommunicator
+from splash.core.model_config import ConfigError
+from splash.distributed import shm
+from splash.distributed.comm import BaseCommunicator, Communicator, LocalCommunicator
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
