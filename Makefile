@@ -4,11 +4,24 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean peer-venv
+.PHONY: setup demo test lint clean peer-venv system-libs
 
-setup: $(STAMP)
+setup: system-libs $(STAMP)
 
-$(STAMP): pyproject.toml
+# The Mooncake transfer engine (prefill/decode disaggregation) loads libibverbs.so.1 on import, even over
+# TCP: Debian's libibverbs1. A no-op when present; without apt (or root) it says what to install instead.
+system-libs:
+	@if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing libibverbs1 (the Mooncake transfer engine needs libibverbs.so.1)"; \
+		( apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null ) \
+		|| echo "warning: apt-get could not install libibverbs1; prefill/decode disaggregation will not start"; \
+	else \
+		echo "warning: libibverbs.so.1 is missing and apt-get (as root) is not available: install libibverbs1" \
+		     "(or rdma-core) for prefill/decode disaggregation (--disaggregation-mode); the rest of splash works"; \
+	fi
+
+$(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@$(BIN)/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	@# torch first, from the CPU wheel on disk: never let pip resolve a CUDA build.

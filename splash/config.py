@@ -3,11 +3,15 @@
 Built once - from the CLI (`add_cli_args` / `from_cli_args`, shared by every command), from
 `LLM(**kwargs)` / `Engine(**kwargs)` / `build_engine(**kwargs)` (`from_kwargs`: SGLang's and vLLM's
 names accepted, an unknown key refused naming the nearest valid one), or from Python - and passed whole
-to the builder, every rank (each builds its share from it), the scheduler and the switch controller.
-`resolved(world)` fills what depends on the rank count (the layout to load, the batch bounds). Each
+to the builder. `resolved(world)` fills what depends on the rank count (the layout to load, the batch
+bounds); the builder resolves it with the checkpoint, once, into `splash.runtime_spec.RuntimeSpec`, which
+every rank, the scheduler and the switch controller build from. Each
 field's flag, help and group are in its metadata, so the CLI, the docs and `/get_server_info` read one
-table. Environment variables that override a field (a test or benchmark needs them) are listed in
-`ENV_OVERRIDES`, the only ones read; they apply when a config is made, on rank 0, never on a rank.
+table; SGLang's and vLLM's launch flags that are not a field's alias are splash/flags.py's rows (what each
+sets, or why it is refused), applied by the CLI and `from_kwargs` alike. Environment variables that
+override a field (a test or benchmark needs them) are rows of splash/env.py's one table of every
+variable (`ENV_OVERRIDES` here is its field part); they apply when a config is made, on rank 0, never on
+a rank.
 """
 
 from __future__ import annotations
@@ -15,103 +19,42 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from splash.argtypes import positive_float, positive_int
+from splash import env
+from splash.argtypes import positive_float, positive_int, ranged
+from splash.core.layouts import DEFAULT_PAGE_SIZE, LAYOUT_NAMES
 from splash.core.model_config import ConfigError
-from splash.core.sizes import parse_bytes
-from splash.core.stores import kv_format
+from splash.flags import PEER_KEYS, add_peer_flags, apply_peer_flags, cli_values
+from splash.validation import (  # (re-exported: callers import them from here)
+    ATTENTION_KERNELS,
+    AUTO_START,
+    CPU_BINDS,
+    CPU_COMMS,
+    ENV_OVERRIDES,
+    EXPERT_PARALLEL,
+    FORMS,
+    PD_MODES,
+    SWITCH_MODES,
+    UPCAST,
+    check,
+    check_speculative,
+    default_max_num_seqs,
+    default_token_budget,
+    parse_schedule,
+    parse_sizes,
+    read_speculative_config,
+)
 
-LAYOUT_NAMES = ("tp", "dp", "cp", "dop")  # the runtime's names of the core's layouts (core.layouts.LAYOUTS)
-AUTO_START = "dop"  # where --layout auto starts: the most KV a budget allows, sharded projections
-FORMS = ("auto", "absorbed", "mha")  # MLA attention forms of a chunk (splash/attention/mha.py)
-SWITCH_MODES = ("overlapped", "blocking")
-EXPERT_PARALLEL = ("auto", "ep", "tp")
-
-# Environment overrides of fields (tests and benchmarks): variable -> (field, how its text reads).
-ENV_OVERRIDES: dict[str, tuple[str, str]] = {
-    "SPLASH_ATTN_FORM": ("attention_form", "auto | absorbed | mha"),
-    "SPLASH_NATIVE": ("enforce_eager", "0 = --enforce-eager (no native kernel, no CUDA graphs)"),
-    "SPLASH_CUDA_GRAPHS": ("cuda_graphs", "0 = --disable-cuda-graph"),
-    "SPLASH_CUDA_GRAPH_SIZES": ("cuda_graph_sizes", "comma-separated batch sizes"),
-    "SPLASH_CHECK_BOOKS": ("check_books", "1 = prove the KV books after every step (the test suite)"),
-}
-_OFF = ("0", "false", "off", "no")
+__all__ = ["ENV_OVERRIDES", "EngineConfig", "KernelConfig", "default_max_num_seqs", "default_token_budget",
+           "env_defaults", "parse_schedule", "parse_sizes"]
 
 
 def _opt(default: Any, group: str, flag: str | None, help: str, **cli: Any) -> Any:
     """A field with its CLI flag (None: no flag), help line and group in the metadata."""
     return field(default=default, metadata={"group": group, "flag": flag, "help": help, **cli})
-
-
-def parse_sizes(text: str | Sequence[int] | None) -> tuple[int, ...] | None:
-    """'8, 2,1' -> (1, 2, 8): batch sizes, sorted and unique; None/'' -> None."""
-    if text is None or text == "":
-        return None
-    items = text.split(",") if isinstance(text, str) else list(text)
-    try:
-        sizes = sorted({int(x) for x in items if str(x).strip()})
-    except ValueError:
-        raise ConfigError(f"cuda_graph_sizes: expected comma-separated batch sizes, got {text!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise ConfigError(f"cuda_graph_sizes: batch sizes must be >= 1, got {text!r}")
-    return tuple(sizes)
-
-
-def parse_schedule(text: str | Sequence[tuple[int, str]] | None) -> list[tuple[int, str]]:
-    """'8:dp,20:cp' -> [(8, 'dp'), (20, 'cp')] (sorted by step); ConfigError with the fix otherwise."""
-    if text is None or text == "":
-        return []
-    if not isinstance(text, str):
-        items = [(int(s), str(lay).lower()) for s, lay in text]
-    else:
-        items = []
-        for part in text.replace(" ", "").split(","):
-            if not part:
-                continue
-            step, sep, lay = part.partition(":")
-            try:
-                n = int(step)
-            except ValueError:
-                n = -1
-            if not sep or n < 0:
-                raise ConfigError(f"--switch-schedule: cannot read {part!r}; write STEP:LAYOUT pairs, e.g. "
-                                  "'8:dp,20:cp' (STEP a non-negative engine step)")
-            items.append((n, lay.lower()))
-    for n, lay in items:
-        if lay not in LAYOUT_NAMES:
-            raise ConfigError(f"--switch-schedule: unknown layout {lay!r} at step {n}; choose one of "
-                              f"{', '.join(LAYOUT_NAMES)}")
-    steps = [n for n, _ in items]
-    if len(set(steps)) != len(steps):
-        raise ConfigError("--switch-schedule: a step appears twice; one switch per step")
-    return sorted(items)
-
-
-def default_max_num_seqs(world: int, serving: bool) -> int:
-    """`max_num_seqs` when none is given: a server takes vLLM's CPU server default, 128 x T, so a client
-    that opens 128 streams (an RL rollout through the HTTP API) has them all running rather than half of
-    them queued (at concurrency 128 on `small`: +8% output tok/s, mean TTFT 1.9 s against 7.1 s, each
-    step longer); offline engines keep 64 (tests and benchmarks pass their own)."""
-    return 128 * world if serving else 64
-
-
-def default_token_budget(world: int, max_num_seqs: int, serving: bool) -> int:
-    """`max_num_batched_tokens` when none is given.
-
-    A server takes vLLM's CPU server default, 2048 x T: a wave of prompts arriving together is prefilled
-    in one step instead of a chunk per step, so streams that started decoding after the first chunk
-    are not held back by the rest of their own wave (that made P99 inter-token latency ~5x vLLM's at 512).
-    The price is a longer single stall when one long prompt arrives (docs/performance.md, "TTFT vs
-    ITL"). Offline engines keep max(512, max_num_seqs): without streams there is no ITL to protect and
-    it keeps the activation reserve small.
-    """
-    if serving:
-        return max(2048 * world, max_num_seqs)
-    return max(512, max_num_seqs)
 
 
 @dataclass(frozen=True)
@@ -122,6 +65,8 @@ class KernelConfig:
     enforce_eager: bool = False  # plain torch ops: no native CPU kernel, no Triton, no CUDA graphs
     cuda_graphs: bool = True
     cuda_graph_sizes: tuple[int, ...] | None = None  # None: the runner's default buckets
+    attention_kernel: str = "auto"  # "auto" | "torch" | "native" | "triton": pinned where it can run
+    bf16_upcast: str = "auto"  # "auto" | "on" | "off" (splash/model/gemm.py)
 
 
 @dataclass(frozen=True)
@@ -131,7 +76,7 @@ class EngineConfig:
 
     # ---- model
     model: str = _opt("tiny", "model", "--model", "Hugging Face checkpoint directory, or a built-in model "
-                      "(tiny, small, tiny-dsa, ...)")
+                      "(tiny, small, tiny-dsa, ...)", aliases=("--model-path",))
     dtype: str | None = _opt(None, "model", "--dtype", "float32 | bfloat16 | float64 (default: per device)")
     device: str | None = _opt(None, "model", "--device", "cpu | cuda[:i] (default: cuda if present)")
     seed: int | None = _opt(None, "model", "--random-seed", "torch seed on every rank before loading "
@@ -140,7 +85,8 @@ class EngineConfig:
                                 "auto, ep (whole experts per rank), tp (every expert sliced)",
                                 choices=EXPERT_PARALLEL)
     # ---- KV cache
-    page_size: int = _opt(16, "cache", "--page-size", "tokens per KV page", type=positive_int)
+    page_size: int = _opt(DEFAULT_PAGE_SIZE, "cache", "--page-size", "tokens per KV page", type=positive_int,
+                          aliases=("--block-size",))
     num_kv_pages: int | None = _opt(None, "cache", "--num-kv-pages", "KV pool size in pages per rank, "
                                     "overriding --memory-per-rank (tests, demos)", type=positive_int)
     memory_per_rank: int | str | None = _opt(None, "cache", "--memory-per-rank", "memory budget per rank for "
@@ -160,6 +106,14 @@ class EngineConfig:
     num_state_slots: int | None = _opt(None, "cache", "--num-state-slots", "KDA hybrids: requests whose "
                                        "recurrent state a rank holds at once (default --max-num-seqs)",
                                        type=positive_int)
+    mem_fraction_static: float | None = _opt(
+        None, "cache", "--mem-fraction-static", "share of a GPU's memory for this rank's weights + KV cache "
+        "when no --memory-per-rank is given (SGLang's flag; vLLM's --gpu-memory-utilization); a CPU keeps "
+        "its default pool", type=ranged(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]"), metavar="F",
+        aliases=("--gpu-memory-utilization",))
+    max_total_tokens: int | None = _opt(None, "cache", "--max-total-tokens", "cap on a rank's KV pool in "
+                                        "tokens (SGLang's flag: at most ceil(N / page size) pages)",
+                                        type=positive_int, metavar="N")
     # ---- scheduler
     max_num_seqs: int | None = _opt(None, "scheduler", "--max-num-seqs", "bound on the running batch "
                                     "(default 64 offline; a server 128 x ranks, vLLM's CPU default)",
@@ -176,10 +130,13 @@ class EngineConfig:
         metavar="N")
     serving: bool = _opt(False, "scheduler", None, "a server's defaults for the batch bounds (set by "
                          "`splash serve`)")
+    arrival_gap_ms: float = _opt(0.0, "scheduler", None, "an idle engine woken by a request waits for the "
+                                 "rest of its burst (requests less than this apart, up to 10 x) before "
+                                 "stepping; 0 steps at once (`splash serve --arrival-gap-ms`, default 3)")
     # ---- parallel
     tp: int | None = _opt(None, "parallel", "--tp", "number of ranks T serving the model (default: 1, or "
                           "WORLD_SIZE under torchrun)", type=int,
-                          aliases=("--ranks", "--tensor-parallel-size", "--tp-size"))
+                          aliases=("--ranks", "--tensor-parallel-size", "--tp-size", "-tp"))
     nnodes: int = _opt(1, "parallel", "--nnodes", "machines sharing the T ranks", type=int)
     node_rank: int = _opt(0, "parallel", "--node-rank", "this machine's index, 0..nnodes-1", type=int)
     dist_init_addr: str | None = _opt(None, "parallel", "--dist-init-addr", "HOST:PORT where the ranks meet "
@@ -189,6 +146,13 @@ class EngineConfig:
                                               type=positive_float, metavar="S")
     threads: int | None = _opt(None, "parallel", "--threads", "torch threads per rank (default: the cores "
                                "this node's ranks share)", type=positive_int)
+    cpu_comm: str = _opt("shm", "parallel", "--cpu-comm", "CPU ranks' collectives on one host: shm (through "
+                         "a shared-memory segment) or gloo", choices=CPU_COMMS)
+    cpu_bind: str = _opt("auto", "parallel", "--cpu-bind", "auto: each CPU rank on its own cores when "
+                         "they fit; off: leave it to the OS", choices=CPU_BINDS)
+    malloc_tune: bool = _opt(True, "parallel", "--malloc-tune", "CPU ranks keep freed activation blocks "
+                             "in glibc's heap for the next step (--no-malloc-tune: malloc as it is)",
+                             action=argparse.BooleanOptionalAction)
     # ---- switching
     layout: str | None = _opt(None, "switching", "--layout", "attention layout; auto (the default when T > "
                               "1) lets the layout policy switch live, tp otherwise",
@@ -216,7 +180,15 @@ class EngineConfig:
                              "(SGLang's flag)", action="store_false")
     cuda_graph_sizes: tuple[int, ...] | None = _opt(None, "kernels", "--cuda-graph-sizes", "decode batch "
                                                     "sizes to capture (vLLM's flag), e.g. 1,2,4,8",
-                                                    type=str)
+                                                    type=str,
+                                                    also=(("--cuda-graph-bs", {
+                                                        "nargs": "+", "type": positive_int, "metavar": "B",
+                                                        "help": "SGLang's form: --cuda-graph-bs 1 2 4 8"}),))
+    attention_kernel: str = _opt("auto", "kernels", "--attention-kernel", "paged-attention kernel: auto "
+                                 "(native C on CPU, Triton on CUDA), or one pinned where it can run "
+                                 "(kernel tests, measurements)", choices=ATTENTION_KERNELS)
+    bf16_upcast: str = _opt("auto", "kernels", "--bf16-upcast", "bf16/fp16 GEMMs on CPU through float32: "
+                            "auto (when the CPU lacks native bf16), on, off", choices=UPCAST)
     # ---- chat front end (the server and splash.Engine)
     chat_template: str | None = _opt(
         None, "frontend", "--chat-template", "the chat template to use instead of the checkpoint's: a file "
@@ -240,14 +212,14 @@ class EngineConfig:
     speculative_algorithm: str | None = _opt(
         None, "speculative", "--speculative-algorithm", "draft tokens to verify each decode step: NGRAM "
         "(looked up in the request's own prompt and output; any model), or EAGLE / MTP (the same: drafts "
-        "by the checkpoint's own MTP layers, DeepSeek-V3/V3.2 and GLM-5)", type=str.upper,
-        choices=("NGRAM", "EAGLE", "MTP"))
+        "by the checkpoint's own MTP layers, DeepSeek-V3/V3.2 and GLM-5; SGLang's NEXTN too)", type=str.upper,
+        choices=("NGRAM", "EAGLE", "MTP", "NEXTN"), aliases=("--speculative-config.method",))
     speculative_num_draft_tokens: int | None = _opt(
         None, "speculative", "--speculative-num-draft-tokens", "rows verified per speculating request and "
         "step: its last token plus this minus one drafts (SGLang's meaning; default 4)", type=positive_int)
     speculative_num_steps: int | None = _opt(
         None, "speculative", "--speculative-num-steps", "drafts per step of a chain (SGLang's topk 1): "
-        "num_draft_tokens - 1", type=positive_int)
+        "num_draft_tokens - 1", type=positive_int, aliases=("--speculative-config.num_speculative_tokens",))
     speculative_policy: str = _opt(
         "auto", "speculative", "--speculative-policy", "auto: the scheduler picks the depth (0 = off) each "
         "step from the cost model, the requests' measured acceptance and the engine's step times (on in "
@@ -262,6 +234,27 @@ class EngineConfig:
     speculative_config: str | None = _opt(
         None, "speculative", "--speculative-config", "vLLM's JSON form, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}'")
+    # ---- prefill/decode disaggregation (SGLang's flags; splash/server/pd*.py, splash/disagg/)
+    disaggregation_mode: str = _opt(
+        "null", "disaggregation", "--disaggregation-mode", "null: one server prefills and decodes; prefill "
+        "or decode: this server is one side of a disaggregated pair behind sglang-router's "
+        "--pd-disaggregation (T = 1 per side for now)", choices=PD_MODES)
+    disaggregation_transfer_backend: str = _opt(
+        "mooncake", "disaggregation", "--disaggregation-transfer-backend", "how the KV moves from prefill to "
+        "decode: mooncake (Mooncake's transfer engine; TCP here, RDMA where present)")
+    disaggregation_bootstrap_port: int = _opt(
+        8998, "disaggregation", "--disaggregation-bootstrap-port", "prefill: the port of its bootstrap "
+        "server (what the router's --prefill URL PORT names)", type=positive_int)
+    disaggregation_ib_device: str | None = _opt(
+        None, "disaggregation", "--disaggregation-ib-device", "RDMA devices for the transfer engine "
+        "(accepted; the transfer runs over TCP on this build)")
+    disaggregation_decode_enable_radix_cache: bool = _opt(
+        False, "disaggregation", "--disaggregation-decode-enable-radix-cache", "decode: keep the prefix "
+        "cache on (SGLang's flag; a decode server runs without one by default, as in SGLang, unless "
+        "--enable-prefix-caching is given)", action="store_true")
+    num_reserved_decode_tokens: int = _opt(
+        512, "disaggregation", "--num-reserved-decode-tokens", "decode: KV tokens kept free per running "
+        "request for its growth before another transfer is admitted (SGLang's flag)", type=positive_int)
     # ---- RL and debugging
     enable_memory_saver: bool | None = _opt(
         None, "debug", "--enable-memory-saver", "allow /release_memory_occupation (SGLang's flag; off in a "
@@ -272,114 +265,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.speculative_config:
-            self._read_speculative_config()
-        self._check()
-        self._check_speculative()
-
-    def _read_speculative_config(self) -> None:
-        """vLLM's --speculative-config JSON into the SGLang-named fields (one source of truth)."""
-        import json
-
-        try:
-            cfg = json.loads(self.speculative_config) if isinstance(self.speculative_config, str) \
-                else dict(self.speculative_config)
-        except (json.JSONDecodeError, TypeError, ValueError) as e:
-            raise ConfigError(f"--speculative-config is not a JSON object: {e}") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError("--speculative-config must be a JSON object such as {\"method\": \"ngram\", "
-                              "\"num_speculative_tokens\": 3}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
-        extra = sorted(set(cfg) - known)
-        if extra:
-            raise ConfigError(f"--speculative-config: {', '.join(extra)} not supported; splash reads "
-                              f"{', '.join(sorted(known))}")
-        method = str(cfg.get("method", "ngram")).upper()
-        n = cfg.get("num_speculative_tokens", 3)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"--speculative-config: num_speculative_tokens must be >= 1, got {n!r}")
-        kw = {"speculative_algorithm": {"DEEPSEEK_MTP": "MTP"}.get(method, method),
-              "speculative_num_steps": n, "speculative_num_draft_tokens": n + 1}
-        if "prompt_lookup_max" in cfg:
-            kw["speculative_ngram_max_match"] = cfg["prompt_lookup_max"]
-        if "prompt_lookup_min" in cfg:
-            kw["speculative_ngram_min_match"] = cfg["prompt_lookup_min"]
-        for k, v in kw.items():
-            object.__setattr__(self, k, v)
-
-    def _check_speculative(self) -> None:
-        algo = self.speculative_algorithm
-        if algo is None:
-            if self.speculative_num_draft_tokens or self.speculative_num_steps:
-                raise ConfigError("--speculative-num-draft-tokens / --speculative-num-steps need "
-                                  "--speculative-algorithm NGRAM or MTP")
-            return
-        algo = str(algo).upper()
-        object.__setattr__(self, "speculative_algorithm", algo)
-        if algo == "EAGLE":  # (SGLang's name for drafting with the checkpoint's MTP layers)
-            algo = "MTP"
-            object.__setattr__(self, "speculative_algorithm", algo)
-        if algo not in ("NGRAM", "MTP"):
-            raise ConfigError(f"unknown --speculative-algorithm {algo!r}; splash has NGRAM, MTP (EAGLE)")
-        steps, drafts = self.speculative_num_steps, self.speculative_num_draft_tokens
-        if steps is not None and drafts is not None and drafts != steps + 1:
-            raise ConfigError(f"--speculative-num-draft-tokens ({drafts}) must be --speculative-num-steps "
-                              f"({steps}) + 1 for a chain (topk 1); give one of them")
-        lo, hi = self.speculative_ngram_min_match, self.speculative_ngram_max_match
-        for name, v in (("min", lo), ("max", hi)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"--speculative-ngram-{name}-match-window-size must be >= 1, got {v!r}")
-        if lo > hi:
-            raise ConfigError(f"the n-gram window {lo}..{hi} is empty: min must not exceed max")
-
-    # ---- validation --------------------------------------------------------------------------------
-    def _check(self) -> None:
-        if self.kv_cache_dtype not in ("auto", None, ""):
-            object.__setattr__(self, "kv_cache_dtype", kv_format(self.kv_cache_dtype))
-        def positive(name: str, none_ok: bool = True) -> None:
-            v = getattr(self, name)
-            if v is None and none_ok:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-
-        for name in ("page_size", "num_kv_pages", "num_state_slots", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "threads"):
-            positive(name)
-        if self.page_size is None:
-            raise ConfigError("page_size must be a positive integer, got None")
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
-            raise ConfigError(f"long_prefill_token_threshold must be 0 (off) or a positive integer, got "
-                              f"{self.long_prefill_token_threshold!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.tp is not None and (isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1):
-            raise ConfigError(f"tp must be >= 1, got {self.tp!r}")
-        if self.layout is not None and str(self.layout).lower() not in (*LAYOUT_NAMES, "auto"):
-            raise ConfigError(f"unknown layout {self.layout!r}; choose auto or one of "
-                              f"{', '.join(LAYOUT_NAMES)}")
-        if self.switch_mode not in SWITCH_MODES:
-            raise ConfigError(f"--switch-mode must be one of {', '.join(SWITCH_MODES)}, got "
-                              f"{self.switch_mode!r}")
-        if self.attention_form not in FORMS:
-            raise ConfigError(f"unknown attention form {self.attention_form!r}; choose one of "
-                              f"{', '.join(FORMS)}")
-        if self.expert_parallel not in EXPERT_PARALLEL:
-            raise ConfigError(f"expert_parallel must be one of {', '.join(EXPERT_PARALLEL)}, got "
-                              f"{self.expert_parallel!r}")
-        if not 0 <= float(self.switch_margin) < 1:
-            raise ConfigError(f"switch_margin must be in [0, 1), got {self.switch_margin!r}")
-        if not isinstance(self.min_dwell_steps, int) or self.min_dwell_steps < 0:
-            raise ConfigError(f"min_dwell_steps must be a non-negative integer, got {self.min_dwell_steps!r}")
-        if self.collective_timeout_s is not None and not 0 < float(self.collective_timeout_s) < float("inf"):
-            raise ConfigError(f"collective_timeout_s must be a positive number, got "
-                              f"{self.collective_timeout_s!r}")
-        if self.memory_per_rank is not None:
-            parse_bytes(self.memory_per_rank)  # (ConfigError naming the fix)
-        parse_schedule(self.switch_schedule)  # refused here, before any rank starts
-        if self.cuda_graph_sizes is not None and not isinstance(self.cuda_graph_sizes, tuple):
-            object.__setattr__(self, "cuda_graph_sizes", parse_sizes(self.cuda_graph_sizes))
-        if self.dtype is not None and not isinstance(self.dtype, str):  # a torch dtype given in Python
-            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+            read_speculative_config(self)
+        check(self)
+        check_speculative(self)
 
     # ---- derived facts (one holder each) ---------------------------------------------------------------
     @property
@@ -419,12 +307,21 @@ class EngineConfig:
         return (self.speculative_num_draft_tokens or 4) - 1
 
     @property
+    def depth_policy(self) -> bool:
+        """Speculation on with `--speculative-policy auto`: the scheduler picks each step's depth."""
+        return self.num_drafts > 0 and self.speculative_policy == "auto"
+
+    @property
     def kernels(self) -> KernelConfig:
         graphs = self.cuda_graphs and not self.enforce_eager
-        return KernelConfig(self.attention_form, self.enforce_eager, graphs, self.cuda_graph_sizes)
+        return KernelConfig(self.attention_form, self.enforce_eager, graphs, self.cuda_graph_sizes,
+                            self.attention_kernel, self.bf16_upcast)
 
     def resolved(self, world: int, max_position_embeddings: int) -> EngineConfig:
         """Every default that depends on the ranks or the model filled in (what the ranks receive)."""
+        if world > 1 and self.disaggregation_mode != "null":
+            raise ConfigError(f"--disaggregation-mode {self.disaggregation_mode} on {world} ranks: T > 1 on "
+                              "a PD side is not built yet; run each side with --tp 1")
         if world == 1 and self.switch_schedule:
             raise ConfigError("--switch-schedule needs T > 1 ranks (one rank has one layout); add --tp 2")
         seqs = self.max_num_seqs or default_max_num_seqs(world, self.serving)
@@ -444,14 +341,15 @@ class EngineConfig:
                 if name in kw and kw[name] != v:
                     raise ConfigError(f"{alias}={v!r} disagrees with {name}={kw[name]!r}; give one of them")
                 kw[name] = v
+        peers = {k: kw.pop(k) for k in list(kw) if k in PEER_KEYS}  # SGLang's / vLLM's (splash/flags.py)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = [k for k in kw if k not in names]
         if unknown:
             k = unknown[0]
-            near = difflib.get_close_matches(k, [*names, *_KW_ALIASES], n=1)
+            near = difflib.get_close_matches(k, [*names, *_KW_ALIASES, *PEER_KEYS], n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; valid options: {', '.join(sorted(names))}"
             raise ConfigError(f"unknown engine option {k!r}{hint}")
-        return cls(**{**env_defaults(), **kw})
+        return cls(**{**env_defaults(), **apply_peer_flags(peers, kw)})
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser, skip: Sequence[str] = (),
@@ -476,6 +374,7 @@ class EngineConfig:
             g.add_argument(md["flag"], *md.get("aliases", ()), **kw)
             for flag, extra in md.get("also", ()):
                 g.add_argument(flag, dest=md.get("dest", f.name), default=None, **extra)
+        add_peer_flags(p)  # SGLang's and vLLM's other launch flags (splash/flags.py)
         p.set_defaults(_engine_defaults=defaults)
 
     @classmethod
@@ -486,6 +385,7 @@ class EngineConfig:
             v = getattr(args, f.metadata.get("dest", f.name), None) if f.metadata.get("flag") else None
             if v is not None:
                 kw[f.name] = v
+        kw = apply_peer_flags(cli_values(args), kw)
         kw.update(overrides)
         return cls(**{**env_defaults(), **kw})
 
@@ -513,21 +413,11 @@ class EngineConfig:
 # Python keyword aliases: SGLang's ServerArgs names and vLLM's -> the field
 _KW_ALIASES = {"model_path": "model", "tp_size": "tp", "tensor_parallel_size": "tp", "ranks": "tp",
                "random_seed": "seed", "context_length": "max_model_len",
-               "max_running_requests": "max_num_seqs", "chunked_prefill_size": "max_num_batched_tokens"}
+               "max_running_requests": "max_num_seqs", "chunked_prefill_size": "max_num_batched_tokens",
+               "gpu_memory_utilization": "mem_fraction_static", "cuda_graph_bs": "cuda_graph_sizes"}
 
 
-def env_defaults(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The fields `ENV_OVERRIDES` set from the environment (tests, benchmarks); explicit options win."""
-    env = os.environ if env is None else env
-    out: dict[str, Any] = {}
-    if env.get("SPLASH_ATTN_FORM", "").strip():
-        out["attention_form"] = env["SPLASH_ATTN_FORM"].strip().lower()
-    if env.get("SPLASH_NATIVE", "1").strip().lower() in _OFF:
-        out["enforce_eager"] = True
-    if env.get("SPLASH_CUDA_GRAPHS", "1").strip().lower() in _OFF:
-        out["cuda_graphs"] = False
-    if env.get("SPLASH_CUDA_GRAPH_SIZES", "").strip():
-        out["cuda_graph_sizes"] = parse_sizes(env["SPLASH_CUDA_GRAPH_SIZES"])
-    if env.get("SPLASH_CHECK_BOOKS", "0").strip().lower() not in ("", *_OFF):
-        out["check_books"] = True
-    return out
+def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The fields `ENV_OVERRIDES` set from the environment (tests, benchmarks; splash/env.py reads and
+    parses them); explicit options win. The config validates them as any option."""
+    return env.field_overrides(environ)

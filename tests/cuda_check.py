@@ -189,7 +189,11 @@ def part3(path) -> None:
         refs[scen] = ts.drive(model, pool, c, c, 0, 1, "tp", "local", scen)
         refs[scen]["logits"] = [x.cpu() for x in refs[scen]["logits"]]
     log(f"PART3 T=1 references done; spawning 2 gloo ranks on {dev} for {len(cases)} cases")
-    per = spawn_workers(2, rank_cases, (path, cases, dev.type), timeout_s=400, backend="gloo", threads=2)
+    from splash.config import env_defaults
+
+    comm = env_defaults().get("cpu_comm", "shm")  # (SPLASH_COMM, as an engine's config reads it)
+    per = spawn_workers(2, rank_cases, (path, cases, dev.type), timeout_s=400, backend="gloo", threads=2,
+                        cpu_comm=comm)
     bad = 0
     for case in cases:
         ref = refs[case[3]]

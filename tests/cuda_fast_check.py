@@ -43,7 +43,7 @@ def cpu_graphs(eng):
     from splash.worker.cuda_graph import DecodeGraphs
 
     r = eng.runner
-    r.graphs = DecodeGraphs(r.model, r.pool, r.layout, sizes=(1, 2, 4, 8, 16, 32), capture=False)
+    r.graphs = DecodeGraphs(r.model, r.pool, r.kernels, sizes=(1, 2, 4, 8, 16, 32), capture=False)
     return r.graphs
 
 
@@ -200,6 +200,7 @@ def part_e(path) -> None:
             if DEV == "cpu" and "graphs" in name:
                 graphs = cpu_graphs(eng)
             toks, logits = run(eng, PROMPTS)
+            failed = eng.runner.kernels.failed  # the rank's kernels: dtypes Triton failed to compile for
             eng.shutdown()
         finally:
             for k, v in saved.items():
@@ -208,10 +209,8 @@ def part_e(path) -> None:
         err = max((row - hf_rows[int(i)][len(PROMPTS[int(i)]) + j - 1]).abs().max().item()
                   for (i, j), row in logits.items())
         used = graphs.replays if graphs is not None else 0
-        from splash.attention import paged
-
-        ok = toks == ref and err < 1e-9 and (used > 0) == ("graphs" in name) and not paged._failed
-        bad = sorted(map(str, paged._failed))
+        ok = toks == ref and err < 1e-9 and (used > 0) == ("graphs" in name) and not failed
+        bad = sorted(map(str, failed))
         verdict(f"float64 engine on {DEV}, {name}", ok,
                 f"tokens == transformers {toks == ref}; max |logit - transformers on {DEV}| {err:.1e} "
                 f"(want < 1e-9); steps through graphs {used}; Triton failed for {bad}")
@@ -239,7 +238,7 @@ def part_t() -> None:
         res = {}
         for name, kernel, g in (("torch eager", "torch", None), ("triton eager", "", None),
                                 ("triton graph", "", graphs)):
-            os.environ["SPLASH_ATTN_KERNEL"] = kernel
+            runner.kernels.pinned = kernel  # (what --attention-kernel / SPLASH_ATTN_KERNEL set at load)
             runner.graphs = g
             for _ in range(warm):  # a graph bucket is captured here
                 eng.step()
@@ -249,7 +248,7 @@ def part_t() -> None:
                 eng.step()
             sync()
             res[name] = (time.perf_counter() - t) / steps * 1e3
-        os.environ.pop("SPLASH_ATTN_KERNEL", None)
+        runner.kernels.pinned = ""
         if B == sizes[0] and DEV == "cuda":
             runner.graphs = None
             count_syncs(eng)  # the eager Triton forward: no host sync inside the model
@@ -267,13 +266,12 @@ def part_t() -> None:
     captured = sorted(graphs.graphs) if graphs is not None else []
     if DEV == "cpu":
         captured = list(graphs.sizes) if graphs.replays else []
-    from splash.attention import paged
-
+    failed = runner.kernels.failed
     verdict("decode graphs captured for the timed batches", graphs is not None and not graphs.failed
-            and not paged._failed
+            and not failed
             and all(any(s >= B for s in captured) for B in sizes),
             f"captured {captured}, failed {sorted(graphs.failed) if graphs is not None else 'no graphs'}, "
-            f"Triton failed for {sorted(map(str, paged._failed))}")
+            f"Triton failed for {sorted(map(str, failed))}")
 
 
 def count_syncs(eng) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 from splash.distributed.launch import spawn_workers
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
-    """`fn(grid, *args)` on ranks 0..world-1 (gloo, CPU); results in rank order."""
-    return spawn_workers(world, fn, args, timeout_s=timeout, backend="gloo", threads=1)
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
+              cpu_comm: str = "shm") -> list[Any]:
+    """`fn(grid, *args)` on ranks 0..world-1 (gloo, CPU; `cpu_comm`: their data plane, shm or gloo);
+    results in rank order."""
+    return spawn_workers(world, fn, args, timeout_s=timeout, backend="gloo", threads=1, cpu_comm=cpu_comm)

@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import torch
 
+from splash.core.presets import PRESETS
+from splash.runtime_spec import RuntimeSpec
 from splash.step.plan import StepPlan
 
 VOCAB = 138
 EOS = 1
+
+
+def fake_spec(**options) -> RuntimeSpec:
+    """The spec of a model-free engine: the `tiny` shape with the fakes' vocabulary; `options` as
+    `RuntimeSpec.for_tests` takes them (EngineConfig keywords, `world`, `dtype`, `eos_token_ids`, ...)."""
+    return RuntimeSpec.for_tests(PRESETS["tiny"].replace(vocab_size=VOCAB), **options)
 
 
 def next_token(history: list[int]) -> int:

@@ -20,11 +20,19 @@ def test_plan_gives_each_rank_its_own_cores(monkeypatch) -> None:
 
 
 def test_plan_can_be_turned_off_and_rejects_an_unknown_mode(monkeypatch) -> None:
+    from splash.config import EngineConfig
+
+    def mode() -> str:  # the engine's cpu_bind, SPLASH_CPU_BIND read into it when a config is made
+        return EngineConfig.from_kwargs().cpu_bind
+
     monkeypatch.setenv(affinity.ENV, "off")
-    assert affinity.plan(2, 1, range(2)) is None
+    assert affinity.plan(2, 1, range(2), mode()) is None
+    assert affinity.plan(2, 1, range(2), "off") is None  # (--cpu-bind off)
     monkeypatch.setenv(affinity.ENV, "sideways")
     with pytest.raises(ValueError, match="SPLASH_CPU_BIND"):
-        affinity.plan(2, 1, range(2))
+        affinity.plan(2, 1, range(2), mode())
+    with pytest.raises(ValueError, match="SPLASH_CPU_BIND"):
+        affinity.plan(2, 1, range(2), "sideways")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,

@@ -17,19 +17,16 @@ import asyncio
 
 import pytest
 import torch
-from engine_fakes import VOCAB, PagedFakeRunner, next_token
+from engine_fakes import PagedFakeRunner, fake_spec, next_token
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from splash.core.presets import PRESETS
 from splash.engine.llm_engine import LLMEngine, StepFailed
 from splash.engine.sampling import SamplingParams
-from splash.engine.scheduler import SchedulerConfig
 from splash.engine.weights import WeightOp
 from splash.kv.allocator import KVAllocator
 from splash.kv.books import BooksError, Holder, book_errors
-from splash.switch.controller import SwitchController
 
 P = 4
 
@@ -142,6 +139,10 @@ class FakeRL(LLMEngine):
     """The engine with its ranks' side of weight operations played by the paged fake: an update bumps the
     fake's weight version, a KV release wipes its pool (what the ranks do to their tensors)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rl._run = self._run  # (the RL part sends its operations to the fake ranks)
+
     def _run(self, op: WeightOp) -> None:
         if op.kind in ("disk", "tensors", "dist"):
             self.runner.version += 1
@@ -150,22 +151,21 @@ class FakeRL(LLMEngine):
 
     def update_weights(self) -> None:
         """What update_weights_from_* do once the ranks agreed (the checks of names are the model's)."""
-        self._check_weights_live()
+        self.rl._check_weights_live()
         self._run(WeightOp("tensors"))
-        self._after_update(None)
+        self.rl._after_update(None)
 
 
 def fake_engine(world: int, pages: int = 20, max_num_seqs: int = 6, budget: int = 12,
                 weight_pages: int = 0) -> FakeRL:
     alloc = KVAllocator(pages, P, world=world, layout="tp")
     alloc.enable_prefix_cache()
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64)
-    eng = FakeRL(PagedFakeRunner(world, P), alloc, cfg, eos_token_ids=[], vocab_size=VOCAB)
+    spec = fake_spec(world=world, layout="tp", dtype=torch.float64, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget, max_model_len=64, page_size=P)
+    # (T > 1: the engine builds its switch controller, the replicas' pages withheld as given)
+    eng = FakeRL(spec, PagedFakeRunner(world, P), alloc, weight_pages=[weight_pages] * world)
     eng.check_books = True
     eng.memory_saver = True
-    if world > 1:
-        eng.switcher = SwitchController(eng, PRESETS["tiny"], torch.float64,
-                                        weight_pages=[weight_pages] * world)
     return eng
 
 
@@ -255,7 +255,7 @@ class Books(RuleBasedStateMachine):
     def abort_all(self) -> None:
         self._check(self.eng.abort_all())
 
-    @precondition(lambda self: "weights" not in self.eng._released)
+    @precondition(lambda self: "weights" not in self.eng.rl._released)
     @rule()
     def update_weights(self) -> None:
         self.eng.update_weights()
@@ -273,17 +273,17 @@ class Books(RuleBasedStateMachine):
     def pause(self, mode: str) -> None:
         self._check(self.eng.pause_generation(mode))
 
-    @precondition(lambda self: "paused" in self.eng._held)
+    @precondition(lambda self: "paused" in self.eng.rl._held)
     @rule()
     def resume(self) -> None:
         self.eng.continue_generation()
 
-    @precondition(lambda self: not self.eng._released)
+    @precondition(lambda self: not self.eng.rl._released)
     @rule()
     def release_kv(self) -> None:
         self.eng.release_memory_occupation(["kv_cache"])
 
-    @precondition(lambda self: self.eng._released)
+    @precondition(lambda self: self.eng.rl._released)
     @rule()
     def resume_kv(self) -> None:
         self.eng.resume_memory_occupation(["kv_cache"])
@@ -304,7 +304,7 @@ class Books(RuleBasedStateMachine):
             return
         eng = self.eng
         eng.continue_generation()
-        if eng._released:
+        if eng.rl._released:
             eng.resume_memory_occupation()
         for _ in range(200):  # everything still queued finishes, right
             if not eng.has_unfinished():

@@ -68,8 +68,7 @@ def _comm_ops(grid) -> dict:
 @pytest.mark.parametrize("plane", ["shm", "gloo"])
 def test_comm_ops_on_three_ranks(plane: str, monkeypatch) -> None:
     """The same ops and byte counts through the shared-memory data plane (the CPU default) and gloo."""
-    monkeypatch.setenv(shm.ENV, plane)  # spawned ranks inherit it
-    res = run_ranks(W, _comm_ops, timeout=120)
+    res = run_ranks(W, _comm_ops, timeout=120, cpu_comm=plane)  # (--cpu-comm, SPLASH_COMM)
     sizes = [2, 0, 3]
     gathered = torch.cat([_rows(j, sizes[j]) for j in range(W)])
     for r, out in enumerate(res):

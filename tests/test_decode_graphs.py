@@ -1,5 +1,5 @@
 """The CUDA-only parts of the decode step, checked on CPU where their logic allows it (the GPU itself is
-checked by tests/cuda_check.sh): the attention-kernel choice (splash/attention/paged.py), the MoE's
+checked by tests/cuda_check.sh): the attention-kernel choice (splash/attention/kernels.py), the MoE's
 sync-free dense form (MoE._dense, what CUDA decode steps and graphs run), and the padded static-buffer
 forward the CUDA graphs capture (splash/worker/cuda_graph.py with capture=False: the same buffers,
 padding and context, run eagerly), which must give transformers' greedy tokens in float64 and the plain
@@ -14,27 +14,33 @@ from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 from test_engine_dist import ENGINE, NEW, PROMPTS, run
 from test_fast_paths import TINY, _moe
 
-from splash.attention import native, paged
+from splash.attention import native
+from splash.attention.kernels import Kernels
 from splash.config import EngineConfig, KernelConfig
 from splash.engine.build import build_engine
 from splash.worker import cuda_graph
+
+
+def _kernels() -> Kernels:
+    """A rank's kernels as an engine made now builds them (SPLASH_ATTN_KERNEL read into its config)."""
+    return Kernels(EngineConfig.from_kwargs(enforce_eager=False).kernels)
 
 
 def test_kernel_choice(monkeypatch) -> None:
     q = torch.zeros(1, 1, 1, dtype=torch.float64)
     monkeypatch.delenv("SPLASH_ATTN_KERNEL", raising=False)
     want = "native" if native.library() is not None else "torch"
-    assert paged.kernel_for(q) == want and paged.supports(q) == (want == "native")
-    assert paged.kernel_for(q.to(torch.float16)) == "torch"  # the C kernel has no fp16
+    assert _kernels().kernel_for(q) == want and _kernels().supports(q) == (want == "native")
+    assert _kernels().kernel_for(q.to(torch.float16)) == "torch"  # the C kernel has no fp16
     monkeypatch.setenv("SPLASH_ATTN_KERNEL", "torch")
-    assert paged.kernel_for(q) == "torch" and not paged.supports(q)
+    assert _kernels().kernel_for(q) == "torch" and not _kernels().supports(q)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (tests/test_triton_mla.py sets it)
     monkeypatch.setenv("SPLASH_ATTN_KERNEL", "triton")  # not on a CPU tensor, outside the interpreter
-    assert paged.kernel_for(q) == "torch"
+    assert _kernels().kernel_for(q) == "torch"
     monkeypatch.delenv("SPLASH_ATTN_KERNEL")
     assert cuda_graph.enabled(KernelConfig())
     eager = EngineConfig(enforce_eager=True).kernels  # --enforce-eager: no fast kernel, no CUDA graph
-    assert paged.kernel_for(q, eager.enforce_eager) == "torch" and not cuda_graph.enabled(eager)
+    assert Kernels(eager).kernel_for(q) == "torch" and not cuda_graph.enabled(eager)
     assert not cuda_graph.enabled(EngineConfig(cuda_graphs=False).kernels)  # --disable-cuda-graph
     # the environment overrides (tests, benchmarks) set the same fields
     for var in ("SPLASH_NATIVE", "SPLASH_CUDA_GRAPHS", "SPLASH_CUDA_GRAPH_SIZES", "SPLASH_ATTN_FORM"):
@@ -87,7 +93,7 @@ def test_padded_static_decode_forward(v3) -> None:
     eng = build_engine(model=path, num_kv_pages=64, **ENGINE)
     runner = eng.runner
     assert runner.graphs is None  # CPU: never graphs
-    graphs = runner.graphs = cuda_graph.DecodeGraphs(runner.model, runner.pool, runner.layout,
+    graphs = runner.graphs = cuda_graph.DecodeGraphs(runner.model, runner.pool, runner.kernels,
                                                      sizes=(1, 4, 8), capture=False)
     fills = []
     real_fill = graphs._fill

@@ -21,6 +21,8 @@ import torch
 
 from splash.attention import native, sparse
 from splash.attention.cp import CPLayout
+from splash.attention.kernels import Kernels
+from splash.config import KernelConfig
 from splash.kv.pool import KVPool
 from splash.model.context import SliceCtx
 from splash.model.indexer import IndexRows
@@ -52,16 +54,19 @@ def _candidates(kernel: str, monkeypatch, kv: KVPool, table: torch.Tensor, start
                 rows: IndexRows, k: int, row_start: int = 0):
     """local_candidates for one slice (rows [row_start, row_start + num_new) at positions from `start`)
     through `kernel` ("native" | "torch")."""
-    with monkeypatch.context() as m:
-        m.setenv("SPLASH_ATTN_KERNEL", kernel)
-        s = SliceCtx(0, start, num_new, 0, False, row_start, pages=table, page_size=kv.page_size)
-        N = rows.q.shape[0]
-        positions = torch.zeros(N, dtype=torch.long)
-        positions[row_start:row_start + num_new] = torch.arange(start, start + num_new)
-        ctx = SimpleNamespace(kv=kv, positions=positions)
-        q_rows = torch.arange(row_start, row_start + num_new)
-        assert sparse.index_kernel(rows.q, kv.store_flat("index_k", 0)) == kernel
-        return sparse.local_candidates(0, s, rows, q_rows, ctx, k)
+    s = SliceCtx(0, start, num_new, 0, False, row_start, pages=table, page_size=kv.page_size)
+    N = rows.q.shape[0]
+    positions = torch.zeros(N, dtype=torch.long)
+    positions[row_start:row_start + num_new] = torch.arange(start, start + num_new)
+    ctx = SimpleNamespace(kv=kv, positions=positions, sparse=_pinned(kernel))
+    q_rows = torch.arange(row_start, row_start + num_new)
+    assert ctx.sparse.kernels.index_kernel(rows.q, kv.store_flat("index_k", 0)) == kernel
+    return sparse.local_candidates(0, s, rows, q_rows, ctx, k)
+
+
+def _pinned(kernel: str) -> SimpleNamespace:
+    """A step's sparse state whose kernels are pinned to `kernel` (--attention-kernel, SPLASH_ATTN_KERNEL)."""
+    return SimpleNamespace(kernels=Kernels(KernelConfig(attention_kernel=kernel)))
 
 
 def _by_position(sc: torch.Tensor, ps: torch.Tensor, sl: torch.Tensor):
@@ -221,10 +226,8 @@ def test_many_tables_rows_threads_and_waves(monkeypatch, dt):
         t = tables[row_seq[r]]
         i = int(order[r])
         s = SliceCtx(0, int(positions[i]), 1, 0, False, i, pages=t, page_size=P)
-        ctx = SimpleNamespace(kv=kv, positions=positions)
-        with monkeypatch.context() as m:
-            m.setenv("SPLASH_ATTN_KERNEL", "torch")
-            want = sparse.local_candidates(0, s, rows, torch.tensor([i]), ctx, k)
+        ctx = SimpleNamespace(kv=kv, positions=positions, sparse=_pinned("torch"))
+        want = sparse.local_candidates(0, s, rows, torch.tensor([i]), ctx, k)
         skip = set() if sdt == torch.float64 else _near_ties(kv, t, rows, torch.tensor([i]),
                                                               positions[i:i + 1], k)
         if not skip:
@@ -280,49 +283,52 @@ def test_cp_merge_of_native_candidates_is_the_one_rank_selection(monkeypatch, ke
     rows.w.abs_()
     positions = torch.arange(start, start + n)
     one = _pool(P, npg, d, torch.float64, keys=keys[None])
-    with monkeypatch.context() as m:
-        m.setenv("SPLASH_ATTN_KERNEL", kernel)
-        s = SliceCtx(0, start, n, 0, False, 0, pages=torch.arange(npg), page_size=P)
-        whole = SimpleNamespace(kv=one, positions=positions)
-        ref = sparse.local_candidates(0, s, rows, torch.arange(n), whole, k)[1]
-        assert bool((ref[:, -1] >= 0).all())  # every row sees more than k keys
-        ctxs = []
-        for r in range(T):
-            mine = [j for j in range(npg) if j % T == r]
-            kv = _pool(P, len(mine) + 1, d, torch.float64)
-            table = torch.full((npg,), -1, dtype=torch.long)
-            for local, j in enumerate(mine):
-                table[j] = local + 1  # local ids shifted: slots differ from positions
-                kv.extra["index_k"][0, local + 1] = keys[j]
-            sl = SliceCtx(0, start, n, 0, False, 0, pages=table, page_size=P)
-            ctxs.append(SimpleNamespace(kv=kv, positions=positions, seqs=[sl], world=T, page_size=P,
-                                        page_table=table[None], table=table))
-        cands = [sparse.local_candidates(0, c.seqs[0], rows, torch.arange(n), c, k) for c in ctxs]
-        sp = SimpleNamespace(rows=rows, k=k)
-        for r, c in enumerate(ctxs):
-            c.comm = _Gathered([[x[0] for x in cands], [x[1] for x in cands]], r)
-            got = CPLayout().select(0, None, c, sp)
-            for i in range(n):
-                want = {int(c.table[p // P]) * P + p % P for p in ref[i].tolist() if c.table[p // P] >= 0}
-                assert {v for v in got[i].tolist() if v >= 0} == want
+    s = SliceCtx(0, start, n, 0, False, 0, pages=torch.arange(npg), page_size=P)
+    whole = SimpleNamespace(kv=one, positions=positions, sparse=_pinned(kernel))
+    ref = sparse.local_candidates(0, s, rows, torch.arange(n), whole, k)[1]
+    assert bool((ref[:, -1] >= 0).all())  # every row sees more than k keys
+    ctxs = []
+    for r in range(T):
+        mine = [j for j in range(npg) if j % T == r]
+        kv = _pool(P, len(mine) + 1, d, torch.float64)
+        table = torch.full((npg,), -1, dtype=torch.long)
+        for local, j in enumerate(mine):
+            table[j] = local + 1  # local ids shifted: slots differ from positions
+            kv.extra["index_k"][0, local + 1] = keys[j]
+        sl = SliceCtx(0, start, n, 0, False, 0, pages=table, page_size=P)
+        ctxs.append(SimpleNamespace(kv=kv, positions=positions, seqs=[sl], world=T, page_size=P,
+                                    page_table=table[None], table=table, sparse=_pinned(kernel)))
+    cands = [sparse.local_candidates(0, c.seqs[0], rows, torch.arange(n), c, k) for c in ctxs]
+    sp = SimpleNamespace(rows=rows, k=k)
+    for r, c in enumerate(ctxs):
+        c.comm = _Gathered([[x[0] for x in cands], [x[1] for x in cands]], r)
+        got = CPLayout().select(0, None, c, sp)
+        for i in range(n):
+            want = {int(c.table[p // P]) * P + p % P for p in ref[i].tolist() if c.table[p // P] >= 0}
+            assert {v for v in got[i].tolist() if v >= 0} == want
 
 
 def test_switches_keep_the_torch_path(monkeypatch):
     q = torch.zeros(1, 1, 8)
     keys = torch.zeros(4, 8)
+    def index_kernel(q, keys, **kw):  # as a rank's kernels choose (the environment read into its config)
+        return Kernels(EngineConfig.from_kwargs(**kw).kernels).index_kernel(q, keys)
+
+    from splash.config import EngineConfig
+
     monkeypatch.delenv("SPLASH_ATTN_KERNEL", raising=False)
     monkeypatch.setenv("SPLASH_NATIVE", "1")
-    assert sparse.index_kernel(q, keys) == "native"
-    assert sparse.index_kernel(q.double(), keys.double()) == "native"
-    assert sparse.index_kernel(q, keys.bfloat16()) == "native"
-    assert sparse.index_kernel(q.double(), keys) == "torch"  # no kernel for that pair
-    assert sparse.index_kernel(q.to("meta"), keys.to("meta")) == "torch"  # not CPU
+    assert index_kernel(q, keys) == "native"
+    assert index_kernel(q.double(), keys.double()) == "native"
+    assert index_kernel(q, keys.bfloat16()) == "native"
+    assert index_kernel(q.double(), keys) == "torch"  # no kernel for that pair
+    assert index_kernel(q.to("meta"), keys.to("meta")) == "torch"  # not CPU
     pins = (("SPLASH_ATTN_KERNEL", "torch"), ("SPLASH_ATTN_KERNEL", "triton"))
     for var, val in pins:
         with monkeypatch.context() as m:
             m.setenv(var, val)
-            assert sparse.index_kernel(q, keys) == "torch"
-    assert sparse.index_kernel(q, keys, eager=True) == "torch"  # --enforce-eager
+            assert index_kernel(q, keys) == "torch"
+    assert index_kernel(q, keys, enforce_eager=True) == "torch"  # --enforce-eager
 
 
 def test_each_source_gets_its_own_cached_library():

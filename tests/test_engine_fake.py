@@ -4,23 +4,21 @@ failures; pages always come back."""
 import asyncio
 
 import pytest
-from engine_fakes import EOS, VOCAB, ByteTok, FakeRunner, next_token
+from engine_fakes import EOS, VOCAB, ByteTok, FakeRunner, fake_spec, next_token
 
 from splash.engine.async_engine import AsyncEngine, EngineError
 from splash.engine.llm_engine import LLMEngine
 from splash.engine.outputs import RequestOutput
 from splash.engine.sampling import SamplingParams
-from splash.engine.scheduler import SchedulerConfig
 from splash.kv.allocator import KVAllocator
 
 
 def make_engine(pages=256, page_size=4, max_num_seqs=8, budget=16, max_model_len=512, rule=next_token,
                 fail_at_step=None):
     alloc = KVAllocator(pages, page_size)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                          max_model_len=max_model_len)
-    return LLMEngine(FakeRunner(rule, fail_at_step), alloc, cfg, tokenizer=ByteTok(), eos_token_ids=[EOS],
-                     vocab_size=VOCAB)
+    spec = fake_spec(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                     page_size=page_size, eos_token_ids=(EOS,))
+    return LLMEngine(spec, FakeRunner(rule, fail_at_step), alloc, tokenizer=ByteTok())
 
 
 def run_all(eng):

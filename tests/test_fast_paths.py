@@ -159,10 +159,11 @@ def test_batched_groups_equal_the_per_slice_kernel(kind: str, rank: int, path: s
     # path "native": the C kernel over the paged cache (attention/native.py) instead of the groups; it
     # must read no slot that is not a key (they are NaN here).
     from splash.attention import native
+    from splash.attention.kernels import Kernels
     from splash.config import KernelConfig
 
     # the absorbed kernels' groups (MHA: test_layouts_dist); the torch path: --enforce-eager
-    kernels = KernelConfig(attention_form="absorbed", enforce_eager=path != "native")
+    kernels = Kernels(KernelConfig(attention_form="absorbed", enforce_eager=path != "native"))
     calls = []
     if path == "native":
         if native.library() is None:
@@ -238,7 +239,7 @@ def test_fused_projections_equal_separate_ones() -> None:
 def test_enforce_eager_turns_the_native_kernel_off(monkeypatch) -> None:
     """`--enforce-eager` / LLM(enforce_eager=True) mean plain torch ops, here and in spawned ranks (the
     config every rank builds from carries it; no process global)."""
-    from splash.attention import paged
+    from splash.attention.kernels import Kernels
     from splash.attention.registry import make_layout
     from splash.commands.generate import add_engine_args, engine_config
 
@@ -249,5 +250,5 @@ def test_enforce_eager_turns_the_native_kernel_off(monkeypatch) -> None:
     assert engine_config(p.parse_args([])).enforce_eager is False
     eager = engine_config(p.parse_args(["--enforce-eager"])).kernels
     q = torch.zeros(1, 1, 1)
-    assert paged.kernel_for(q, make_layout("tp", eager).kernels.enforce_eager) == "torch"
-    assert not paged.supports(q, eager=True)
+    assert make_layout("tp", Kernels(eager)).kernels.kernel_for(q) == "torch"
+    assert not Kernels(eager).supports(q)

@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splash.attention import native, sparse
 from splash.attention.kernel import attend
-from splash.config import EngineConfig
+from splash.attention.kernels import Kernels
+from splash.config import EngineConfig, KernelConfig
 from splash.core.model_config import ConfigError
 from splash.core.presets import PRESETS
 from splash.core.sizes import kv_bytes_per_token, kv_bytes_per_token_layer
@@ -141,9 +142,8 @@ def test_kernels_dequantise_fp8_rows_in_their_loops(fmt, dtype):
         assert (lse[r:r + 1].double() - ls.double()).abs().max() < tol
     sel = torch.tensor([[0, 5, 17, -1], [40, 3, 2, 1], [-1, -1, -1, 44]])
     got, _ = sparse.attend_selected(ql, qp, pool, 0, sel, 0.1)
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv("SPLASH_ATTN_KERNEL", "torch")
-        want, _ = sparse.attend_selected(ql, qp, pool, 0, sel, 0.1)
+    torch_only = Kernels(KernelConfig(attention_kernel="torch"))  # (SPLASH_ATTN_KERNEL=torch)
+    want, _ = sparse.attend_selected(ql, qp, pool, 0, sel, 0.1, kernels=torch_only)
     assert (got.double() - want.double()).abs().max() < tol
     assert pool.kernel_format(0) is not None  # every case here ran in the kernel, not the torch path
     if dtype == torch.bfloat16 or fmt == "bfloat16":

@@ -30,7 +30,9 @@ def faults_of_fresh_block(nbytes):
     del t
     return r1 - r0
 
-tuned = host_malloc.tune() and host_malloc.tune()
+from splash.config import EngineConfig
+on = EngineConfig.from_kwargs().malloc_tune  # (SPLASH_MALLOC_TUNE, as an engine's config reads it)
+tuned = host_malloc.tune(on) and host_malloc.tune(on)
 faults = faults_of_fresh_block(16 << 20)
 before = rss_mib()
 host_malloc.give_back()

@@ -18,7 +18,7 @@ from splash.core.layouts import (
     round_robin_owners,
     state_placement,
 )
-from splash.core.manifest import Request, state_transfer_requests, switch_layer_bytes, switch_manifest
+from splash.core.manifest import Request, switch_manifest
 from splash.core.model_config import ModelConfig
 from splash.core.presets import PRESETS
 from splash.core.sizes import AttentionSizes, kv_bytes_per_token
@@ -31,6 +31,7 @@ from splash.core.stores import (
     token_stores,
 )
 from splash.core.switch_time import layer_transfer_times
+from splash.core.transfer import state_transfer_requests, switch_layer_bytes
 
 HYBRIDS = ("tiny-hybrid", "small-hybrid", "kimi-linear", "glm-5.3-flash")
 TINY = PRESETS["tiny-hybrid"]

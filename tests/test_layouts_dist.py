@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
+from splash.attention.kernels import Kernels
 from splash.attention.registry import NAMES, make_layout
 from splash.config import KernelConfig
 from splash.core.costmodel import eq4_bytes
@@ -156,7 +157,7 @@ def _run_form(comm, rank: int, world: int, names, form: str) -> dict:
     for ci, (cname, case) in enumerate(cases(world).items()):
         q_in, latent_new, hist = inputs(case, seed=10 + ci)
         for li, name in enumerate(names):
-            layout = make_layout(name, KernelConfig(attention_form=form))
+            layout = make_layout(name, Kernels(KernelConfig(attention_form=form)))
             seqs, pool = build_plan(case, hist, layout.kv_ownership, world, rank, seed=77 + ci)
             before = pool.data.clone()
             ctx = build_context(seqs, kv=pool, layout=layout, comm=comm, rank=rank, world=world,
@@ -207,7 +208,7 @@ def test_mha_form_in_bf16_is_as_close_as_the_absorbed_form() -> None:
     bf = full_mla().to(torch.bfloat16)
     err = {}
     for form in ("absorbed", "mha"):
-        layout = make_layout("local", KernelConfig(attention_form=form))
+        layout = make_layout("local", Kernels(KernelConfig(attention_form=form)))
         seqs, pool = build_plan(case, hist, "replicated", 1, 0, seed=5)
         pool.data, pool.dtype = pool.data.bfloat16(), torch.bfloat16
         ctx = build_context(seqs, kv=pool, layout=layout, comm=LocalCommunicator(), page_size=P)

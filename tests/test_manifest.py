@@ -11,13 +11,13 @@ from splash.core.manifest import (
     ALL_TO_ALL,
     DISCARD,
     KVPages,
-    kv_transfer_tokens,
     switch_manifest,
     weights_report,
 )
 from splash.core.model_config import ConfigError
 from splash.core.presets import PRESETS
 from splash.core.sizes import MIB, AttentionSizes
+from splash.core.transfer import kv_transfer_tokens
 
 L = Layout
 

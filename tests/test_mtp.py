@@ -56,9 +56,10 @@ def serve(eng, prompts, params, abort=None) -> tuple[dict, list]:
     def record(st):
         inner(st)
         for seq in st.seqs:
-            if seq.next_draft:
+            d = drafter.drafts.get(seq)
+            if d:
                 chains.append((int(seq.group.request_id), seq.num_computed,
-                               seq.token_slice(0, seq.num_tokens), list(seq.next_draft)))
+                               seq.token_slice(0, seq.num_tokens), list(d)))
 
     drafter.after_step = record
     return serve_requests(eng, prompts, params, abort), chains

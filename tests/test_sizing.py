@@ -8,6 +8,7 @@ import torch
 from splash.core.model_config import ConfigError
 from splash.core.presets import PRESETS
 from splash.kv.pool import KVPool
+from splash.runtime_spec import RuntimeSpec
 from splash.worker import sizing
 
 CFG = PRESETS["tiny"]
@@ -16,8 +17,10 @@ PER_PAGE = KVPool.bytes_per_page(CFG, 16, torch.float32)
 
 def pages(memory_per_rank=None, num_kv_pages=None, max_num_seqs=64, max_model_len=4096, device="cpu",
           keep_free=0) -> int:
-    return sizing.kv_pages(CFG, torch.float32, 16, 0, 0, memory_per_rank, num_kv_pages, max_num_seqs,
-                           max_model_len, torch.device(device), keep_free=keep_free)
+    spec = RuntimeSpec.for_tests(CFG, dtype=torch.float32, page_size=16, memory_per_rank=memory_per_rank,
+                                 num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs,
+                                 max_model_len=max_model_len)
+    return sizing.kv_pages(spec, torch.device(device), 0, 0, keep_free=keep_free)
 
 
 @pytest.mark.parametrize("keep_free", [0, 10 * PER_PAGE + 7])

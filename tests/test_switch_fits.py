@@ -14,13 +14,20 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from splash.core.presets import PRESETS
 from splash.kv.allocator import KVAllocator, OutOfPages
+from splash.runtime_spec import RuntimeSpec
 from splash.switch.controller import SwitchController
 from splash.switch.plan import SwitchRefusal
 
 LAYOUTS = ("tp", "dp", "cp", "dop")
+
+
+def spec_for(world: int, layout: str) -> RuntimeSpec:
+    """The `tiny` shape in float32 on `world` ranks starting in `layout` (a fixed layout: no policy)."""
+    return RuntimeSpec.for_tests(PRESETS["tiny"], dtype=torch.float32, world=world, layout=layout)
 
 
 def live_batch(rng: random.Random, alloc: KVAllocator, src: str) -> tuple[list[SimpleNamespace], dict]:
@@ -56,7 +63,7 @@ def test_fits_agrees_with_the_planner(seed):
         engine = SimpleNamespace(allocator=alloc, scheduler=SimpleNamespace(
             running=[], waiting=[], cfg=SimpleNamespace(max_model_len=4096)))
         withheld = rng.choice([0, 0, rng.randint(1, 6)])  # replica pages per rank under a budget
-        ctl = SwitchController(engine, PRESETS["tiny"], "float32", weight_pages=[withheld] * T)
+        ctl = SwitchController(engine, spec_for(T, src), weight_pages=[withheld] * T)
         live, rows = live_batch(rng, alloc, src)
         if not live:
             continue
@@ -92,7 +99,7 @@ def test_owners_refusal_names_the_pages_left():
     alloc = KVAllocator(4, 1, world=2, layout="cp")
     engine = SimpleNamespace(allocator=alloc, scheduler=SimpleNamespace(
         running=[], waiting=[], cfg=SimpleNamespace(max_model_len=64)))
-    ctl = SwitchController(engine, PRESETS["tiny"], "float32")
+    ctl = SwitchController(engine, spec_for(2, "cp"))
     live = []
     for i in range(3):
         table = alloc.empty_table()
@@ -115,7 +122,7 @@ def test_stranded_counts_queued_requests_and_only_lost_reach():
                                    params=SimpleNamespace(max_tokens=5), prompt_token_ids=[0] * (need - 5))]
         engine = SimpleNamespace(allocator=alloc, scheduler=SimpleNamespace(
             running=[], waiting=waiting, cfg=SimpleNamespace(max_model_len=4096)))
-        return SwitchController(engine, PRESETS["tiny"], "float32")
+        return SwitchController(engine, spec_for(2, layout))
 
     ctl = ctl_for("cp", 60)
     for dst in ("tp", "dp", "dop"):

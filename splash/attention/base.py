@@ -18,11 +18,11 @@ from typing import ClassVar
 
 import torch
 
-from splash.attention import mha, paged, sparse
+from splash.attention import mha, sparse
 from splash.attention.batched import BatchCache
 from splash.attention.kernel import acc_dtype, attend
+from splash.attention.kernels import Kernels, RowCache
 from splash.attention.rows import OwnerRows, check_heads
-from splash.config import KernelConfig
 from splash.core.layouts import Layout, Ownership, StatePlacement
 from splash.model.context import ForwardContext, SliceCtx
 from splash.model.kda import KDA
@@ -34,8 +34,10 @@ class AttentionLayout(ABC):
     core: ClassVar[Layout | None]  # the core's layout this class runs; None: the one-rank layout (T = 1)
     batch_slices: ClassVar[bool] = True  # attend the step's slices in batched groups (False: one by one)
 
-    def __init__(self, kernels: KernelConfig | None = None) -> None:
-        self.kernels = kernels or KernelConfig()  # how this rank attends (forms, eager), from EngineConfig
+    def __init__(self, kernels: Kernels | None = None) -> None:
+        # how this rank attends (forms, eager, the kernels and their state): the rank's one Kernels object,
+        # built from the engine's KernelConfig (a layout built alone gets its own, with the defaults)
+        self.kernels = kernels if kernels is not None else Kernels()
 
     @property
     def shards_projections(self) -> bool:
@@ -83,7 +85,7 @@ class AttentionLayout(ABC):
 
     def sparse_step(self, topk: int, ctx: ForwardContext) -> sparse.SparseStep:
         """A DSA model's step state: index rows and top-k selections (splash/attention/sparse.py)."""
-        return sparse.SparseStep(topk, ctx, self.kernels.enforce_eager)
+        return sparse.SparseStep(topk, ctx, self.kernels)
 
     # Helpers every layout uses -----------------------------------------------------------------------
     @staticmethod
@@ -108,16 +110,16 @@ class AttentionLayout(ABC):
         sp = ctx.sparse
         if sp is not None and sp.active:
             slots = sp.selection(self, layer_idx, idx, key, ctx)
-            return sparse.attend_selected(q_lat, q_pe, ctx.kv, layer_idx, slots, scale, lse,
-                                          self.kernels.enforce_eager)
-        kernel = paged.kernel_for(q_lat, self.kernels.enforce_eager) if self.batch_slices else "torch"
+            return sparse.attend_selected(q_lat, q_pe, ctx.kv, layer_idx, slots, scale, lse, self.kernels)
+        kernels = self.kernels
+        kernel = kernels.kernel_for(q_lat) if self.batch_slices else "torch"
         if kernel != "torch" and ctx.page_table is not None and ctx.kv is not None:
             cache = self.__dict__.get("_native")
             if cache is None:
-                cache = self.__dict__["_native"] = paged.RowCache()
+                cache = self.__dict__["_native"] = RowCache(kernels)
             row_seq, row_pos = cache.get_on(ctx, key, idx, q_lat.device)
-            got = paged.attention(kernel, q_lat, q_pe, ctx.kv.layer(layer_idx), ctx.page_table, row_seq,
-                                  row_pos, scale, lse, ctx.kv.kernel_format(layer_idx))
+            got = kernels.attention(kernel, q_lat, q_pe, ctx.kv.layer(layer_idx), ctx.page_table, row_seq,
+                                    row_pos, scale, lse, ctx.kv.kernel_format(layer_idx))
             if got is not None:
                 return got
         if self.batch_slices:
@@ -158,7 +160,7 @@ class AttentionLayout(ABC):
         cache = self.__dict__.get("_forms")
         if cache is None:
             cache = self.__dict__["_forms"] = mha.FormCache()
-        return cache.get(ctx, key, idx, mla, key_share, self.kernels.attention_form)
+        return cache.get(ctx, key, idx, mla, key_share, self.kernels.config.attention_form)
 
     def attend_v(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, positions: torch.Tensor,
                  split: mha.FormSplit, key: str, ctx: ForwardContext, lse: bool = False,

@@ -36,7 +36,7 @@ class _Group:
         dev = ctx.positions.device
         members = [seqs[k] for k in idx]
         self.size, self.q_len = len(members), members[0].num_new
-        P = members[0].page_size  # the slices' own (a hand-built context may leave ctx.page_size default)
+        P = ctx.page_size
         width = -(-max(s.end for s in members) // P)
         table = ctx.page_table
         if table is None:  # a context built by hand: tables from the plan's lists

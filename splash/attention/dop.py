@@ -25,9 +25,9 @@ import torch
 
 from splash.attention import mha
 from splash.attention.base import AttentionLayout
+from splash.attention.kernels import Kernels
 from splash.attention.mha import FormSplit
 from splash.attention.rows import OwnerRows, OwnerRowsCache, check_heads
-from splash.config import KernelConfig
 from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
@@ -37,7 +37,7 @@ class DOPLayout(AttentionLayout):
     name = "dop"
     core = Layout.DOP
 
-    def __init__(self, kernels: KernelConfig | None = None) -> None:
+    def __init__(self, kernels: Kernels | None = None) -> None:
         super().__init__(kernels)
         self._own = OwnerRowsCache()
         self._own_abs = OwnerRowsCache()

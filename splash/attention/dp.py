@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from splash.attention.base import AttentionLayout
+from splash.attention.kernels import Kernels
 from splash.attention.rows import OwnerRows, OwnerRowsCache, check_heads
-from splash.config import KernelConfig
 from splash.core.layouts import Layout
 from splash.model.context import ForwardContext
 from splash.model.mla import MLA
@@ -27,7 +27,7 @@ class DPLayout(AttentionLayout):
     name = "dp"
     core = Layout.DP
 
-    def __init__(self, kernels: KernelConfig | None = None) -> None:
+    def __init__(self, kernels: Kernels | None = None) -> None:
         super().__init__(kernels)
         self._own = OwnerRowsCache()
 

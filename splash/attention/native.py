@@ -7,7 +7,7 @@ row sees, where the torch path gathers whole pages, pads groups to their longest
 (the three cost more than the attention arithmetic on CPU); likewise the index top-k scores the keys
 where they lie and selects in O(keys) instead of gathering them and sorting every score. Each library is
 compiled on first use (about a second) into the splash cache folder, keyed by its source, the flags and
-the CPU, and shared by every process; `SPLASH_NATIVE=0` (or `--enforce-eager`) keeps the torch path. A
+the CPU, and shared by every process; `--enforce-eager` (`SPLASH_NATIVE=0`) keeps the torch path. A
 machine without a C compiler gets the torch path too, with one warning. CUDA never uses this file.
 """
 
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from splash import env
 from splash.kv.codec import index_row, kv_row
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def _cpu_tag() -> str:
 
 
 def _build(target: str, src: str = _SRC) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = env.text("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -270,7 +271,7 @@ class RowCache:
                                        dtype=torch.long)
             # the C kernel trusts these: a row past its table would read outside it
             table = ctx.page_table
-            P = ctx.kv.page_size if ctx.kv is not None else ctx.page_size
+            P = ctx.page_size  # (the context builder's, from the pool: one holder)
             if table is None or (row_seq.numel() and (int(row_pos.max()) >= table.shape[1] * P
                                                       or int(row_seq.max()) >= table.shape[0])):
                 raise ValueError("step context: a row's position lies beyond its page table")

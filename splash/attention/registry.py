@@ -23,9 +23,9 @@ from splash.attention.base import AttentionLayout
 from splash.attention.cp import CPLayout
 from splash.attention.dop import DOPLayout
 from splash.attention.dp import DPLayout
+from splash.attention.kernels import Kernels
 from splash.attention.local import LocalLayout
 from splash.attention.tp import TPLayout
-from splash.config import KernelConfig
 from splash.core.layouts import LAYOUTS, Layout
 
 CLASSES: dict[Layout, type[AttentionLayout]] = {
@@ -49,7 +49,8 @@ def layout_class(name: str) -> type[AttentionLayout]:
     return LAYOUT_CLASSES[key]
 
 
-def make_layout(name: str, kernels: KernelConfig | None = None) -> AttentionLayout:
+def make_layout(name: str, kernels: Kernels | None = None) -> AttentionLayout:
     """A fresh layout instance (each keeps small per-step caches, so one per engine/rank) attending with
-    `kernels` (the engine's KernelConfig; default: auto forms, fast kernels)."""
+    `kernels` (the rank's one `Kernels`, built from the engine's KernelConfig: every layout of a rank,
+    a live switch's too, shares it; default: a Kernels of its own with auto forms, fast kernels)."""
     return layout_class(name)(kernels)

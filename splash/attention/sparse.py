@@ -28,13 +28,13 @@ selection); the torch path (gather, matmuls, a stable sort) is the reference and
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from splash.attention import native, paged
+from splash.attention import native
 from splash.attention.kernel import acc_dtype
+from splash.attention.kernels import Kernels
 
 if TYPE_CHECKING:
     from splash.kv.pool import KVPool
@@ -54,9 +54,9 @@ class Selecting(Protocol):
 class SparseStep:
     """One step of a DSA model on one rank: the running layer's index rows and the selections."""
 
-    def __init__(self, topk: int, ctx: ForwardContext, eager: bool = False) -> None:
+    def __init__(self, topk: int, ctx: ForwardContext, kernels: Kernels | None = None) -> None:
         self.topk = topk
-        self.eager = eager  # --enforce-eager: the torch paths only (the layout's KernelConfig)
+        self.kernels = kernels if kernels is not None else Kernels()  # the layout's (the rank's) kernels
         self.active = ctx.max_end > topk  # some query sees more keys than it may read
         self.k = min(topk, ctx.max_end)  # selected keys per row (padded with -1), the same on every rank
         self.rows: IndexRows | None = None
@@ -125,22 +125,11 @@ def top_keys(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return best, order
 
 
-def _eager(ctx: ForwardContext) -> bool:
-    """--enforce-eager, as the step's SparseStep carries it (a context built by hand has none: off)."""
-    return bool(getattr(getattr(ctx, "sparse", None), "eager", False))
-
-
-def index_kernel(q: torch.Tensor, keys: torch.Tensor, eager: bool = False) -> str:
-    """"native" when the C index top-k (csrc/dsa_index.c) runs queries `q` over the index-key store
-    `keys` (CPU tensors of a dtype pair it was built for, not `eager`), else "torch"; as
-    `paged.kernel_for`, SPLASH_ATTN_KERNEL=torch pins the torch path (and "triton", which has no index
-    kernel, leaves the index to torch too)."""
-    if eager:
-        return "torch"
-    forced = os.environ.get("SPLASH_ATTN_KERNEL") or ""
-    if forced and forced.strip().lower() != "native":
-        return "torch"
-    return "native" if native.dsa_supports(q, keys) else "torch"
+def _kernels(ctx: ForwardContext) -> Kernels:
+    """The kernels the step's SparseStep carries (the layout's); a context built by hand has none: the
+    defaults (`Kernels.index_kernel` chooses the index top-k's kernel)."""
+    sp = getattr(ctx, "sparse", None)
+    return sp.kernels if sp is not None else Kernels()
 
 
 def local_candidates(layer: int, s: SliceCtx, rows: IndexRows, q_rows: torch.Tensor, ctx: ForwardContext,
@@ -151,7 +140,7 @@ def local_candidates(layer: int, s: SliceCtx, rows: IndexRows, q_rows: torch.Ten
     kv = ctx.kv
     if kv is not None:
         store = kv.store_flat("index_k", layer)
-        if index_kernel(rows.q, store, _eager(ctx)) == "native":  # scored in the pool, O(keys)
+        if _kernels(ctx).index_kernel(rows.q, store) == "native":  # scored in the pool, O(keys)
             return native.index_topk(rows.q, rows.w, store, kv.page_size, s.pages, ctx.positions, k,
                                      rows=q_rows)
     slots, pos = s.key_slots()  # held keys, positions ascending
@@ -181,7 +170,7 @@ def subset_candidates(layer: int, idx: list[int] | None, rows: IndexRows, ctx: F
     kv = ctx.kv
     if kv is not None and ctx.page_table is not None and ks:
         store = kv.store_flat("index_k", layer)
-        if index_kernel(rows.q, store, _eager(ctx)) == "native":
+        if _kernels(ctx).index_kernel(rows.q, store) == "native":
             sc, ps, sl = native.index_topk(rows.q, rows.w, store, kv.page_size, ctx.page_table, ctx.positions,
                                            k, rows=q_rows, row_seq=seg)
             return sc, ps, sl, seg
@@ -196,24 +185,26 @@ def subset_candidates(layer: int, idx: list[int] | None, rows: IndexRows, ctx: F
 
 
 def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: KVPool, layer: int, slots: torch.Tensor,
-                    scale: float, lse: bool = False, eager: bool = False
+                    scale: float, lse: bool = False, kernels: Kernels | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed MLA of each row over its selected keys: q_lat [n, h, d_c], q_pe [n, h, d_r], the pool `kv`
     and model layer `layer`, slots [n, k] (-1: none) -> (out [n, h, d_c], lse [n, h] or None). A row
-    with no key here gets out 0 and lse -inf (CP merges it away)."""
+    with no key here gets out 0 and lse -inf (CP merges it away). `kernels`: the layout's (default: the
+    defaults)."""
     flat = kv.flat_layer(layer)
     n, h, d_c = q_lat.shape
-    kernel = paged.kernel_for(q_lat, eager) if n and slots.shape[1] else "torch"
+    kernels = kernels if kernels is not None else Kernels()
+    kernel = kernels.kernel_for(q_lat) if n and slots.shape[1] else "torch"
     if kernel != "torch":
         # The paged kernel (C on CPU, Triton on CUDA) over a table of single-token pages: row r's table
         # is its selected slots (-1 skipped), every entry visible, so it reads exactly the selected keys
         # straight from the pool, with no gather and no mask.
         k, dev = slots.shape[1], q_lat.device
         slots = torch.sort(slots, dim=-1).values  # in pool order: pages are read front to back
-        got = paged.attention(kernel, q_lat, q_pe, flat.view(-1, 1, flat.shape[1]), slots,
-                              torch.arange(n, device=dev),
-                              torch.full((n,), k - 1, dtype=torch.long, device=dev), scale, lse,
-                              kv.kernel_format(layer))
+        got = kernels.attention(kernel, q_lat, q_pe, flat.view(-1, 1, flat.shape[1]), slots,
+                                torch.arange(n, device=dev),
+                                torch.full((n,), k - 1, dtype=torch.long, device=dev), scale, lse,
+                                kv.kernel_format(layer))
         if got is not None:
             return got
     acc = acc_dtype(q_lat.dtype)

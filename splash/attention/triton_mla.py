@@ -4,7 +4,7 @@ The same contract as the CPU kernel (`native.paged_attention`, docs/runtime.md):
 of page table `tables[row_seq[r]]` (local page ids, -1 = not held on this rank) at positions
 <= `row_pos[r]`; keys are the cache rows `[c_kv ++ k_pe]`, values their first d_c columns; a row with no
 visible key gets out 0 and lse -inf, so CP/DOP partials still merge exactly. Imported only when a query
-is on CUDA (`splash/attention/paged.py`), or by tests under Triton's CPU interpreter (TRITON_INTERPRET=1).
+is on CUDA (`splash/attention/kernels.py`), or by tests under Triton's CPU interpreter (TRITON_INTERPRET=1).
 
 Why this shape: one program per (row, block of heads, split of the row's keys). All of a row's heads
 share its keys (MLA has one latent "head"), so a block of heads reads each key page once; the keys of
@@ -23,21 +23,29 @@ wide loads), then cast to the query dtype, so the dot products run as for a plai
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
+from splash import env
 from splash.kv.codec import kv_row
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _MAX_SPLITS = 16
 # software-pipelined key tiles: each stage holds a [BN, D] tile in shared memory (fp32: 72 KiB a stage)
 _STAGES = {8: 1, 4: 2, 2: 3}
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_sms: dict[int, int] = {}
-_scales: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
+_INTERPRET = env.triton_interpret()  # (Triton reads it at import too: a process fact)
+
+
+@dataclass
+class DeviceCache:
+    """What the launches reuse, kept by the rank's `Kernels` (splash/attention/kernels.py): each GPU's SM
+    count, and the softmax scales as one-element device tensors (a CUDA graph keeps their addresses)."""
+
+    sms: dict[int, int] = field(default_factory=dict)
+    scales: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
 
 
 @triton.jit
@@ -148,39 +156,41 @@ def _mla_decode(QL, QP, KV, TAB, RSEQ, RPOS, O, LSE,
     tl.store(LSE + sp * sl_s + r64 * sl_r + heads, lse.to(LSE.dtype.element_ty), mask=hm)
 
 
-def _num_sms(dev: torch.device) -> int:
+def _num_sms(dev: torch.device, cache: DeviceCache) -> int:
     if dev.type != "cuda":
         return 8  # the interpreter: any small number
     i = dev.index if dev.index is not None else torch.cuda.current_device()
-    if i not in _sms:
-        _sms[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _sms[i]
+    if i not in cache.sms:
+        cache.sms[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return cache.sms[i]
 
 
-def _scale(scale: float, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+def _scale(scale: float, dtype: torch.dtype, dev: torch.device, cache: DeviceCache) -> torch.Tensor:
     """The softmax scale as a one-element device tensor, made once (a CUDA graph keeps its address)."""
     key = (float(scale), dtype, dev)
-    t = _scales.get(key)
+    t = cache.scales.get(key)
     if t is None:
-        t = _scales[key] = torch.full((1,), float(scale), dtype=dtype, device=dev)
+        t = cache.scales[key] = torch.full((1,), float(scale), dtype=dtype, device=dev)
     return t
 
 
-def plan_splits(rows: int, head_blocks: int, dev: torch.device) -> int:
+def plan_splits(rows: int, head_blocks: int, dev: torch.device, cache: DeviceCache | None = None) -> int:
     """Key splits per row: enough programs for ~2 waves of the GPU. A function of the batch shape only,
     so eager and graph-captured steps of one size launch the very same kernel (same numerics)."""
     progs = max(rows * head_blocks, 1)
-    return max(1, min(_MAX_SPLITS, -(-2 * _num_sms(dev) // progs)))
+    return max(1, min(_MAX_SPLITS, -(-2 * _num_sms(dev, cache or DeviceCache()) // progs)))
 
 
 def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor, tables: torch.Tensor,
                     row_seq: torch.Tensor, row_pos: torch.Tensor, scale: float, lse: bool = False,
-                    fmt: tuple[int, float] = (0, 1.0), splits: int | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    fmt: tuple[int, float] = (0, 1.0), splits: int | None = None,
+                    cache: DeviceCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed-MLA attention of q_lat [n, h, d_c] / q_pe [n, h, d_r] over one pool layer [pages, P, D]
     -> (out [n, h, d_c], lse [n, h] or None), as `native.paged_attention` (`fmt` too: an FP8 cache's
     byte rows are dequantised in the loop). All tensors on one device; `tables` [B, W] and
-    `row_seq`/`row_pos` [n] integer. `splits` overrides `plan_splits` (tests)."""
+    `row_seq`/`row_pos` [n] integer. `splits` overrides `plan_splits` (tests). `cache`: the rank's
+    `DeviceCache` (`Kernels.triton_cache`; None: a fresh one, for a call outside an engine)."""
+    cache = cache if cache is not None else DeviceCache()
     n, h, d_c = q_lat.shape
     d_r = q_pe.shape[-1]
     P = layer.shape[1]
@@ -201,7 +211,7 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
     BH = 1 if f64 else 16  # tl.dot needs 16 rows; float64 multiplies element-wise, so one head per program
     BN = 16 if f64 else 32
     hb = -(-h // BH)
-    S = splits if splits is not None else plan_splits(n, hb, q_lat.device)
+    S = splits if splits is not None else plan_splits(n, hb, q_lat.device, cache)
     dev = q_lat.device
     if S == 1:
         out = torch.empty(n, h, d_c, dtype=q_lat.dtype, device=dev)
@@ -214,7 +224,7 @@ def paged_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, layer: torch.Tensor
             q_lat, q_pe, layer, tables, row_seq, row_pos, part_o, part_l,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), tables.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
-            h, _scale(scale, acc, dev), P=P, DC=d_c, DR=d_r, BDC=max(16, triton.next_power_of_2(d_c)),
+            h, _scale(scale, acc, dev, cache), P=P, DC=d_c, DR=d_r, BDC=max(16, triton.next_power_of_2(d_c)),
             BDR=max(16, triton.next_power_of_2(d_r)), BH=BH, BN=BN, SPLITS=S, USE_DOT=not f64, F64=f64,
             UPCAST=_INTERPRET and q_lat.element_size() == 2,
             PREC="ieee" if q_lat.dtype == torch.float32 else None, num_warps=4 if f64 else 8,

@@ -75,8 +75,14 @@ class VersionLock:
 
 # ---- the load ----------------------------------------------------------------------------------------------
 class Soak:
-    def __init__(self, a: argparse.Namespace, url: str, paths: list[str], vocab: int) -> None:
+    """`url` takes the traffic; `servers` (default [url]) take the controller's events, each of them (a
+    router in front of a prefill and a decode: both get every weight update); the last one's KV usage is
+    plotted. `n_copies`: an n = 2 draw goes as 2 requests of n = 1 (where a server refuses n > 1)."""
+
+    def __init__(self, a: argparse.Namespace, url: str, paths: list[str], vocab: int,
+                 servers: list[str] | None = None, n_copies: bool = False) -> None:
         self.a, self.url, self.paths, self.vocab = a, url, paths, vocab
+        self.servers, self.n_copies = servers or [url], n_copies
         self.t = Tally()
         self.version = 0  # index into paths (A, B, A, ...) of the weights being served
         self.lock = VersionLock()
@@ -107,7 +113,7 @@ class Soak:
         """One draw of the mix; it takes the requests it sends from `left` before sending them."""
         kind = rng.choices(KINDS, WEIGHTS)[0]
         turns = rng.randint(2, 3)
-        self.left -= {"grpo": 4, "multiturn": turns}.get(kind, 1)
+        self.left -= {"grpo": 4, "multiturn": turns, "n2": 2 if self.n_copies else 1}.get(kind, 1)
         if kind == "grpo":  # one prompt, 4 samples as separate requests at once (slime's shape)
             ids, sp = self._ids(rng, rng.randint(8, 40)), self._sp(rng)
             bodies = [{"input_ids": ids, "sampling_params": {**sp, "sampling_seed": sp["sampling_seed"] + i}}
@@ -122,6 +128,10 @@ class Soak:
                 history = history + out["output_ids"] + self._ids(rng, rng.randint(2, 8))
         elif kind == "cut":
             await self._cut(c, rng)
+        elif kind == "n2" and self.n_copies:  # the same prompt twice, other seeds (what n = 2 samples)
+            ids, sp = self._ids(rng, rng.randint(4, 30)), self._sp(rng)
+            await asyncio.gather(*(self._generate(c, kind, {"input_ids": ids, "sampling_params": {
+                **sp, "sampling_seed": sp["sampling_seed"] + i}}) for i in range(2)))
         elif kind == "n2":
             await self._generate(c, kind, {"input_ids": self._ids(rng, rng.randint(4, 30)),
                                            "sampling_params": self._sp(rng, n=2)})
@@ -209,14 +219,19 @@ class Soak:
         self.t.marks.append((time.monotonic() - self.t0, what))
 
     async def _post(self, c: Any, path: str, body: dict[str, Any] | None = None) -> int:
-        try:
-            r = await c.post(path, json=body or {}, timeout=max(self.a.timeout, 300.0))
-        except Exception as e:  # noqa: BLE001 - counted, never raised
-            self.t.event_errors.append(f"{path}: {type(e).__name__}: {e}")
-            return 0
-        if r.status_code >= 500:
-            self.t.http_5xx.append(f"{path}: {r.status_code} {r.text[:200]}")
-        return r.status_code
+        """POST to every server (in order); the first status that is not 200, else 200."""
+        codes = []
+        for server in self.servers:
+            try:
+                r = await c.post(server + path, json=body or {}, timeout=max(self.a.timeout, 300.0))
+            except Exception as e:  # noqa: BLE001 - counted, never raised
+                self.t.event_errors.append(f"{server}{path}: {type(e).__name__}: {e}")
+                codes.append(0)
+                continue
+            if r.status_code >= 500:
+                self.t.http_5xx.append(f"{server}{path}: {r.status_code} {r.text[:200]}")
+            codes.append(r.status_code)
+        return next((x for x in codes if x != 200), 200)
 
     async def controller(self) -> None:
         """Weight updates at even points of the run; flushes, pauses and memory release around them."""
@@ -224,7 +239,7 @@ class Soak:
 
         total = self.a.requests
         at = [total * (k + 1) // (self.a.updates + 1) for k in range(self.a.updates)]
-        async with httpx.AsyncClient(base_url=self.url, timeout=self.a.timeout) as c:
+        async with httpx.AsyncClient(timeout=self.a.timeout) as c:
             while self.left > 0 or at:
                 await asyncio.sleep(0.05)
                 done = total - self.left
@@ -246,20 +261,26 @@ class Soak:
                     code = await self._post(c, "/flush_cache")
                     self._mark(f"flush {code}")
                     # pause in place, then continue: running requests keep their KV
-                    if await self._post(c, "/pause_generation", {"mode": "in_place"}) == 200:
+                    # (with several servers, one that took a pause or a release is given its undo
+                    # even when another refused)
+                    several = len(self.servers) > 1
+                    if (code := await self._post(c, "/pause_generation", {"mode": "in_place"})) == 200:
                         self._mark("pause")
                         await asyncio.sleep(0.2)
+                    if code == 200 or several:
                         await self._post(c, "/continue_generation")
                     # release and resume the KV memory: running requests are retracted and recompute
-                    if await self._post(c, "/release_memory_occupation", {"tags": ["kv_cache"]}) == 200:
+                    code = await self._post(c, "/release_memory_occupation", {"tags": ["kv_cache"]})
+                    if code == 200:
                         self._mark("release")
                         await asyncio.sleep(0.1)
+                    if code == 200 or several:
                         if await self._post(c, "/resume_memory_occupation", {"tags": ["kv_cache"]}) != 200:
                             self.t.event_errors.append("resume_memory_occupation failed")
 
     async def _usage(self, c: Any) -> float:
         try:
-            r = await c.get("/get_server_info", timeout=10)
+            r = await c.get(self.servers[-1] + "/get_server_info", timeout=10)
             return float(r.json().get("kv_usage", 0.0)) if r.status_code == 200 else float("nan")
         except Exception:  # noqa: BLE001
             return float("nan")

@@ -22,9 +22,8 @@ import math
 import time
 from typing import Any
 
+from splash.core.layouts import LAYOUT_NAMES
 from splash.model.gemm import cpu_isa
-
-LAYOUTS = ("tp", "dp", "cp", "dop")
 
 
 def with_args(args: argparse.Namespace, **kw: Any) -> argparse.Namespace:
@@ -63,7 +62,7 @@ def admission_rows(path: str, args: argparse.Namespace, formats: list[str]) -> l
     budget = args.memory_per_rank or "256MiB"
     cfg = ModelConfig.from_hf(path)
     out = []
-    for lay in (LAYOUTS if world > 1 else ("tp",)):
+    for lay in (LAYOUT_NAMES if world > 1 else ("tp",)):
         row: dict[str, Any] = {"layout": lay if world > 1 else "one rank"}
         for fmt in formats:
             config = EngineConfig.from_cli_args(args, model=path, layout=lay, memory_per_rank=budget,

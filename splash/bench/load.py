@@ -45,13 +45,17 @@ def _stats_ms(name: str, xs: list[float]) -> dict[str, float]:
             f"median_{name}_ms": _pct(ms, 50), f"p99_{name}_ms": _pct(ms, 99)}
 
 
-async def _one(client: httpx.AsyncClient, body: dict[str, Any], prompt_len: int) -> RequestResult:
+async def _one(client: httpx.AsyncClient, body: dict[str, Any], prompt_len: int,
+               path: str = "/v1/completions") -> RequestResult:
+    """One streamed request, timed per delivery. `path` /generate reads SGLang's cumulative objects (what
+    sglang-router in PD mode takes token ids on), /v1/completions OpenAI's chunks."""
     res = RequestResult(prompt_len=prompt_len)
     start = time.perf_counter()
     last = start
     chunks = 0
+    seen = 0  # /generate: tokens delivered so far (each object carries all of them)
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
+        async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 raw = await resp.aread()
                 res.error = f"HTTP {resp.status_code}: {_error_message(raw)}"
@@ -68,8 +72,12 @@ async def _one(client: httpx.AsyncClient, body: dict[str, Any], prompt_len: int)
                     return res
                 if msg.get("usage"):
                     res.output_tokens = int(msg["usage"].get("completion_tokens", 0))
-                # A delivery of tokens: a choice that is not just the closing finish_reason chunk.
-                if any(c.get("finish_reason") is None for c in msg.get("choices", [])):
+                if "output_ids" in msg:  # /generate: a delivery when the token list grew
+                    grew, seen = len(msg["output_ids"]) > seen, max(seen, len(msg["output_ids"]))
+                    res.output_tokens = seen
+                else:  # a delivery of tokens: a choice that is not just the closing finish_reason chunk
+                    grew = any(c.get("finish_reason") is None for c in msg.get("choices", []))
+                if grew:
                     now = time.perf_counter()
                     if chunks == 0:
                         res.ttft = now - start
@@ -115,7 +123,7 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=a.max_concurrency or a.num_prompts, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=a.base_url.rstrip("/"), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(a.timeout, connect=30.0)) as client:
-        card = await _server_info(client, a.model)
+        card = getattr(a, "card", None) or await _server_info(client, a.model)
         vocab = a.vocab_size if a.vocab_size is not None else card.get("vocab_size")
         if not vocab:
             raise RuntimeError("the server does not report vocab_size; pass --vocab-size")
@@ -153,13 +161,12 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
 
         async def send(ids: list[int], delay: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
-            body = {"model": card["id"], "prompt": ids, "max_tokens": a.output_len, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            body, path = request_body(card["id"], ids, a.output_len, getattr(a, "api", "completions"))
             if sem is None:
-                r = await _one(client, body, len(ids))
+                r = await _one(client, body, len(ids), path)
             else:
                 async with sem:
-                    r = await _one(client, body, len(ids))
+                    r = await _one(client, body, len(ids), path)
             bar.update(1)
             return r
 
@@ -203,9 +210,20 @@ async def benchmark(a: argparse.Namespace) -> dict[str, Any]:
     out["max_itl_ms"] = max((g for _, g in gaps), default=0.0) * 1e3  # the worst stall
     if events:
         out.update(switch_stalls(gaps, events, wall0))
-    if getattr(a, "peer", None):  # side by side: every ITL with when it ended, for the ITL-over-time plot
+    if getattr(a, "peer", None) or getattr(a, "pd", False):  # side by side: every ITL with when it ended
         out["itl_timeline"] = itl_timeline(results, start)
     return out
+
+
+def request_body(model: str, ids: list[int], output_len: int, api: str = "completions"
+                 ) -> tuple[dict[str, Any], str]:
+    """(body, path) of one streamed greedy request of `output_len` tokens (`ignore_eos`) on `api`:
+    "completions" (OpenAI's /v1/completions) or "generate" (SGLang's /generate, token ids)."""
+    if api == "generate":
+        return ({"input_ids": ids, "stream": True, "sampling_params": {
+            "max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}}, "/generate")
+    return ({"model": model, "prompt": ids, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+             "stream": True, "stream_options": {"include_usage": True}}, "/v1/completions")
 
 
 async def _metrics(client: httpx.AsyncClient) -> str | None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import IO
 
 from splash.core.model_config import ConfigError
+from splash.env import text as env_text
 
 PEERS = ("vllm",)
 VENV_DIR = ".venv-vllm"
@@ -31,7 +32,7 @@ class PeerMissing(ConfigError):
 def peer_python(venv: str | None = None) -> str:
     """The peer venv's interpreter: `venv` (or $SPLASH_PEER_VENV), else .venv-vllm in the repo root or the
     working directory."""
-    given = venv or os.environ.get("SPLASH_PEER_VENV")
+    given = venv or env_text("SPLASH_PEER_VENV")
     places = [given] if given else [os.path.join(ROOT, VENV_DIR), os.path.abspath(VENV_DIR)]
     for place in dict.fromkeys(places):
         py = os.path.join(place, "bin", "python")

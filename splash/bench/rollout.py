@@ -35,7 +35,7 @@ import numpy as np
 
 from splash.bench.report import report
 from splash.bench.rollout_report import plot, table
-from splash.core.layouts import Layout
+from splash.core.layouts import DEFAULT_PAGE_SIZE, Layout
 from splash.step.plan import LAYOUTS
 
 RUNS = (*LAYOUTS, "auto")
@@ -125,7 +125,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
                    help="which of off (no speculation), auto (the depth policy), always to run")
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=256)
     p.add_argument("--device", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")

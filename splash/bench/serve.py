@@ -6,8 +6,9 @@ and every later delivery (ITL). Arrivals are Poisson at --request-rate req/s, or
 --max-concurrency caps requests in flight. The same definitions as vLLM: TPOT = (E2E - TTFT) /
 (output tokens - 1); throughputs divide by the wall time from the first send to the last finish.
 With --peer vllm it starts `splash serve` and vLLM's OpenAI server on --model itself, one after the other,
-runs this load against each and prints both (splash/bench/serve_peer.py). The load generator itself is
-splash/bench/load.py.
+runs this load against each and prints both (splash/bench/serve_peer.py); with --pd, 1P1D behind
+sglang-router against a colocated server of the same total ranks (splash/bench/pd_serve.py). The load
+generator itself is splash/bench/load.py.
 """
 
 from __future__ import annotations
@@ -58,9 +59,11 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    from splash.bench.pd_serve import add_pd_args
     from splash.bench.serve_peer import add_peer_args
 
     add_peer_args(p)
+    add_pd_args(p)
     p.set_defaults(func=run)
 
 
@@ -69,7 +72,7 @@ def _check_args(a: argparse.Namespace) -> str | None:
         a.num_prompts = 64 if a.peer else 100
     if a.max_concurrency is None and a.peer:
         a.max_concurrency = 16
-    if a.base_url is None and not a.peer:
+    if a.base_url is None and not (a.peer or a.pd):
         a.base_url = "http://127.0.0.1:8000"
     if a.num_prompts < 1:
         return f"--num-prompts must be >= 1, got {a.num_prompts}"
@@ -91,12 +94,15 @@ def _check_args(a: argparse.Namespace) -> str | None:
 
 
 def run(a: argparse.Namespace) -> int:
+    from splash.bench import pd_serve
     from splash.bench.serve_peer import check_args
 
-    problem = _check_args(a) or check_args(a)
+    problem = pd_serve.check_args(a) or _check_args(a) or (None if a.pd else check_args(a))
     if problem:
         print(f"splash bench serve: {problem}", file=sys.stderr)
         return 2
+    if a.pd:
+        return pd_serve.run(a)
     if a.peer:
         from splash.bench import serve_peer
 

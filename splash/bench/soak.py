@@ -12,6 +12,9 @@ flushes the cache, pauses (in place) and continues, releases and resumes the KV 
 pool: every page and slot must be free. Then every greedy check is replayed on its own (nothing else
 running) on a fresh single-rank engine at the weights it ran with, token for token.
 
+With --pd the same churn goes through sglang-router in PD mode in front of a prefill and a decode
+server, the controller's events to both, and both must end holding nothing (splash/bench/soak_pd.py).
+
 Greedy checks run under one weight version each (splash/bench/churn.py, the load; the rest of the
 traffic runs straight through the updates). Exit status
 0 when there were no 5xx, no unexpected client errors, no leaked pages or slots, no mismatch, and the
@@ -52,6 +55,10 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--pd", action="store_true",
+                   help="prefill/decode disaggregation: the traffic through sglang-router in PD mode in "
+                        "front of a prefill and a decode server (T = 1 each); updates, flushes, pauses and "
+                        "releases go to both, and both must end with nothing held")
     p.add_argument("--plot", default=None, metavar="PNG", help="KV usage over time, updates marked")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run)
@@ -65,9 +72,9 @@ async def _idle_and_flush(url: str, timeout: float = 120.0) -> dict[str, Any]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             deadline = time.monotonic() + timeout
             info: dict[str, Any] = {}
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline:  # (a PD decode's aborted pages drain for up to 30 s)
                 info = (await c.get("/get_server_info")).json()
-                if info.get("num_requests", 0) == 0:
+                if info.get("num_requests", 0) == 0 and not info.get("pd_draining", 0):
                     break
                 await asyncio.sleep(0.2)
             flushed = (await c.post("/flush_cache")).status_code
@@ -157,6 +164,10 @@ def soak(a: argparse.Namespace) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "SPLASH_CHECK_BOOKS": "1", "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false"}
+    if getattr(a, "pd", False):
+        from splash.bench.soak_pd import soak_pd
+
+        return soak_pd(a, paths, env, _server, _idle_and_flush, _reference)
     t0 = time.monotonic()
     with PeerProcess(_server(a, paths[0], port), env=env, name="splash serve (soak)", grace_s=30) as proc:
         wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, proc,
@@ -221,6 +232,10 @@ def format_table(r: dict[str, Any]) -> str:
     w = max(len(k) for k, _ in rows)
     out = ["=" * 20 + " splash bench soak " + "=" * 20]
     out += [f"{k:<{w}}  {v}" for k, v in rows]
+    if r.get("pd"):
+        from splash.bench.soak_pd import format_pd
+
+        out += format_pd(r)
     for name, ex in r["examples"].items():
         out += [f"  {name}: {e}" for e in ex]
     return "\n".join(out)

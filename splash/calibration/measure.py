@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from splash.calibration.grid import GridPoint
+from splash.core.layouts import DEFAULT_PAGE_SIZE
 from splash.core.model_config import ConfigError
 
 
@@ -190,8 +191,8 @@ def _driver_main(conn: Any, layout: str, ranks: int, engine_kw: dict[str, Any], 
 
 
 def measure(points: Sequence[GridPoint], layouts: Sequence[str], ranks: int, *, model: str = "tiny",
-            dtype: str = "float32", page_size: int = 16, reps: int = 16, warmup: int = 2, rounds: int = 2,
-            device: str | None = None, seed: int = 0, progress: bool = True,
+            dtype: str = "float32", page_size: int = DEFAULT_PAGE_SIZE, reps: int = 16, warmup: int = 2,
+            rounds: int = 2, device: str | None = None, seed: int = 0, progress: bool = True,
             timeout_s: float = 600.0) -> dict[tuple[str, GridPoint], Timing]:
     """Timings of one forward step per (layout, point) on `ranks` ranks (see the module docstring)."""
     import multiprocessing as mp

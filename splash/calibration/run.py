@@ -13,12 +13,10 @@ from splash.calibration.fidelity import PointFidelity, Summary, evaluate, repeat
 from splash.calibration.fit import FitResult, Observation, fit_theta
 from splash.calibration.grid import GridPoint, split_holdout
 from splash.calibration.measure import Timing, measure
-from splash.core.layouts import LAYOUTS, Layout
+from splash.core.layouts import DEFAULT_PAGE_SIZE, LAYOUT_NAMES, Layout
 from splash.core.prior import default_profile, runtime_prior
 from splash.core.sizes import AttentionSizes
 from splash.core.theta import Theta
-
-LAYOUT_NAMES = tuple(lay.value for lay in LAYOUTS)
 
 
 @dataclass
@@ -65,7 +63,7 @@ def fit_and_check(timings: Mapping[tuple[str, GridPoint], Timing], points: Seque
 
 
 def calibrate(ranks: int, points: Sequence[GridPoint], *, layouts: Sequence[str] = LAYOUT_NAMES,
-              model: str = "tiny", dtype: str = "float32", page_size: int = 16, reps: int = 16,
+              model: str = "tiny", dtype: str = "float32", page_size: int = DEFAULT_PAGE_SIZE, reps: int = 16,
               warmup: int = 2, rounds: int = 2, device: str | None = None, profile: str | None = None,
               holdout_every: int = 3, seed: int = 0, progress: bool = True) -> Calibration:
     """Time the grid on `ranks` ranks, fit theta on 2/3 of the points, report fidelity on the rest."""

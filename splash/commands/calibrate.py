@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from splash.argtypes import output_file, positive_int
+from splash.core.layouts import DEFAULT_PAGE_SIZE
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="passes over the grid (default 2, quick 1)")
     p.add_argument("--holdout-every", type=int, default=3, metavar="K",
                    help="hold out every K-th grid point for the fidelity check (default 3)")
-    p.add_argument("--page-size", type=positive_int, default=16, help="KV page size (default 16)")
+    p.add_argument("--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE,
+                   help=f"KV page size (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--profile", default=None, help="hardware profile of the prior (default: cpu, or h200 on "
                                                    "CUDA)")
     p.add_argument("--seed", type=int, default=0)

@@ -25,7 +25,7 @@ from splash.commands.plan_args import (
     table,
 )
 from splash.commands.plan_capacity import run_advise, run_capacity, theta_from
-from splash.core.layouts import DIRECTIONS, Layout
+from splash.core.layouts import DIRECTIONS, PAPER_PAGE_SIZE, Layout
 from splash.core.model_config import ConfigError
 from splash.core.sizes import GIB, MIB
 
@@ -195,7 +195,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(s)
     s.add_argument("--batch", "-B", type=int, default=16, help="requests in the batch (default 16)")
     s.add_argument("--context", "-s", type=int, default=131072, help="context tokens per request")
-    s.add_argument("--page-size", type=int, default=64, help="KV page size (CP: page j on rank j %% T)")
+    s.add_argument("--page-size", type=int, default=PAPER_PAGE_SIZE,
+                   help="KV page size (CP: page j on rank j %% T)")
     s.set_defaults(func=run_switches)
 
     c = kinds.add_parser("crossovers", help="where the fastest layout changes: the illustrative law, or "
@@ -214,7 +215,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --model: rows per request (1 = decode)")
     c.add_argument("--memory-fraction", type=float, help="with --model: share of device memory to use")
     c.add_argument("--memory-gib", type=float, help="with --model: device memory per rank (profile default)")
-    c.add_argument("--page-size", type=int, default=64, help="with --model: KV page size (default 64)")
+    c.add_argument("--page-size", type=int, default=PAPER_PAGE_SIZE,
+                   help="with --model: KV page size (default 64)")
     c.add_argument("--ignore-memory", action="store_true",
                    help="with --model: compare every layout, fitting or not")
     c.set_defaults(func=run_crossovers)
@@ -255,7 +257,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--margin", type=float, default=0.05, help="relative switching margin (default 0.05)")
     a.add_argument("--memory-fraction", type=float, help="share of device memory to use (profile default)")
     a.add_argument("--memory-gib", type=float, help="device memory per rank (profile default)")
-    a.add_argument("--page-size", type=int, default=64, help="KV page size (default 64)")
+    a.add_argument("--page-size", type=int, default=PAPER_PAGE_SIZE, help="KV page size (default 64)")
     a.add_argument("--speculative-depth", type=int, default=0,
                    help="also price speculative decoding at depths 0..K in the chosen layout (the depth "
                         "policy's choice for this batch)")

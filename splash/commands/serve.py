@@ -42,10 +42,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The server's engine options: a server's batch defaults, memory release only with the flag (as
     SGLang)."""
     return EngineConfig.from_cli_args(args, serving=True,
-                                      enable_memory_saver=bool(getattr(args, "enable_memory_saver", False)))
+                                      enable_memory_saver=bool(getattr(args, "enable_memory_saver", False)),
+                                      arrival_gap_ms=max(0.0, getattr(args, "arrival_gap_ms", 0.0)))
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, flag: str = "--port") -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -54,7 +55,7 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise SystemExit(f"splash serve: cannot listen on {host}:{port}: {e.strerror}; "
-                         f"choose another --port") from None
+                         f"choose another {flag}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -64,9 +65,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     """Construct the AsyncEngine from the options given (unset ones keep the engine's defaults)."""
     from splash.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_config(engine_config(args))
-    engine.arrival_gap_s = max(0.0, getattr(args, "arrival_gap_ms", 0.0)) / 1e3
-    return engine
+    return AsyncEngine.from_config(engine_config(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     try:  # a node without rank 0 serves its ranks only; node 0 runs the HTTP server
         from splash.engine.group import follow_if_worker
 
-        if follow_if_worker(engine_config(args)):
+        config = engine_config(args)
+        if follow_if_worker(config):
             return 0
     except ValueError as e:
         print(f"splash serve: {e}", file=sys.stderr)
@@ -96,14 +96,21 @@ def run(args: argparse.Namespace) -> int:
         return 1
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    # a prefill's bootstrap server (prefill/decode disaggregation): a second socket of the same server,
+    # on the API's host, bound before the model loads as the API's is
+    boot = (_bind(args.host, config.disaggregation_bootstrap_port, "--disaggregation-bootstrap-port")
+            if config.disaggregation_mode == "prefill" else None)
+    sockets = [sock] if boot is None else [sock, boot]
     try:
         engine = build_engine(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        sock.close()
+        for s in sockets:
+            s.close()
         print(f"splash serve: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a rank failed to start (WorkerError, DistError)
-        sock.close()
+        for s in sockets:
+            s.close()
         print(f"splash serve: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     name = args.served_model_name or args.model
@@ -116,11 +123,18 @@ def run(args: argparse.Namespace) -> int:
                      launch={"host": host, "port": port, "dist_init_addr": args.dist_init_addr})
     # Everything built so far (the model, the tokenizer, the app) lives as long as the server, as
     # vLLM's engine does it: out of the collector's generations.
+    asgi: Any = app
+    if boot is not None:
+        from splash.server.pd_rooms import PortDispatch, bootstrap_app
+
+        asgi = PortDispatch(app, bootstrap_app(app.state.serving.pd, config.page_size),
+                            boot.getsockname()[1])
     freeze_heap()
 
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_timeout,
-                            access_log=args.log_level in ("info", "debug"))
-    server = uvicorn.Server(config)
+    uv_config = uvicorn.Config(asgi, log_level=args.log_level,
+                               timeout_graceful_shutdown=args.graceful_timeout,
+                               access_log=args.log_level in ("info", "debug"))
+    server = uvicorn.Server(uv_config)
     # uvicorn re-raises the signal it caught once it has shut down; with these no-op handlers in place
     # the re-raise is absorbed and a requested shutdown exits 0.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -128,11 +142,12 @@ def run(args: argparse.Namespace) -> int:
     threading.Thread(target=_watch, args=(server, engine, died, args.graceful_timeout),
                      name="splash-watchdog", daemon=True).start()
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=sockets)
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        sock.close()
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+        for s in sockets:
+            s.close()
     if died.is_set():
         print("splash: server stopped: the engine died (see the log above); restart it", file=sys.stderr,
               flush=True)

@@ -15,6 +15,7 @@ from splash.commands.plan import (
     table,
     theta_from,
 )
+from splash.core.layouts import PAPER_PAGE_SIZE
 from splash.core.model_config import ConfigError
 
 
@@ -95,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--token-budget", type=int, default=8192, help="rows per step (chunked prefill)")
     r.add_argument("--max-running", type=int, default=256, help="bound on the running batch")
     r.add_argument("--stride", type=int, default=16, help="decode steps simulated at once (default 16)")
-    r.add_argument("--page-size", type=int, default=64, help="KV page size (default 64)")
+    r.add_argument("--page-size", type=int, default=PAPER_PAGE_SIZE, help="KV page size (default 64)")
     r.add_argument("--speculative-depth", type=int, default=0,
                    help="drafts per verify K: also run the policy with speculation, depth chosen per step "
                         "(policy+spec) and always K (policy+spec-always); 0: none (default)")

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from splash.core.holdings import position_tokens_matrix
 from splash.core.layouts import LAYOUTS, Layout, Ownership, StatePlacement, round_robin_owners
-from splash.core.manifest import position_tokens_matrix
 from splash.core.model_config import ConfigError
 from splash.core.sizes import AttentionSizes
 from splash.core.theta import Theta

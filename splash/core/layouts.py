@@ -27,6 +27,12 @@ import numpy as np
 
 from splash.core.model_config import ConfigError, head_slice
 
+# Tokens per KV page: the one default of the runtime (`EngineConfig.page_size`) and of every core
+# function that counts pages. The paper's analyses use 64 (`PAPER_PAGE_SIZE`): the paper-scale commands
+# (`splash plan`, `splash simulate`) pass it explicitly.
+DEFAULT_PAGE_SIZE = 16
+PAPER_PAGE_SIZE = 64
+
 
 class Placement(enum.Enum):
     SHARDED = "sharded"
@@ -87,7 +93,7 @@ class Layout(enum.Enum):
 
     def page_ranks(self, j: int, owner: int, ranks: int) -> tuple[int, ...]:
         """Ranks that store global page `j` of a request owned by `owner` (the ownership made concrete:
-        every rank, the owner, or rank j % T). `manifest.held_columns` is the same rule over arrays."""
+        every rank, the owner, or rank j % T). `holdings.held_columns` is the same rule over arrays."""
         own = self.ownership
         if own is Ownership.REPLICATED:
             return tuple(range(ranks))
@@ -131,6 +137,7 @@ _OWNERSHIP = {Layout.TP: Ownership.REPLICATED, Layout.DP: Ownership.OWNER,
               Layout.CP: Ownership.POSITION, Layout.DOP: Ownership.OWNER}
 LAYOUTS: tuple[Layout, ...] = (Layout.TP, Layout.DP, Layout.CP, Layout.DOP)
 _BY_NAME = {lay.value: lay for lay in LAYOUTS}
+LAYOUT_NAMES: tuple[str, ...] = tuple(_BY_NAME)  # the runtime's names ("tp", "dp", "cp", "dop"): flags, plans
 DIRECTIONS: tuple[tuple[Layout, Layout], ...] = tuple((a, b) for a in LAYOUTS for b in LAYOUTS if a != b)
 
 

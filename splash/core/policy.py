@@ -25,17 +25,18 @@ from splash.core.capacity import model_pool_tokens
 from splash.core.costmodel import Batch, StepCost, step_cost
 from splash.core.law import Crossover
 from splash.core.layouts import (
+    DEFAULT_PAGE_SIZE,
     LAYOUTS,
     Layout,
     kv_pages_per_rank,
     kv_tokens_per_rank,
     state_requests_per_rank,
 )
-from splash.core.manifest import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
 from splash.core.model_config import ConfigError
 from splash.core.sizes import AttentionSizes
 from splash.core.switch_time import switch_time
 from splash.core.theta import Theta
+from splash.core.transfer import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class PolicyConfig:
     margin: float = 0.05  # l* must be at least this fraction faster than the current layout
     min_dwell: int = 8  # steps to stay in a layout before a voluntary switch
     layouts: tuple[Layout, ...] = LAYOUTS  # the candidates
-    page_size: int | None = 64  # KV page size (None: count tokens exactly)
+    page_size: int | None = DEFAULT_PAGE_SIZE  # KV page size (None: count tokens exactly)
     # False: the caller has already left out the candidates that do not fit (an engine runs the switch
     # planner's own Eq 5/6 check dry on its real pages), so the Policy prices them and judges no memory.
     check_memory: bool = True
@@ -283,7 +284,7 @@ class Policy:
 
 # ---- where the fastest layout changes with context (`splash plan crossovers --model`) -----------------
 def fastest_layout(sizes: AttentionSizes, theta: Theta, batch: Batch, layouts: tuple[Layout, ...] = LAYOUTS,
-                   page_size: int | None = 64, check_memory: bool = True) -> Layout | None:
+                   page_size: int | None = DEFAULT_PAGE_SIZE, check_memory: bool = True) -> Layout | None:
     """The fastest layout of Eq 10 for `batch` among those that fit (Eq 6; all when not `check_memory`),
     None when none fits: the argmin of Eq 8 for a fresh start."""
     cfg = PolicyConfig(0.0, 0, layouts, page_size, check_memory)
@@ -293,7 +294,7 @@ def fastest_layout(sizes: AttentionSizes, theta: Theta, batch: Batch, layouts: t
 
 
 def crossovers(sizes: AttentionSizes, theta: Theta, batch: int, rows: int = 1, lo: int = 1024,
-               hi: int = 512 * 1024, points: int = 192, page_size: int | None = 64,
+               hi: int = 512 * 1024, points: int = 192, page_size: int | None = DEFAULT_PAGE_SIZE,
                check_memory: bool = True) -> tuple[list[Crossover], int | None]:
     """Every change of the fastest (fitting) layout of Eq 10 as the context s of `batch` equal requests
     grows over [lo, hi] tokens (`rows` query rows each), to the token; and the first s at which no layout

@@ -25,14 +25,14 @@ import numpy as np
 
 from splash.core.capacity import model_pool_tokens
 from splash.core.costmodel import Batch, step_cost
-from splash.core.layouts import LAYOUTS, Layout, kv_pages_per_rank
-from splash.core.manifest import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
+from splash.core.layouts import DEFAULT_PAGE_SIZE, LAYOUTS, Layout, kv_pages_per_rank
 from splash.core.model_config import ConfigError
 from splash.core.policy import Policy, PolicyConfig, activation_bytes, decide
 from splash.core.sizes import AttentionSizes
 from splash.core.spec_depth import DepthConfig, draft_seconds, expected_tokens, price_depths
 from splash.core.switch_time import switch_time
 from splash.core.theta import Theta
+from splash.core.transfer import kv_transfer_tokens, switch_layer_bytes, weight_transfer_bytes
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class SimConfig:
     token_budget: int = 8192  # prefill + decode rows per step (chunked prefill)
     max_running: int = 256
     stride: int = 16  # decode-only steps simulated at once
-    page_size: int = 64
+    page_size: int = DEFAULT_PAGE_SIZE
     spec_depth: int = 0  # K: drafts per verify (0: no speculative decoding)
     spec_accept: float = 0.7  # per-draft acceptance
     spec_policy: str = "auto"  # "auto": the cheapest depth per token each step; "always": K

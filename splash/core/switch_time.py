@@ -30,7 +30,7 @@ def layer_transfer_times(weight_bytes: np.ndarray, kv_bytes: np.ndarray, layers:
     `kv_bytes` is one layer's per-rank KV ([T], every layer alike) or each layer's ([layers, T]: a DSA
     model's indexer layers carry their indexer keys, GLM-5's shared layers none, a hybrid's KDA layers
     their per-request states instead). `weight_bytes` likewise: [T] every layer alike, or [layers, T]
-    (a hybrid's KDA layers move KDA projections; `manifest.switch_layer_bytes` gives both)."""
+    (a hybrid's KDA layers move KDA projections; `transfer.switch_layer_bytes` gives both)."""
     w_b = np.asarray(weight_bytes, dtype=float)
     w = w_b.max(axis=-1, initial=0) if w_b.ndim == 2 else np.full(layers, w_b.max(initial=0))
     kv_b = np.asarray(kv_bytes, dtype=float)

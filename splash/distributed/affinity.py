@@ -6,7 +6,8 @@ unbound), binding each rank to its own core made fixed DOP 7% faster (18 runs ea
 (10 each) and auto 9% (8 each), and DOP's run-to-run spread 12.8% -> 9.5%. So when the node's ranks
 times their threads fit the cores this process may use, each local rank gets its own disjoint slice
 of them (vLLM's CPU engine binds its threads likewise). When
-they do not fit (e.g. T=4 on 2 cores) nothing is bound. `SPLASH_CPU_BIND=off` turns binding off.
+they do not fit (e.g. T=4 on 2 cores) nothing is bound. `--cpu-bind off` (`SPLASH_CPU_BIND=off`, read
+into the engine's config on rank 0) turns binding off; the mode is passed in, never read here.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 
-ENV = "SPLASH_CPU_BIND"
+ENV = "SPLASH_CPU_BIND"  # (its name, for messages: splash/env.py reads it into EngineConfig.cpu_bind)
 ON, OFF = ("auto", "on", "1", ""), ("off", "0", "none")
 
 log = logging.getLogger("splash.distributed")
 
 
-def plan(local_ranks: int, threads: int, allowed: Iterable[int] | None = None
+def plan(local_ranks: int, threads: int, allowed: Iterable[int] | None = None, mode: str = "auto"
          ) -> list[tuple[int, ...]] | None:
-    """Cores for each local rank (by position in the node's rank list), or None: binding is off, there
-    is one rank (it may use every core), or the ranks' threads would not each get a core of their own."""
-    mode = os.environ.get(ENV, "auto").strip().lower()
+    """Cores for each local rank (by position in the node's rank list), or None: binding is off (`mode`,
+    the engine's `cpu_bind`), there is one rank (it may use every core), or the ranks' threads would not
+    each get a core of their own."""
+    mode = mode.strip().lower()
     if mode in OFF:
         return None
     if mode not in ON:
@@ -43,9 +45,10 @@ def plan(local_ranks: int, threads: int, allowed: Iterable[int] | None = None
     return [tuple(cores[i * threads:(i + 1) * threads]) for i in range(local_ranks)]
 
 
-def for_ranks(ranks: Sequence[int], threads: int | None, backend: str) -> dict[int, tuple[int, ...]]:
+def for_ranks(ranks: Sequence[int], threads: int | None, backend: str, mode: str = "auto"
+              ) -> dict[int, tuple[int, ...]]:
     """`plan` for a node's ranks by global rank ({} where nothing is bound): CPU ranks (gloo) only."""
-    cores = plan(len(ranks), threads or 1) if backend == "gloo" else None
+    cores = plan(len(ranks), threads or 1, mode=mode) if backend == "gloo" else None
     return dict(zip(ranks, cores)) if cores else {}
 
 

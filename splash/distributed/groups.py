@@ -13,12 +13,12 @@ hanging); the control plane may legitimately sit idle between requests, so its t
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from splash import env
 from splash.core.model_config import ConfigError
 from splash.distributed import shm
 from splash.distributed.comm import BaseCommunicator, Communicator, LocalCommunicator
@@ -117,13 +117,14 @@ def init_distributed(rank: int, world: int, init_method: str | None = None,
                      backend: str | None = None, local_rank: int | None = None,
                      timeout_s: float = DEFAULT_TIMEOUT_S,
                      control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S,
-                     switch_group: bool = True) -> RankGrid:
+                     switch_group: bool = True, cpu_comm: str = "shm") -> RankGrid:
     """Join (or form) the group of `world` ranks as `rank` and build every group once.
 
     `init_method`: "tcp://HOST:PORT", "env://" (torchrun: MASTER_ADDR/PORT), or "file://...".
     `backend`: None picks NCCL on CUDA, else gloo. World 1 returns `local_grid()` unless a backend
     is forced (useful to test the distributed path on one process). `switch_group`: also build the
-    data-plane group that layout switches transfer on (`grid.switch`).
+    data-plane group that layout switches transfer on (`grid.switch`). `cpu_comm`: gloo ranks' data plane,
+    "shm" (a shared-memory segment where every rank can map one) or "gloo" (`EngineConfig.cpu_comm`).
     """
     if world < 1 or not 0 <= rank < world:
         raise DistError(f"rank {rank} is outside a world of {world} ranks")
@@ -133,9 +134,9 @@ def init_distributed(rank: int, world: int, init_method: str | None = None,
     if backend == "nccl" and not torch.cuda.is_available():
         raise DistError("backend nccl needs CUDA, which this machine lacks; use --device cpu (gloo)")
     if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if backend == "nccl" and "LOCAL_WORLD_SIZE" in os.environ:  # torchrun: this node's ranks, one each
-        check_devices(int(os.environ["LOCAL_WORLD_SIZE"]), backend)
+        local_rank = int(env.text("LOCAL_RANK") or rank)
+    if backend == "nccl" and env.is_set("LOCAL_WORLD_SIZE"):  # torchrun: this node's ranks, one each
+        check_devices(int(env.text("LOCAL_WORLD_SIZE")), backend)
     if backend == "nccl":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -161,7 +162,8 @@ def init_distributed(rank: int, world: int, init_method: str | None = None,
     control = dist.new_group(backend="gloo", timeout=_td(control_timeout_s))
     comm: BaseCommunicator | None = None
     if backend == "gloo":  # one host's CPU ranks: collectives through shared memory (every rank asks)
-        comm = shm.attach(group, rank, world, control, timeout_s)
+        willing = None if cpu_comm == "shm" else False  # (None: where the platform allows)
+        comm = shm.attach(group, rank, world, control, timeout_s, enabled=willing)
     if comm is None:
         comm = Communicator(group, rank, world, device, control_group=control)
     switch = None

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import pickle
 import queue
 import socket
@@ -23,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from splash import env as splash_env
 from splash.distributed.affinity import bind
 from splash.distributed.groups import DEFAULT_TIMEOUT_S, init_distributed
 
@@ -65,7 +65,7 @@ def resolve_launch(tp: int | None = None, nnodes: int = 1, node_rank: int = 0,
                    dist_init_addr: str | None = None,
                    env: Mapping[str, str] | None = None) -> LaunchSpec:
     """Work out this node's ranks; raises ValueError with a one-line fix on inconsistent flags."""
-    env = os.environ if env is None else env
+    env = splash_env.torchrun() if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env and ("TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env):
         world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
         if tp is not None and tp != world:
@@ -95,7 +95,7 @@ def resolve_launch(tp: int | None = None, nnodes: int = 1, node_rank: int = 0,
 # ---- worker processes ---------------------------------------------------------------------------
 def _entry(rank: int, world: int, init_method: str, backend: str | None, timeout_s: float,
            threads: int | None, target: Callable[..., Any], args: tuple, results: Any,
-           cores: Sequence[int] | None = None) -> None:
+           cores: Sequence[int] | None = None, cpu_comm: str = "shm") -> None:
     """Child main: join the grid, run target, post ("ok"|"err", rank, pickled payload)."""
     grid = None
     try:
@@ -104,7 +104,8 @@ def _entry(rank: int, world: int, init_method: str, backend: str | None, timeout
             import torch
 
             torch.set_num_threads(threads)
-        grid = init_distributed(rank, world, init_method, backend=backend, timeout_s=timeout_s)
+        grid = init_distributed(rank, world, init_method, backend=backend, timeout_s=timeout_s,
+                                cpu_comm=cpu_comm)
         out = target(grid, *args)
         results.put(("ok", rank, pickle.dumps(out)))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent, then exit non-zero
@@ -185,12 +186,13 @@ def start_workers(world: int, target: Callable[..., Any], args: Sequence[Any] = 
                   ranks: Sequence[int] | None = None, init_method: str | None = None,
                   backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                   threads: int | None = None,
-                  cores: Mapping[int, Sequence[int]] | None = None) -> WorkerGroup:
+                  cores: Mapping[int, Sequence[int]] | None = None, cpu_comm: str = "shm") -> WorkerGroup:
     """Spawn `ranks` (default all) of a `world`-rank grid; each runs `target(grid, *args)`.
 
     `target` and `args` must be picklable (module-level function). `timeout_s` bounds every
     data-plane collective inside the workers. `cores`: the CPU cores each rank binds itself to
-    (`splash.distributed.affinity.plan`); a rank not in it is not bound.
+    (`splash.distributed.affinity.plan`); a rank not in it is not bound. `cpu_comm`: the CPU ranks'
+    data plane, "shm" or "gloo" (`EngineConfig.cpu_comm`, `init_distributed`).
     """
     ranks = list(range(world)) if ranks is None else list(ranks)
     init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
@@ -200,7 +202,7 @@ def start_workers(world: int, target: Callable[..., Any], args: Sequence[Any] = 
     for r in ranks:
         p = ctx.Process(target=_entry, name=f"splash-rank{r}", daemon=True,
                         args=(r, world, init_method, backend, timeout_s, threads, target,
-                              tuple(args), results, (cores or {}).get(r)))
+                              tuple(args), results, (cores or {}).get(r), cpu_comm))
         p.start()
         procs[r] = p
     return WorkerGroup(procs, results)
@@ -209,13 +211,13 @@ def start_workers(world: int, target: Callable[..., Any], args: Sequence[Any] = 
 def spawn_workers(world: int, target: Callable[..., Any], args: Sequence[Any] = (),
                   timeout_s: float = 120.0, init_method: str | None = None,
                   backend: str | None = None, threads: int | None = 1,
-                  collective_timeout_s: float | None = None) -> list[Any]:
+                  collective_timeout_s: float | None = None, cpu_comm: str = "shm") -> list[Any]:
     """Run `target(grid, *args)` on `world` fresh ranks; return results in rank order.
 
     `timeout_s` bounds the whole run; `collective_timeout_s` (default: `timeout_s`) bounds each
     collective, so a rank waiting on a hung peer raises in that rank with its own traceback.
     """
     group = start_workers(world, target, args, init_method=init_method, backend=backend,
-                          timeout_s=collective_timeout_s or timeout_s, threads=threads)
+                          timeout_s=collective_timeout_s or timeout_s, threads=threads, cpu_comm=cpu_comm)
     done = group.join(timeout_s)
     return [done[r] for r in range(world)]

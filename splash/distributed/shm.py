@@ -51,7 +51,7 @@ from splash.distributed.stats import Tag
 
 SLOT_BYTES = 4 << 20  # payload bytes per rank and buffer set; larger messages go to gloo
 MAIL_BYTES = 1 << 20  # rank 0's step-plan mailbox; a larger plan goes to gloo
-ENV = "SPLASH_COMM"  # "gloo" turns the shared-memory data plane off (e.g. to compare)
+ENV = "SPLASH_COMM"  # (its name: --cpu-comm gloo / SPLASH_COMM=gloo turns this data plane off)
 _LINE = 64  # one cache line per rank flag, so flags never share a line
 _SPIN_S, _YIELD_S = 5e-5, 1e-3  # busy-poll this long, then yield the core until this long, then sleep
 _MAIL_YIELD_S = 2e-2  # a rank waiting for rank 0's next plan yields this long before napping: rank 0's
@@ -60,9 +60,9 @@ _MAIL_YIELD_S = 2e-2  # a rank waiting for rank 0's next plan yields this long b
 
 
 def supported() -> bool:
-    """x86-64 Linux (the ordering argument above) and not turned off with SPLASH_COMM=gloo."""
-    return (sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
-            and os.environ.get(ENV, "shm").lower() != "gloo")
+    """x86-64 Linux (the ordering argument above). Whether to use it at all is the engine's `cpu_comm`
+    (`--cpu-comm`, SPLASH_COMM), which the rank grid passes to `attach` as `enabled`."""
+    return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
 
 def _alive(pid: int) -> bool:
@@ -358,7 +358,8 @@ def attach(group: Any, rank: int, world: int, control_group: Any, timeout_s: flo
     and reserves its pages (a full /dev/shm fails here, not with SIGBUS mid-run), the others map it and
     check a random token and the host's boot id, all agree, and rank 0 unlinks the file (the mappings
     stay, so nothing is left behind even if a rank dies later). None on every rank if any rank cannot
-    or will not use it (other host, SPLASH_COMM=gloo, not x86-64 Linux): the caller keeps gloo."""
+    or will not use it (other host, `--cpu-comm gloo`, not x86-64 Linux): the caller keeps gloo.
+    `enabled`: this rank is willing (None: where `supported`)."""
     import torch.distributed as dist
 
     if slot_bytes <= 0 or slot_bytes % _LINE or mail_bytes < 0 or mail_bytes % _LINE:

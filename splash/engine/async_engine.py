@@ -21,6 +21,7 @@ from typing import Any
 from splash.config import EngineConfig
 from splash.engine.llm_engine import LLMEngine, StepFailed
 from splash.engine.outputs import RequestOutput
+from splash.engine.pd_async import PDAsync
 from splash.engine.sampling import SamplingParams
 from splash.engine.streams import EngineDeadError, EngineError, Mailbox, Stream, put_all
 
@@ -28,7 +29,7 @@ log = logging.getLogger("splash.engine")
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineError"]
 
 
-class AsyncEngine:
+class AsyncEngine(PDAsync):  # (PDAsync: prefill/decode disaggregation's calls, splash/engine/pd_async.py)
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -39,7 +40,7 @@ class AsyncEngine:
         self._stats: dict[str, Any] = engine.stats()
         self._stats_lock = threading.Lock()
         # Seconds an idle engine waits for the next request of a burst (see _gather_burst; 0: never).
-        self.arrival_gap_s = 0.0
+        self.arrival_gap_s = engine.config.arrival_gap_ms / 1e3
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:

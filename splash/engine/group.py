@@ -29,7 +29,9 @@ from splash.config import EngineConfig
 from splash.distributed import affinity
 from splash.distributed.groups import DEFAULT_TIMEOUT_S, check_devices, init_distributed, pick_backend
 from splash.distributed.launch import LaunchSpec, WorkerError, WorkerGroup, resolve_launch, start_workers
+from splash.runtime_spec import RuntimeSpec
 from splash.step.plan import StepPlan, control_plan
+from splash.worker.load import RankFacts
 from splash.worker.loop import (
     WorkerState,
     load_reply,
@@ -53,6 +55,12 @@ class GroupFailed(RuntimeError):
 def start_timeout(timeout_s: float) -> float:
     """Timeout for forming the group: spawned ranks import torch first, which can take a while."""
     return max(float(timeout_s), START_TIMEOUT_S)
+
+
+def _option(value: str | None, name: str) -> str:
+    """A CPU option the group was given, else what an EngineConfig made now says (its default, or the
+    environment's override: read here on rank 0, as when any config is made, and passed to the ranks)."""
+    return value if value is not None else getattr(EngineConfig.from_kwargs(), name)
 
 
 def default_threads(local_ranks: int) -> int:
@@ -81,15 +89,19 @@ class RankGroup:
     @classmethod
     def start(cls, world: int, *, nnodes: int = 1, node_rank: int = 0, dist_init_addr: str | None = None,
               device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-              threads: int | None = None) -> RankGroup:
+              threads: int | None = None, cpu_bind: str | None = None, cpu_comm: str | None = None
+              ) -> RankGroup:
         """Spawn this node's worker ranks and join the group as rank 0 (blocks until all ranks meet)."""
         return cls.join(resolve_launch(world, nnodes, node_rank, dist_init_addr), device=device,
-                        timeout_s=timeout_s, threads=threads)
+                        timeout_s=timeout_s, threads=threads, cpu_bind=cpu_bind, cpu_comm=cpu_comm)
 
     @classmethod
     def join(cls, launch: LaunchSpec, *, device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-             threads: int | None = None) -> RankGroup:
-        """`start` from a resolved launch (flags or torchrun's environment)."""
+             threads: int | None = None, cpu_bind: str | None = None, cpu_comm: str | None = None
+             ) -> RankGroup:
+        """`start` from a resolved launch (flags or torchrun's environment). `cpu_bind` / `cpu_comm`: the
+        engine's options of those names (None: a config's default or environment override)."""
+        cpu_bind, cpu_comm = _option(cpu_bind, "cpu_bind"), _option(cpu_comm, "cpu_comm")
         if not launch.has_leader:
             raise ValueError(f"node {launch.node_rank} runs ranks {list(launch.ranks)} only; rank 0 lives on "
                              "node 0 (start this node with run_worker_node)")
@@ -104,15 +116,15 @@ class RankGroup:
             torch.set_num_threads(threads)
         workers = None
         start = start_timeout(timeout_s)
-        by_rank = affinity.for_ranks(launch.ranks, threads, backend)
+        by_rank = affinity.for_ranks(launch.ranks, threads, backend, cpu_bind)
         if local:
             workers = start_workers(launch.world, worker_main, (timeout_s,), ranks=local,
                                     init_method=launch.init_method, backend=backend, timeout_s=start,
-                                    threads=threads, cores=by_rank)
+                                    threads=threads, cores=by_rank, cpu_comm=cpu_comm)
         try:
             grid = _watching(workers, lambda: init_distributed(0, launch.world, launch.init_method,
                                                                backend=backend, timeout_s=start,
-                                                               control_timeout_s=start))
+                                                               control_timeout_s=start, cpu_comm=cpu_comm))
         except BaseException:
             if workers is not None:
                 _raise_worker_error(workers)
@@ -125,7 +137,7 @@ class RankGroup:
         # Rank 0 binds itself only now: the spawned ranks imported torch beside it on every core.
         group.bound = affinity.bind(by_rank.get(0))
         if by_rank:
-            log.info("ranks bound to CPU cores %s (%s=off to stop)", by_rank, affinity.ENV)
+            log.info("ranks bound to CPU cores %s (--cpu-bind off / %s=off to stop)", by_rank, affinity.ENV)
         return group
 
     @property
@@ -203,15 +215,15 @@ class RankGroup:
             self.fail(GroupFailed(f"interrupted during an exchange with the ranks ({type(e).__name__})"))
             raise
 
-    def load(self, spec: Any, owner: Any = None) -> list[dict[str, Any]]:
-        """Build an engine's shard on every rank; returns each rank's facts (pages, weight bytes)."""
-        def run() -> list[dict[str, Any]]:
-            plan = control_plan("load", layout=spec.layout, payload=spec)
+    def load(self, spec: RuntimeSpec, owner: Any = None) -> list[RankFacts]:
+        """Build an engine's shard on every rank from `spec`; returns what each rank measured (rank order)."""
+        def run() -> list[RankFacts | dict[str, str]]:
+            plan = control_plan("load", layout=spec.layout_name, payload=spec)
             self.send(plan)
             return self.gather(load_reply(self.state, plan))
 
         replies = self.guarded(run)
-        bad = [(r, x["error"]) for r, x in enumerate(replies) if "error" in x]
+        bad = [(r, x["error"]) for r, x in enumerate(replies) if isinstance(x, dict)]
         if bad:
             self.unload()
             from splash.core.model_config import ConfigError
@@ -219,7 +231,7 @@ class RankGroup:
             r, msg = bad[0]
             raise ConfigError(msg if r == 0 else f"rank {r}: {msg}")
         self.owner = owner
-        return replies
+        return [x for x in replies if isinstance(x, RankFacts)]
 
     def unload(self) -> None:
         if self.closed or self.error is not None:
@@ -330,7 +342,8 @@ def _raise_worker_error(workers: WorkerGroup) -> None:
 
 # ---- nodes and processes without rank 0 ---------------------------------------------------------------
 def run_worker_node(launch: LaunchSpec, device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                    threads: int | None = None) -> int:
+                    threads: int | None = None, cpu_bind: str | None = None, cpu_comm: str | None = None
+                    ) -> int:
     """Run this node's ranks (none of them rank 0) until rank 0 shuts the group down.
 
     Under torchrun (or with one rank on this node) the process *is* its rank and runs the loop itself;
@@ -338,6 +351,7 @@ def run_worker_node(launch: LaunchSpec, device: str | None = None, timeout_s: fl
     WorkerError if a rank failed."""
     backend = pick_backend(device)
     check_devices(len(launch.ranks), backend)
+    cpu_bind, cpu_comm = _option(cpu_bind, "cpu_bind"), _option(cpu_comm, "cpu_comm")
     if threads is None and backend == "gloo":
         threads = default_threads(len(launch.ranks))
     if len(launch.ranks) == 1:  # torchrun, or a node with one rank: this process is the rank
@@ -346,7 +360,7 @@ def run_worker_node(launch: LaunchSpec, device: str | None = None, timeout_s: fl
         if threads and backend == "gloo":
             torch.set_num_threads(threads)
         grid = init_distributed(launch.ranks[0], launch.world, launch.init_method, backend=backend,
-                                timeout_s=start_timeout(timeout_s))
+                                timeout_s=start_timeout(timeout_s), cpu_comm=cpu_comm)
         try:
             worker_main(grid, timeout_s)
         finally:
@@ -355,7 +369,8 @@ def run_worker_node(launch: LaunchSpec, device: str | None = None, timeout_s: fl
     workers = start_workers(launch.world, worker_main, (timeout_s,), ranks=launch.ranks,
                             init_method=launch.init_method, backend=backend,
                             timeout_s=start_timeout(timeout_s), threads=threads,
-                            cores=affinity.for_ranks(launch.ranks, threads, backend))
+                            cores=affinity.for_ranks(launch.ranks, threads, backend, cpu_bind),
+                            cpu_comm=cpu_comm)
     try:
         while not workers.finished:
             workers.poll()  # raises WorkerError for a rank that failed (e.g. rank 0 went away)
@@ -374,5 +389,6 @@ def follow_if_worker(config: EngineConfig) -> bool:
         return False
     log.info("node %d: running ranks %s until rank 0 shuts the group down", launch.node_rank,
              list(launch.ranks))
-    run_worker_node(launch, device=device, timeout_s=timeout_s or DEFAULT_TIMEOUT_S, threads=threads)
+    run_worker_node(launch, device=device, timeout_s=timeout_s or DEFAULT_TIMEOUT_S, threads=threads,
+                    cpu_bind=config.cpu_bind, cpu_comm=config.cpu_comm)
     return True

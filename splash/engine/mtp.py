@@ -17,6 +17,9 @@ ever change which rows are verified, never a token: a request the draft phase sk
 left from a rejected chain) costs acceptance, not correctness. The chain's pages are grown here (it
 writes past the accepted rows), never by preempting anyone: a request whose pages cannot grow drafts
 fewer tokens.
+
+A finished request is drafted too where a stage kept its pages for it (`keep`: a PD prefill, whose
+last chunk's draft KV and first chain go to the decode side, splash/engine/stages/pd.py).
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ class MtpDrafter:
     def __init__(self, scheduler: Any, runner: Any, can_speculate: Callable[[Any], int]) -> None:
         self.scheduler, self.runner = scheduler, runner
         self.can_speculate = can_speculate  # seq -> drafts it may take next step (0: none)
+        self.drafts: dict[Any, list[int]] = {}  # sequence -> the chain of the last draft phase, until taken
+        # finished sequences drafted anyway this step: sequence -> (its kept page table, slot, chain length)
+        self.keep: dict[Any, tuple[list[list[int]], int, int]] = {}
         scheduler.proposer = self.propose
 
     def propose(self, seq: Any, room: int) -> list[int]:
         """The drafts the last draft phase chained for `seq` (once), cut to `room`."""
-        d, seq.next_draft = seq.next_draft, []
-        return d[:room]
+        return self.drafts.pop(seq, [])[:room]
 
     def after_step(self, st: Any) -> None:
         """Run the draft phase for the step `st` just completed (its acceptance already counted)."""
@@ -52,19 +57,19 @@ class MtpDrafter:
         row = 0
         for seq, sl in zip(st.seqs, st.plan.seqs):
             first, row = row, row + sl.num_new
-            seq.next_draft = []
-            end = seq.num_computed
-            if seq.status is not SeqStatus.RUNNING or not seq.pages or end <= sl.start \
+            self.drafts.pop(seq, None)
+            end, kept = seq.num_computed, self.keep.get(seq)
+            pages, slot = (seq.pages, seq.slot) if kept is None else kept[:2]
+            if (seq.status is not SeqStatus.RUNNING and kept is None) or not pages or end <= sl.start \
                     or seq.num_tokens <= end:
                 continue  # finished, preempted, or nothing final (the next token is not known yet)
-            k = self.can_speculate(seq) if seq.num_tokens == end + 1 else 0
+            k = (self.can_speculate(seq) if kept is None else kept[2]) if seq.num_tokens == end + 1 else 0
             k = min(k, self.scheduler.cfg.max_model_len - seq.num_tokens)
-            while k > 1 and not alloc.can_grow(seq.pages, end + k - 1, seq.owner):
+            while k > 1 and not alloc.can_grow(pages, end + k - 1, seq.owner):
                 k -= 1  # (its chain writes the draft KV of positions end .. end + k - 2)
             if k > 1:
-                alloc.grow(seq.pages, end + k - 1, seq.owner)
-            slices.append(SeqSlice(seq.seq_id, sl.start, end - sl.start, seq.owner, seq.pages, False,
-                                   seq.slot))
+                alloc.grow(pages, end + k - 1, seq.owner)
+            slices.append(SeqSlice(seq.seq_id, sl.start, end - sl.start, seq.owner, pages, False, slot))
             ids.extend(seq.token_slice(sl.start + 1, end + 1))
             src.append(first)
             chain.append(max(k, 0))
@@ -78,4 +83,4 @@ class MtpDrafter:
         if out is None:
             return
         for seq, n, row_ids in zip(chained, (n for n in chain if n > 0), out.tolist()):
-            seq.next_draft = row_ids[:n]
+            self.drafts[seq] = row_ids[:n]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,9 +19,39 @@ from splash.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from splash.engine.detokenizer import IncrementalDetokenizer
-
 _seq_ids = itertools.count()
+
+
+def prompt_ids(prompt: str | None, ids: Any, tokenizer: Any, vocab_size: int | None, max_model_len: int,
+               pool_tokens: int) -> list[int]:
+    """A request's prompt as a list of token ids (`ids`: a list, numpy array or tensor; else `prompt`
+    encoded), or ValueError saying what is wrong: nothing given, not integers, empty, outside the
+    vocabulary, or too long for the model's context or for the whole KV pool (it could never run)."""
+    if ids is None:
+        if prompt is None:
+            raise ValueError("give a prompt (text) or prompt_token_ids")
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
+        ids = tokenizer.encode(prompt)
+    if hasattr(ids, "tolist"):  # a numpy array or a tensor of ids
+        ids = ids.tolist()
+    odd = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if odd:
+        raise ValueError(f"prompt_token_ids must be integers, got {odd[0]!r}")  # (1.7 was cut to 1)
+    out = [int(t) for t in ids]
+    if not out:
+        raise ValueError("the prompt is empty; give at least one token")
+    if vocab_size is not None:
+        bad = next((t for t in out if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(out) >= max_model_len:
+        raise ValueError(f"the prompt has {len(out)} tokens but the model's context is "
+                         f"{max_model_len}; nothing could be generated. Shorten the prompt.")
+    if len(out) >= pool_tokens:
+        raise ValueError(f"the prompt has {len(out)} tokens but the whole KV pool holds {pool_tokens}; it "
+                         f"can never run. Shorten the prompt or give more memory per rank.")
+    return out
 
 
 class SeqStatus(enum.Enum):
@@ -35,7 +66,10 @@ class SeqStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One generated sequence: its tokens, KV page table and progress through the cache."""
+    """One generated sequence: what every request has - its tokens, KV page table and progress through the
+    cache, owner, status. What a feature keeps per sequence (detokenizer, grammar matcher, logprobs, drafts,
+    routed experts, counters) lives in that feature's stage, keyed by the sequence
+    (splash/engine/stages/); hashed by identity (`eq=False`)."""
 
     group: Request
     index: int  # position among the request's n sequences
@@ -48,40 +82,15 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    generator: torch.Generator | None = None
-    detok: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None  # its own random draws (a seeded request), else None
     num_preemptions: int = 0
-    prompt_high: int = 0  # prompt tokens computed at least once (for the prompt-token counter)
-    routing: list[tuple[int, Any]] | None = None  # (start position, expert ids [n, layers, k]) chunks
-    top_p_ids: list[list[int]] | None = None  # per generated token, the kept set it was drawn from
     # prefix cache (splash/kv/prefix.py): chain keys of its full pages so far, the block (or None: a
-    # private page) behind each of its first pages, and the prompt tokens its last admission reused
+    # private page) behind each of its first pages, and the prompt tokens its last admission reused.
+    # KV state like `pages` (the scheduler reads them at every admission and page it completes).
     block_keys: list[bytes] = field(default_factory=list)
     cached_blocks: list[Any] = field(default_factory=list)
     num_cached_tokens: int = 0
     cache_epoch: int = 0  # the prefix cache's epoch at admission: it registers pages only in that one
-    guide: Any = None  # structured outputs: its grammar matcher (splash/engine/grammar.py), else None
-    draft: list[int] = field(default_factory=list)  # drafts the step being run verifies (spec.py)
-    next_draft: list[int] = field(default_factory=list)  # MTP drafts for its next step (engine/mtp.py)
-    spec_verify_ct: int = 0  # verify steps it took part in (SGLang's meta_info name)
-    spec_accepted: int = 0  # drafts accepted in them
-    spec_rejected: int = 0  # verifies that stopped at a rejected draft (the depth policy's estimate)
-
-    def keep_routing(self, start: int, ids: Any) -> None:
-        """Routed experts of positions start.. (a recompute after preemption replaces later ones)."""
-        if self.routing and self.routing[-1][0] + len(self.routing[-1][1]) == start:
-            self.routing.append((start, ids))  # the usual case: the next positions, in order
-            return
-        chunks = [(s, c[:max(0, start - s)]) for s, c in (self.routing or []) if s < start]
-        self.routing = [x for x in chunks if len(x[1])] + [(start, ids)]
-
-    def routed_experts(self) -> Any:
-        if not self.routing:
-            return None
-        import torch
-
-        return torch.cat([c for _, c in self.routing])
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -115,20 +124,11 @@ class Sequence:
         self.finish_reason = reason
         self.stop_reason = stop_reason
 
-    def completion(self) -> CompletionOutput:
-        """A snapshot for the user (lists copied so later steps do not mutate it)."""
-        text = self.detok.visible_text(self.status.done) if self.detok else ""
-        return CompletionOutput(
-            index=self.index,
-            token_ids=list(self.output_token_ids),
-            text=text,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            routed_experts=self.routed_experts() if self.status.done and self.routing else None,
-            top_p_token_ids=list(self.top_p_ids) if self.top_p_ids is not None else None,
-            spec_verify_ct=self.spec_verify_ct,
-        )
+    def completion(self, **fields: Any) -> CompletionOutput:
+        """A snapshot for the user (lists copied so later steps do not mutate it); `fields`: what the
+        engine's stages add (text, logprobs, routed experts, ...)."""
+        return CompletionOutput(index=self.index, token_ids=list(self.output_token_ids),
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason, **fields)
 
 
 @dataclass(eq=False)
@@ -142,10 +142,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
-    # SamplingParams.prompt_logprobs: per prompt position {token: logprob} (None where not computed: position
-    # 0, before the start); the next position a prefill row may fill (splash/engine/prompt_logprobs.py)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    prompt_lp_next: int = 0
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -155,14 +151,15 @@ class Request:
     def finished(self) -> bool:
         return all(s.status.done for s in self.seqs)
 
-    def output(self) -> RequestOutput:
+    def output(self, outputs: list[CompletionOutput], **fields: Any) -> RequestOutput:
+        """A snapshot of the request from its sequences' snapshots; `fields`: what the stages add."""
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in self.seqs],
+            outputs=outputs,
             finished=self.finished,
             prompt=self.prompt,
             metrics=RequestMetrics(**vars(self.metrics)) if self.metrics else None,
             num_cached_tokens=max((s.num_cached_tokens for s in self.seqs), default=0),
-            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            **fields,
         )

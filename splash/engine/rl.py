@@ -1,8 +1,9 @@
 """What an RL trainer drives between rollouts: pause/continue, weight updates, memory release.
 
-`RLControl` is mixed into `LLMEngine` (rank 0). Every method runs between steps on the thread that
-steps the engine (the AsyncEngine posts them to its engine thread). Names follow SGLang's native API
-(`update_weights_from_disk`, `release_memory_occupation`, ...) and vLLM's (`sleep`, `wake_up`).
+`RLControl` is a part of `LLMEngine` (rank 0, `engine.rl`; the engine answers the same names). Every
+method runs between steps on the thread that steps the engine (the AsyncEngine posts them to its engine
+thread). Names follow SGLang's native API (`update_weights_from_disk`, `release_memory_occupation`, ...)
+and vLLM's (`sleep`, `wake_up`).
 
 While the engine is *held* - paused, or memory released - `step()` runs nothing: queued and retracted
 requests wait, new ones queue behind them, and everything resumes on `continue_generation()` /
@@ -35,30 +36,40 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class RLControl:
-    """Mixin of LLMEngine: needs `scheduler`, `requests`, `runner`, `allocator`, `abort_all`, `audit`."""
+    """The engine's RL controls (`engine.rl`): uses its `scheduler`, `runner`, `allocator`, `abort_all`
+    and `audit`. `NAMES`: what the engine answers for it (the names SGLang's and vLLM's callers use)."""
 
-    weight_version: str = "default"
-    checkpoint_path: str | None = None  # the checkpoint last loaded from disk (start or update)
-    _held: set[str]
-    _released: set[str]
+    NAMES = {n: n for n in (
+        "is_paused", "hold_reason", "weight_version", "checkpoint_path", "memory_saver", "num_weight_updates",
+        "pause_generation", "continue_generation", "retract_running", "flush_cache",
+        "update_weights_from_disk", "update_weights_from_tensors", "init_weights_update_group",
+        "update_weights_from_distributed", "destroy_weights_update_group", "release_memory_occupation",
+        "resume_memory_occupation", "rl_stats")}
 
-    def audit(self, where: str) -> None: ...  # LLMEngine's: prove the books (splash/kv/books.py)
-
-    def _rl_init(self, checkpoint_path: str | None = None) -> None:
-        self._held = set()
-        self._released = set()
+    def __init__(self, engine: Any, checkpoint_path: str | None = None) -> None:
+        self.engine = engine
+        self._held: set[str] = set()
+        self._released: set[str] = set()
         self.weight_version = "default"
-        self.checkpoint_path = checkpoint_path
+        self.checkpoint_path = checkpoint_path  # the checkpoint last loaded from disk (start or update)
         self.num_weight_updates = 0
         # Whether memory release is on (SGLang's --enable-memory-saver): `splash serve` and splash.Engine
         # start with it off as SGLang does, LLM (vLLM's sleep/wake_up) with it on.
         self.memory_saver = True
+
+    def audit(self, where: str) -> None:
+        self.engine.audit(where)  # prove the books (splash/kv/books.py)
 
     # ---- pause ----------------------------------------------------------------------------------
     @property
     def is_paused(self) -> bool:
         """No step runs (paused, or memory released); requests wait."""
         return bool(self._held)
+
+    @property
+    def kv_released(self) -> bool:
+        """The KV cache's memory is released: no page exists to hold, read or write into."""
+        return "kv_cache" in self._released
 
     def hold_reason(self) -> str | None:
         if "released" in self._held:
@@ -75,7 +86,7 @@ class RLControl:
             raise ValueError(f"pause mode {mode!r} is unknown; choose one of {', '.join(PAUSE_MODES)}")
         self._held.add("paused")
         if mode == "abort":
-            return self.abort_all()
+            return self.engine.abort_all()
         if mode == "retract":
             self.retract_running()
         self.audit(f"pause ({mode})")
@@ -86,7 +97,7 @@ class RLControl:
 
     def retract_running(self) -> int:
         """Move every running sequence back to the queue's front (pages freed, order kept)."""
-        sched = self.scheduler
+        sched = self.engine.scheduler
         running = list(sched.running)
         for seq in reversed(running):
             sched._preempt(seq)
@@ -97,11 +108,11 @@ class RLControl:
         flushing is refused (as SGLang does)."""
         # Only KV in use blocks a flush: requests queued without pages (new ones waiting out a pause, as
         # SGLang holds them outside its scheduler) lose nothing, so slime's pause -> flush -> update works.
-        live = len(self.scheduler.running)
+        live = len(self.engine.scheduler.running)
         if live:
             raise ValueError(f"cache not flushed: {live} running requests hold KV; wait for them, abort them "
                              f"or pause with mode abort or retract")
-        self.allocator.invalidate_cache()
+        self.engine.allocator.invalidate_cache()
         self.audit("flush_cache")
 
     # ---- weights --------------------------------------------------------------------------------
@@ -114,14 +125,14 @@ class RLControl:
         self.weight_version = str(version) if version is not None else str(self.num_weight_updates)
         # Cached prefixes hold the old weights' KV: never match them again (SGLang flushes too); KV of
         # live requests is theirs (see the module docstring), pages they share freed by the last one.
-        self.allocator.invalidate_cache()
+        self.engine.allocator.invalidate_cache()
         self.audit("a weight update")
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         """Load every weight from a checkpoint directory into the live layout on every rank (all or
         nothing; WeightUpdateError names what is wrong, and the old weights keep serving)."""
         self._check_weights_live()
-        op = disk_op(self, model_path)
+        op = disk_op(self.engine, model_path)
         self._run(op)
         self.checkpoint_path = op.args["path"]
         self._after_update(weight_version)
@@ -130,7 +141,7 @@ class RLControl:
         """Replace the named weights ({name: full tensor} or [(name, tensor)], checkpoint names and
         shapes) on every rank; the others keep their values."""
         self._check_weights_live()
-        self._run(tensors_op(self, named_tensors))
+        self._run(tensors_op(self.engine, named_tensors))
         self._after_update(weight_version)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -140,12 +151,12 @@ class RLControl:
         trainer and every engine rank have joined; `timeout_s` also bounds each later broadcast (a
         trainer may gather a bucket between posting an update and sending it)."""
         if backend is None:
-            backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
+            backend = "nccl" if self.engine.runner.device.type == "cuda" else "gloo"
         if backend not in ("gloo", "nccl"):
             raise WeightUpdateError(f"backend {backend!r} is not supported; use gloo (CPU) or nccl (GPU)")
-        if backend == "nccl" and self.runner.device.type != "cuda":
+        if backend == "nccl" and self.engine.runner.device.type != "cuda":
             raise WeightUpdateError("backend nccl needs an engine on CUDA; this one runs on CPU: use gloo")
-        world = self.allocator.world
+        world = self.engine.allocator.world
         if not isinstance(rank_offset, int) or not isinstance(world_size, int) or rank_offset < 1 \
                 or rank_offset + world > world_size:
             raise WeightUpdateError(f"the engine's {world} ranks need group ranks rank_offset.."
@@ -162,14 +173,14 @@ class RLControl:
                                         weight_version: str | None = None) -> None:
         """Receive the named full tensors the trainer broadcasts (from group rank 0, in this order)."""
         self._check_weights_live()
-        self._run(dist_op(self, list(names), list(dtypes), [list(s) for s in shapes], group_name))
+        self._run(dist_op(self.engine, list(names), list(dtypes), [list(s) for s in shapes], group_name))
         self._after_update(weight_version)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         self._run(WeightOp("destroy_group", {"group_name": group_name}))
 
     def _run(self, op: WeightOp) -> None:
-        reply = run_op(self, op)
+        reply = run_op(self.engine, op)
         if not reply.get("ok"):
             raise WeightUpdateError(reply.get("error") or "the ranks refused the operation")
 
@@ -184,7 +195,8 @@ class RLControl:
                              "(splash.Engine: enable_memory_saver=True), as SGLang needs")
         if "kv_cache" in tags:
             self.retract_running()
-            self.allocator.invalidate_cache()  # the pool's memory goes: nothing cached survives
+            self.engine.allocator.invalidate_cache()  # the pool's memory goes: nothing cached survives
+            self.engine.pd.release()  # prefill/decode: no transfer may land in memory about to go
         self._held.add("released")
         self._released |= set(tags)
         self._run(WeightOp("release", {"tags": tags, "backup": backup}))

@@ -18,14 +18,25 @@ at admission (no free slot: it stays queued), given back with its pages at finis
 Under DP/DOP each sequence is owned by one rank, chosen at admission: among the ranks whose free pages
 hold the sequence now, the one with the least *projected* KV - the pages its running sequences will
 need at prompt + max_tokens - so ranks stay balanced as requests grow, not just as they arrive.
+
+A decode engine of prefill/decode disaggregation (splash/engine/stages/pd.py) *parks* sequences: pages
+reserved for a prompt whose KV another engine writes, counted by the books, never scheduled, until the
+KV arrives (`admit_computed`: running, prompt computed). One aborted while parked *drains*: its pages
+stay held `drain_s` seconds, since a late write may still land in them.
+
+(Over ~450 lines on purpose: admission, owner choice, charging, preemption and the parked path all
+read and change the same page and charge books, which `book_errors` proves; split apart they would each
+need the others' internals.)
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
+from splash.config import EngineConfig
 from splash.engine.request import SeqStatus, Sequence
 from splash.kv.allocator import KVAllocator, balanced_owners, pages_for
 from splash.kv.books import Holder, book_errors
@@ -40,6 +51,8 @@ PREFIX_BALANCE = 16
 
 @dataclass
 class SchedulerConfig:
+    """The scheduler's bounds: the engine's are its resolved config's (`of`), tests give their own."""
+
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
@@ -53,6 +66,11 @@ class SchedulerConfig:
         v = self.long_prefill_token_threshold
         if not isinstance(v, int) or v < 0:
             raise ValueError(f"long_prefill_token_threshold must be 0 (off) or a positive integer, got {v!r}")
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> SchedulerConfig:
+        """The bounds of a resolved `EngineConfig` (`resolved`: every one filled), read by field name."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
     def chunk(self, pending: int, budget: int) -> int:
         """Rows a sequence with `pending` uncomputed tokens gets in a step with `budget` left."""
@@ -68,6 +86,8 @@ class ScheduledStep:
 
     plan: StepPlan
     seqs: list[Sequence]
+    # speculative decoding: the drafts each verify slice checks (after its known row), by sequence
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)
     executed: bool = False  # the ranks ran the plan (a failure after this cannot be undone on them)
 
     @property
@@ -95,6 +115,13 @@ class Scheduler:
         self.dropped: list[int] = []
         # Speculative decoding (splash/engine/spec.py): drafts for a decoding sequence, or None (off).
         self.proposer: Callable[[Sequence, int], list[int]] | None = None
+        # Prefill/decode disaggregation, decode side (splash/engine/stages/pd.py): sequences holding
+        # pages (and a slot) for a prompt whose KV another engine writes; neither queued nor scheduled.
+        self.parked: list[Sequence] = []
+        # ... and those aborted while parked: the other engine may still write into their pages, so they
+        # are held `drain_s` seconds more before they are reused (seq id -> (sequence, until)).
+        self.draining: dict[int, tuple[Sequence, float]] = {}
+        self.drain_s = 0.0
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     @property
@@ -117,6 +144,11 @@ class Scheduler:
         self.uncharge(seq)
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.parked:
+            self.parked.remove(seq)
+            if self.drain_s > 0:
+                self.draining[seq.seq_id] = (seq, time.monotonic() + self.drain_s)
+                return
         else:
             try:
                 self.waiting.remove(seq)
@@ -262,8 +294,9 @@ class Scheduler:
     # ---- the books ------------------------------------------------------------------------------
     def holders(self) -> dict[int, Holder]:
         """Every queued or running sequence's holdings, for the books (splash/kv/books.py)."""
+        drained = (seq for seq, _ in self.draining.values())
         return {s.seq_id: Holder(s.pages, s.owner, s.slot, s.cached_blocks)
-                for s in (*self.running, *self.waiting)}
+                for s in (*self.running, *self.waiting, *self.parked, *drained)}
 
     def book_errors(self) -> list[str]:
         """What disagrees in the allocator's books, or in the scheduler's own: a queued sequence holds
@@ -288,6 +321,53 @@ class Scheduler:
             errs.append(f"projected pages per owner {self.projected} != the charges {load}")
         return errs
 
+    # ---- prefill/decode disaggregation, decode side ----------------------------------------------
+    def reserve(self, seq: Sequence, headroom: int = 0) -> bool:
+        """Hold pages for `seq`'s prompt (and a KDA slot) while another engine writes its KV: parked,
+        not scheduled, until `admit_computed`. Only while `headroom` more pages stay free (room for the
+        running sequences to grow). False: no room now (try again after some step)."""
+        if self.draining:
+            self.expire()
+        owner = self._pick_owner(seq)
+        n = len(seq.prompt_token_ids)
+        if owner is None or not self.alloc.can_grow(self.alloc.empty_table(), n, owner, headroom):
+            return False
+        slots = self.alloc.slots
+        if slots is not None and slots.num_free == 0:
+            return False
+        seq.owner = owner
+        self.alloc.grow(seq.pages, n, owner)
+        if slots is not None:
+            seq.slot = slots.alloc()
+        seq.status = SeqStatus.RUNNING
+        self.parked.append(seq)
+        return True
+
+    def unpark(self, seq: Sequence) -> None:
+        """Forget that `seq` is parked (nothing will write into its pages any more): freeing it then
+        returns them at once, not after `drain_s`."""
+        self.parked.remove(seq)
+
+    def expire(self, now: float | None = None) -> None:
+        """Return the pages of drained sequences whose time is up (all of them with `now` = inf)."""
+        now = time.monotonic() if now is None else now
+        for sid, (seq, until) in list(self.draining.items()):
+            if until <= now:
+                del self.draining[sid]
+                self._release(seq)
+
+    def admit_computed(self, seq: Sequence) -> None:
+        """A parked sequence's KV arrived: it runs from here with its prompt computed. Its prompt pages
+        stay private (never offered to the prefix cache: their blocks were not computed here)."""
+        self.parked.remove(seq)
+        seq.num_computed = len(seq.prompt_token_ids)
+        cache = self.alloc.cache
+        if cache is not None:
+            seq.cached_blocks = [None] * (seq.num_computed // self.alloc.page_size)
+            seq.cache_epoch = cache.epoch
+        self.charge(seq)
+        self.running.append(seq)
+
     def _draft(self, seq: Sequence, k: int, budget: int) -> list[int]:
         """Drafts to verify with `seq`'s next row: only in decode (one known row), within the step's
         token budget and the context, and only where its pages can grow without preempting anyone."""
@@ -301,8 +381,11 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
+        if self.draining:
+            self.expire()
         budget = self.cfg.max_num_batched_tokens
         picked: list[tuple[Sequence, int]] = []
+        drafts: dict[Sequence, list[int]] = {}
         taken: set[int] = set()
         preempted = False
 
@@ -331,15 +414,17 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.draft = self._draft(seq, k, budget)
-            end = seq.num_computed + k + len(seq.draft)
+            draft = self._draft(seq, k, budget)
+            if draft:
+                drafts[seq] = draft
+            end = seq.num_computed + k + len(draft)
             self.alloc.shrink(seq.pages, end)  # (pages an earlier verify's rejected rows reached into)
             self.alloc.grow(seq.pages, end, seq.owner)
             if self.alloc.cache is not None:
                 self._offer(seq)
             picked.append((seq, k))
             taken.add(seq.seq_id)
-            budget -= k + len(seq.draft)
+            budget -= k + len(draft)
 
         # Admit queued sequences, oldest first; not in a step that had to preempt (they would thrash).
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
@@ -378,7 +463,6 @@ class Scheduler:
                 seq.num_computed = len(blocks) * self.alloc.page_size
                 seq.num_cached_tokens = seq.num_computed
             k = self.cfg.chunk(seq.num_tokens - seq.num_computed, budget)
-            seq.draft = []
             seq.owner = owner
             self.charge(seq)
             seq.status = SeqStatus.RUNNING
@@ -396,14 +480,15 @@ class Scheduler:
         for i, (seq, k) in enumerate(picked):
             start = seq.num_computed
             ids.extend(seq.token_slice(start, start + k))
-            if seq.draft:  # a verify slice: the last token and the drafts, logits for every row
-                ids.extend(seq.draft)
+            draft = drafts.get(seq, ())
+            if draft:  # a verify slice: the last token and the drafts, logits for every row
+                ids.extend(draft)
                 if num_sample is None:
                     num_sample = [1] * len(picked)
-                num_sample[i] = 1 + len(seq.draft)
+                num_sample[i] = 1 + len(draft)
             # `pages` is the sequence's live table, not a copy (rank 0 reads it while the step runs;
             # copying every table every step was O(pages)): later steps grow it, a release empties it.
-            slices.append(SeqSlice(req_id=seq.seq_id, start=start, num_new=k + len(seq.draft),
+            slices.append(SeqSlice(req_id=seq.seq_id, start=start, num_new=k + len(draft),
                                    owner=seq.owner, pages=seq.pages, sample=start + k == seq.num_tokens,
                                    slot=seq.slot))
         dropped: list[int] = []
@@ -412,14 +497,15 @@ class Scheduler:
         plan = StepPlan(step=self.step_no, layout=self.layout, input_ids=ids, seqs=slices, dropped=dropped,
                         num_sample=num_sample)
         self.step_no += 1
-        return ScheduledStep(plan=plan, seqs=[s for s, _ in picked])
+        return ScheduledStep(plan=plan, seqs=[s for s, _ in picked], drafts=drafts)
 
     def complete(self, step: ScheduledStep) -> None:
         """The step ran: its rows are now in the KV cache (and its full prefix pages ready to share). A
         verify slice counts its known row only; `accept` adds the drafts the sampler accepted."""
+        drafts = step.drafts
         for seq, sl in zip(step.seqs, step.plan.seqs):
             if seq.status is SeqStatus.RUNNING:
-                self._computed(seq, sl.start, sl.start + sl.num_new - len(seq.draft))
+                self._computed(seq, sl.start, sl.start + sl.num_new - len(drafts.get(seq, ())))
 
     def rewind(self, seq: Sequence, computed: int) -> None:
         """`seq`'s state from `computed` on is recomputed (a KDA hybrid's rejected drafts: its state was

@@ -18,7 +18,8 @@ before it in ways a batch of rows cannot see (a grammar, penalties, logit bias, 
 pending, top-p replay, routed experts) decode one token at a time. A KDA hybrid's verify rows advance
 its recurrent and conv state: the ranks snapshot the verify slices' slots as each layer first reads
 them, and on a rejection rank 0 has the snapshot put back and replays the known row, the accepted drafts
-and the new token as a chunk (`LLMEngine._verify`, `StatePool.arm_snapshot`).
+and the new token as a chunk (`Speculation.verify` in splash/engine/stages/speculation.py,
+`StatePool.arm_snapshot`).
 """
 
 from __future__ import annotations
@@ -149,11 +150,12 @@ class DepthPolicy:
     def prior(self) -> float:
         return (self.accepted + 2.0) / (self.accepted + self.rejected + 4.0)
 
-    def verified(self, seq: Any, drafts: int, accepted: int) -> None:
-        """Count one verify of `seq`: `accepted` of `drafts` drafts."""
+    def verified(self, rec: Any, drafts: int, accepted: int) -> None:
+        """Count one verify of a request (`rec`: its record, whose `spec_rejected` it counts too): `accepted`
+        of `drafts` drafts."""
         self.accepted += accepted
         self.rejected += int(accepted < drafts)
-        seq.spec_rejected += int(accepted < drafts)
+        rec.spec_rejected += int(accepted < drafts)
 
     @property
     def ratio(self) -> dict[tuple[int, int], float]:
@@ -188,7 +190,8 @@ class DepthPolicy:
         return out
 
     def decide(self, decoding: list[Any], other_rows: int, layout: str) -> int:
-        """The depth of the next step for these decoding sequences (and `other_rows` prefill rows)."""
+        """The depth of the next step for these decoding requests (their records: `spec_accepted`,
+        `spec_rejected`, `num_computed`) and `other_rows` prefill rows."""
         from splash.core.correction import bucket
         from splash.core.spec_depth import acceptance_rate, choose_depth, prices
 
@@ -239,21 +242,3 @@ class DepthPolicy:
         rs = self.samples.get(key, (deque(maxlen=self.KEEP), 0))[0]
         rs.append(measured_s / t)
         self.samples[key] = (rs, self.decisions)
-
-
-def attach_depth_policy(engine: Any, cfg: Any, dtype: Any, world: int) -> None:
-    """Give an engine with speculation on and `--speculative-policy auto` its DepthPolicy: the layout
-    policy's theta prior (--theta, or the device's default), margin and dwell."""
-    from splash.core.model_config import dtype_name
-    from splash.core.prior import load_or_default_theta
-    from splash.core.sizes import AttentionSizes
-    from splash.core.spec_depth import DepthConfig
-
-    c = engine.config
-    dt = dtype_name(dtype)
-    dev = getattr(getattr(engine.runner, "device", None), "type", "cpu")
-    theta, _ = load_or_default_theta(c.theta, world, cfg, dt, dev)
-    dcfg = DepthConfig(c.num_drafts, margin=c.switch_margin, min_dwell=c.min_dwell_steps,
-                       draft_layers=cfg.draft_layers)
-    kv = (getattr(engine, "info", None) or {}).get("kv_dtype") or dt  # the pool's element format
-    engine.depth = DepthPolicy(AttentionSizes(cfg, dt, kv), theta, dcfg)

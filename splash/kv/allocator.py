@@ -129,7 +129,7 @@ class KVAllocator:
     """
 
     def __init__(self, pages_per_rank: int | Sequence[int], page_size: int, world: int = 1,
-                 layout: str = "tp") -> None:
+                 layout: str | Layout = "tp") -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         counts = [pages_per_rank] * world if isinstance(pages_per_rank, int) else list(pages_per_rank)
@@ -156,7 +156,7 @@ class KVAllocator:
         return self._name
 
     @layout.setter
-    def layout(self, name: str) -> None:
+    def layout(self, name: str | Layout) -> None:
         self._row = Layout.named(name)
         self._name = self._row.value
 

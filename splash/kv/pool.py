@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import torch
 
+from splash.core.layouts import DEFAULT_PAGE_SIZE
 from splash.core.model_config import ConfigError, ModelConfig, dtype_name
 from splash.core.sizes import kv_bytes_per_token
 from splash.core.stores import Part, kv_format, token_stores
 from splash.kv.codec import Codec
 
 
-def format_of(kv_cache_dtype: str | None, dtype: torch.dtype) -> str:
-    """The pool's element format: `--kv-cache-dtype` (None or "auto": the model's dtype)."""
-    return dtype_name(dtype) if kv_cache_dtype in (None, "", "auto") else kv_format(kv_cache_dtype)
+def format_of(fmt: str | None, dtype: torch.dtype) -> str:
+    """The pool's element format: `fmt` as resolved once on rank 0 (`RuntimeSpec.kv_format`: "auto" is
+    never seen here), or None for the plain format of `dtype` (pools made by hand in tests, benchmarks)."""
+    if fmt == "auto":
+        raise ValueError("the KV element format 'auto' is resolved once (splash.engine.resolve."
+                         "element_format); pass the resolved format")
+    return dtype_name(dtype) if fmt is None else kv_format(fmt)
 
 
 def key_slots(pages: torch.Tensor, ctx_len: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +91,7 @@ class KVPool:
     def for_model(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32,
                   device: torch.device | str | None = None, kv_cache_dtype: str | None = None) -> KVPool:
         """A pool holding every per-token store of `cfg` (the latent, and the indexer keys of a DSA model)
-        in the element format `kv_cache_dtype` (None/"auto": the model's dtype)."""
+        in the element format `kv_cache_dtype` (resolved; None: the plain format of `dtype`)."""
         ts = token_stores(cfg)
         layers = {s.name: tuple(s.layers) for s in ts if not s.base}
         for s in ts:  # a store kept in another's tensor: its layers are that tensor's extra rows
@@ -116,7 +121,7 @@ class KVPool:
         return int(budget_bytes // cls.bytes_per_page(cfg, page_size, dtype, kv_cache_dtype))
 
     @classmethod
-    def from_budget(cls, cfg: ModelConfig, budget_bytes: int, page_size: int = 16,
+    def from_budget(cls, cfg: ModelConfig, budget_bytes: int, page_size: int = DEFAULT_PAGE_SIZE,
                     dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                     kv_cache_dtype: str | None = None) -> KVPool:
         """As many whole pages as `budget_bytes` holds (all layers of a token count together)."""

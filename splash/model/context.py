@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from splash.core.layouts import DEFAULT_PAGE_SIZE
 from splash.kv.pool import key_slots
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class SliceCtx:
 
     def __init__(self, req_id: int, start: int, num_new: int, owner: int, sample: bool, row_start: int,
                  pages: torch.Tensor | None = None, all_pages: list[list[int]] | None = None,
-                 page_size: int = 16, *, table: tuple[torch.Tensor, int, int] | None = None,
+                 page_size: int = DEFAULT_PAGE_SIZE, *, table: tuple[torch.Tensor, int, int] | None = None,
                  slot: int = -1) -> None:
         if pages is None and table is None:
             raise ValueError("SliceCtx needs `pages` (or a row of a padded page table)")
@@ -111,7 +112,7 @@ class ForwardContext:
     write_slots: torch.Tensor | None = None  # ... and where (flat index into pool.layer(i).view(-1, D))
     page_table: torch.Tensor | None = None  # [B, W] this rank's tables of all slices, -1 padded
     max_end: int = 0  # longest context after this step (positions are all < max_end)
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     all_held: bool = False  # this rank holds every page of every slice (write_rows is then all rows)
     sparse: StepSparse | None = None  # DSA models: the step's index rows and top-k selections
     state: StateStep | None = None  # KDA models: which rows read which state slot (splash/kv/state.py)

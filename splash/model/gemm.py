@@ -9,14 +9,15 @@ or faster and is kept. vLLM's CPU engine reaches the same end through oneDNN.
 
 The float32 product rounds once to bf16 like the native kernel (which also accumulates in float32), so
 results agree to bf16 rounding (summation order aside); float32 and float64 models never take this
-path, so the float64 parity standard is untouched. `SPLASH_BF16_UPCAST=0` keeps the native kernels
-everywhere, `=1` forces the upcast on any CPU (measurements).
+path, so the float64 parity standard is untouched. `--bf16-upcast off` (`SPLASH_BF16_UPCAST=0`) keeps
+the native kernels everywhere, `on` (`=1`) forces the upcast on any CPU (measurements). The rule is the
+process's (every model module asks `upcasts`; a rank process serves one engine at a time): `set_upcast`
+sets it from the engine's config when a rank loads (splash/worker/load.py), "auto" until then.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import platform
 
 import torch
@@ -26,6 +27,8 @@ _HALF = (torch.bfloat16, torch.float16)
 LINEAR_ROWS = 8  # rows of a linear from which the float32 detour is faster (AVX2, measured above)
 BMM_ROWS = 16  # batch x rows of a batched product from which it is
 GROUPED_ROWS = 64  # rows of a grouped expert GEMM (each expert's weights cast once per call)
+UPCAST_MODES = ("auto", "on", "off")
+_mode = {"upcast": "auto"}  # set_upcast's: the process's rule (see the module docstring)
 
 
 def cpu_flags() -> list[str]:
@@ -48,13 +51,23 @@ def cpu_isa() -> str:
 
 
 @functools.cache
-def upcast_half() -> bool:
-    """Whether CPU bf16/fp16 GEMMs go through float32 (this CPU lacks native bf16 arithmetic)."""
-    env = os.environ.get("SPLASH_BF16_UPCAST", "").strip()
-    if env in ("0", "1"):
-        return env == "1"
+def _lacks_native_bf16() -> bool:
     flags = cpu_flags()
     return not any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+
+
+def set_upcast(mode: str) -> None:
+    """The engine's --bf16-upcast: "auto" (when the CPU lacks native bf16), "on" or "off"."""
+    if mode not in UPCAST_MODES:
+        raise ValueError(f"bf16 upcast must be one of {', '.join(UPCAST_MODES)}, got {mode!r}")
+    _mode["upcast"] = mode
+
+
+def upcast_half() -> bool:
+    """Whether CPU bf16/fp16 GEMMs go through float32 (this CPU lacks native bf16 arithmetic, or
+    `set_upcast` said so)."""
+    mode = _mode["upcast"]
+    return mode == "on" if mode != "auto" else _lacks_native_bf16()
 
 
 def upcasts(t: torch.Tensor, rows: int, bound: int) -> bool:

@@ -27,9 +27,14 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_MAX = 1 << 14  # rows x held experts up to which CUDA runs every expert on every row (`MoE._dense`)
 
 
-def _padded_rows(n: int, width: int, vec: int = 64, least: int = 8) -> int:
+# Fewest rows a router GEMM runs on: MKL's float32 GEMM sums in another order below ~4 rows on AVX2 and
+# below 16 rows on AVX-512 (measured: 1..15 rows differ from a long batch there, 16+ never did up to 600).
+MIN_ROUTER_ROWS = 16
+
+
+def _padded_rows(n: int, width: int, vec: int = 64, least: int = MIN_ROUTER_ROWS) -> int:
     """Smallest row count >= max(n, least) whose [rows, width] float32 tensor is whole 64-float vectors
-    (BLAS takes other code paths, with other summation orders, for fewer than ~4 rows)."""
+    (BLAS takes other code paths, with other summation orders, for a few rows: `MIN_ROUTER_ROWS`)."""
     step = vec // math.gcd(vec, width)
     return -(-max(n, least) // step) * step
 
@@ -78,7 +83,7 @@ class Router(nn.Module):
             # in float64 tests instead of ~1e-7.
             scores = F.linear(_pad(xf, _padded_rows(n, self.e)), weight).sigmoid()[:n]
         else:
-            logits = F.linear(_pad(xf, max(n, 8)), weight)[:n]
+            logits = F.linear(_pad(xf, max(n, MIN_ROUTER_ROWS)), weight)[:n]
             scores = logits.softmax(dim=-1, dtype=torch.float32)  # row-wise kernel: shape-independent
         per = self.e // self.groups
         limited = self.topk_group < self.groups  # else every group is allowed: no mask to build

@@ -23,6 +23,7 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
+from splash import env
 from splash.core.model_config import ConfigError, ModelConfig
 from splash.core.presets import PRESETS
 
@@ -293,7 +294,8 @@ def _dump(path: str, obj: dict) -> None:
 
 
 def cache_dir() -> str:
-    return os.environ.get("SPLASH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "splash")
+    """Where built-in models, tokenizers and compiled kernels are cached ($SPLASH_CACHE, splash/env.py)."""
+    return env.text("SPLASH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "splash")
 
 
 def write_builtin_model(path: str | os.PathLike[str], name: str = "tiny", seed: int = 0) -> str:

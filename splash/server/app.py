@@ -146,6 +146,8 @@ def create_app(engine: Any, model_name: str | None = None, api_key: str | None =
     serving = Serving(engine, name, metrics)
     app.state.serving = serving
     app.state.metrics = metrics
+    if hasattr(serving.pd, "refused"):  # a prefill: a refused request fails its room at once
+        app.state.on_refused = serving.pd.refused
 
     def card() -> ModelCard:
         return ModelCard(id=name, root=str(getattr(engine, "model_name", name)),
@@ -184,6 +186,8 @@ def create_app(engine: Any, model_name: str | None = None, api_key: str | None =
     async def prometheus() -> Response:
         # stats() may take the engine's lock; keep it off the event loop.
         stats = await run_in_threadpool(engine.stats)
+        if serving.pd is not None:  # the prefill's rooms waiting for their decode (splash/server/pd_rooms.py)
+            stats = {**stats, **serving.pd.stats()}
         metrics.refresh(stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

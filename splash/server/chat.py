@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from splash.engine.outputs import CompletionOutput
 from splash.server.chat_parse import ChatPlan, ChoiceParser, plan_chat
 from splash.server.errors import APIError
+from splash.server.pd import bootstraps
 from splash.server.protocol import (
     ChatChoice,
     ChatChoiceLogProbs,
@@ -71,16 +73,17 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, max_tokens, top, structured=plan.structured,
                                      skip_special_tokens=False if plan.parses else None)
+    boots = bootstraps(req, 1)  # prefill/decode disaggregation (splash/server/pd.py)
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
-        return sse_response(_stream(serving, req, plan, prompt, params, rid, created))
-    return await until_disconnect(request, _full(serving, req, plan, prompt, params, rid, created))
+        return sse_response(_stream(serving, req, plan, prompt, params, rid, created, boots))
+    return await until_disconnect(request, _full(serving, req, plan, prompt, params, rid, created, boots))
 
 
 async def _full(serving: Serving, req: ChatCompletionRequest, plan: ChatPlan, prompt, params, rid: str,
-                created: int) -> JSONResponse:
+                created: int, boots: list[Any] | None = None) -> JSONResponse:
     final = None
-    async with contextlib.aclosing(serving.generate([prompt], [params], rid)) as gen:
+    async with contextlib.aclosing(serving.generate([prompt], [params], rid, boots=boots)) as gen:
         async for _, out in gen:
             if out.finished:
                 final = out
@@ -108,7 +111,7 @@ async def _full(serving: Serving, req: ChatCompletionRequest, plan: ChatPlan, pr
 
 
 async def _stream(serving: Serving, req: ChatCompletionRequest, plan: ChatPlan, prompt, params, rid: str,
-                  created: int) -> AsyncIterator[str]:
+                  created: int, boots: list[Any] | None = None) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
@@ -125,7 +128,7 @@ async def _stream(serving: Serving, req: ChatCompletionRequest, plan: ChatPlan, 
     first = {"prompt_token_ids": list(prompt)} if req.return_token_ids else None
     for i in range(req.n):
         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")), first)
-    async with contextlib.aclosing(serving.generate([prompt], [params], rid)) as gen:
+    async with contextlib.aclosing(serving.generate([prompt], [params], rid, boots=boots)) as gen:
         async for _, out in gen:
             completion_tokens = sum(len(o.token_ids) for o in out.outputs)
             cached = out.num_cached_tokens

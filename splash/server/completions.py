@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from splash.engine.outputs import CompletionOutput, RequestOutput
 from splash.server.errors import APIError
 from splash.server.guides import structured_from
+from splash.server.pd import bootstraps
 from splash.server.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -100,10 +101,11 @@ async def create_completion(serving: Serving, req: CompletionRequest, request: R
     params = [serving.sampling_params(req, m, req.logprobs, prompt_logprobs=scored, structured=structured)
               for m in budgets]
     echo = _prompt_texts(serving, req.prompt, prompts) if req.echo else None
+    boots = bootstraps(req, len(prompts))  # prefill/decode disaggregation (splash/server/pd.py)
     rid, created = new_id("cmpl"), int(time.time())
     if req.stream:
-        return sse_response(_stream(serving, req, prompts, params, rid, created, echo))
-    return await until_disconnect(request, _full(serving, req, prompts, params, rid, created, echo))
+        return sse_response(_stream(serving, req, prompts, params, rid, created, echo, boots))
+    return await until_disconnect(request, _full(serving, req, prompts, params, rid, created, echo, boots))
 
 
 def _generated(req: CompletionRequest, o: CompletionOutput) -> CompletionOutput:
@@ -115,9 +117,9 @@ def _generated(req: CompletionRequest, o: CompletionOutput) -> CompletionOutput:
 
 
 async def _full(serving: Serving, req: CompletionRequest, prompts, params, rid: str, created: int,
-                echo: list[str] | None) -> JSONResponse:
+                echo: list[str] | None, boots: list[Any] | None = None) -> JSONResponse:
     final = {}
-    async with contextlib.aclosing(serving.generate(prompts, params, rid)) as gen:
+    async with contextlib.aclosing(serving.generate(prompts, params, rid, boots=boots)) as gen:
         async for i, out in gen:
             if out.finished:
                 final[i] = out
@@ -149,7 +151,7 @@ async def _full(serving: Serving, req: CompletionRequest, prompts, params, rid: 
 
 
 async def _stream(serving: Serving, req: CompletionRequest, prompts, params, rid: str, created: int,
-                  echo: list[str] | None) -> AsyncIterator[str]:
+                  echo: list[str] | None, boots: list[Any] | None = None) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     n = req.n
     sent_text: dict[int, int] = {}
@@ -162,7 +164,7 @@ async def _stream(serving: Serving, req: CompletionRequest, prompts, params, rid
         return sse(stream_chunk("text_completion", rid, created, serving.model_name, [choice], None,
                                 include_usage))
 
-    async with contextlib.aclosing(serving.generate(prompts, params, rid)) as gen:
+    async with contextlib.aclosing(serving.generate(prompts, params, rid, boots=boots)) as gen:
         async for i, out in gen:
             outs = [_generated(req, o) for o in out.outputs]
             tokens_by_prompt[i] = sum(len(o.token_ids) for o in outs)

@@ -89,16 +89,30 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(f"invalid value for '{param}': {msg}", param=param, code="invalid_value")
 
 
+async def _tell(request: Request, exc: APIError) -> None:
+    """A refused request's listener, if the app has one (`app.state.on_refused`: a prefill server tells
+    the decode waiting on the request's bootstrap room at once, rather than after a timeout)."""
+    hook = getattr(request.app.state, "on_refused", None)
+    if hook is not None:
+        try:
+            await hook(request, exc)
+        except Exception:  # noqa: BLE001 - the refusal itself still answers
+            log.debug("on_refused hook failed", exc_info=True)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error path through the OpenAI error shape."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        await _tell(request, exc)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc)
+        await _tell(request, err)
+        return err.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -90,6 +90,15 @@ class ServerMetrics:
                                 "Drafts per decoding request the next step verifies (0: speculation off; "
                                 "the depth policy's choice under --speculative-policy auto).", lbl,
                                 registry=r).labels(m)
+        self.pd_waiting = Gauge("splash:pd_requests_waiting_for_kv",
+                                "PD decode: requests with pages reserved, waiting for their KV.", lbl,
+                                registry=r).labels(m)
+        self.pd_inflight = Gauge("splash:pd_prefills_inflight",
+                                 "PD prefill: requests prefilling or transferring their KV.", lbl,
+                                 registry=r).labels(m)
+        self.pd_bootstrapping = Gauge("splash:pd_rooms_bootstrapping",
+                                      "PD prefill: requests held until their decode's destination arrives.",
+                                      lbl, registry=r).labels(m)
         self.distinct = Gauge("splash:kv_distinct_tokens",
                               "Distinct KV tokens the group can hold under the current layout.", lbl,
                               registry=r).labels(m)
@@ -119,6 +128,9 @@ class ServerMetrics:
                             (self.slots_used, ("state_slots_used",)),
                             (self.slots_total, ("state_slots_total",)),
                             (self.spec_depth, ("speculative_depth",)),
+                            (self.pd_waiting, ("pd_waiting_for_kv",)),
+                            (self.pd_inflight, ("pd_prefill_inflight",)),
+                            (self.pd_bootstrapping, ("pd_rooms_bootstrapping",)),
                             # The allocator's pool_tokens() already counts distinct tokens of the
                             # group under the current layout (TP: one rank's pool; DP/CP: the sum).
                             (self.distinct, ("kv_distinct_tokens", "kv_pool_tokens"))):
@@ -164,7 +176,16 @@ class _EngineCounters(Collector):
               ("splash:spec_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
               ("splash:spec_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted."),
               ("splash:spec_depth_changes", "spec_depth_changes",
-               "Times the depth policy changed the speculation depth."))
+               "Times the depth policy changed the speculation depth."),
+              # prefill/decode disaggregation (splash/engine/stages/pd.py): a prefill counts what it sent,
+              # a decode what it received
+              ("splash:kv_transfer_bytes", "kv_transfer_bytes_total",
+               "PD: KV bytes moved by the transfer engine (sent on a prefill, received on a decode)."),
+              ("splash:kv_transfer_seconds", "kv_transfer_seconds_total",
+               "PD: seconds spent in KV transfers."),
+              ("splash:kv_transfers", "kv_transfers_total", "PD: KV transfers (one per request)."),
+              ("splash:kv_transfer_failures", "kv_transfer_failures_total",
+               "PD: requests whose KV transfer or handshake failed."))
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name

@@ -30,6 +30,7 @@ from splash.engine.sampling import SamplingParams
 from splash.server.errors import APIError
 from splash.server.guides import control_fields, structured_from
 from splash.server.native_protocol import AbortRequest, GenerateRequest, NativeSamplingParams, PauseRequest
+from splash.server.pd import bootstraps
 from splash.server.serving import Serving, finite
 from splash.server.streaming import DONE, sse, sse_response, until_disconnect
 
@@ -89,6 +90,7 @@ class _Batch:
             self.ids = _listify(req.rid, n, "rid")
         if len(set(self.ids)) != len(self.ids) or any(not i for i in self.ids):
             raise APIError("request ids ('rid') must be unique and non-empty", param="rid")
+        self.boots = bootstraps(req, n)  # prefill/decode disaggregation (splash/server/pd.py)
         self.t0 = time.time()
 
     def _params(self, prompt: list[int], sp: NativeSamplingParams, want_lp: bool, k: int, start: int
@@ -270,7 +272,8 @@ async def batch(serving: Serving, req: GenerateRequest) -> _Batch:
 async def result(b: _Batch) -> dict[str, Any] | list[dict[str, Any]]:
     """The finished response body: one object, or a list for a batch or n > 1 (splash.Engine returns it)."""
     final: dict[int, RequestOutput] = {}
-    async with contextlib.aclosing(b.serving.generate(b.prompts, b.params, "", ids=b.ids)) as gen:
+    gen_ = b.serving.generate(b.prompts, b.params, "", ids=b.ids, boots=b.boots)
+    async with contextlib.aclosing(gen_) as gen:
         async for i, out in gen:
             if out.finished:
                 final[i] = out
@@ -286,7 +289,8 @@ async def _full(b: _Batch) -> JSONResponse:
 async def objects(b: _Batch) -> AsyncIterator[dict[str, Any]]:
     """The streamed objects: cumulative, one whenever a sequence grew or finished."""
     sent: dict[tuple[int, int], tuple[int, bool]] = {}
-    async with contextlib.aclosing(b.serving.generate(b.prompts, b.params, "", ids=b.ids)) as gen:
+    gen_ = b.serving.generate(b.prompts, b.params, "", ids=b.ids, boots=b.boots)
+    async with contextlib.aclosing(gen_) as gen:
         async for i, out in gen:
             for o in out.outputs:
                 state = (len(o.token_ids), o.finish_reason is not None)

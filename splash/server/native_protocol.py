@@ -81,6 +81,11 @@ class GenerateRequest(_Native):
     stream: bool = False
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0)  # routed experts of positions [start, seqlen - 1)
+    # prefill/decode disaggregation (sglang-router's PD mode adds them; one per prompt for a batch):
+    # where the prefill's bootstrap server is and the room that pairs the two halves of a request
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | None | list[int | None] = None
+    bootstrap_room: int | list[int] | None = None
     model: str | None = None  # sglang-router forwards it (null unless the client set it): this server's name
     # SGLang's logging switches (sglang-router sends both on every request); splash logs no single request
     log_metrics: bool = True

@@ -54,6 +54,10 @@ class _SamplingFields(_Request):
     no_stop_trim: bool = False  # SGLang's name for the same (sglang-router sends it on every request)
     return_hidden_states: bool = False  # SGLang's; only false (sglang-router sends it)
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids (streamed too)
+    # prefill/decode disaggregation (sglang-router's PD mode; lists for a batch of prompts): SGLang's fields
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | None | list[int | None] = None
+    bootstrap_room: int | list[int] | None = None
     # Structured outputs: OpenAI's response_format; vLLM's structured_outputs (json, regex, choice, grammar,
     # json_object, structural_tag) and its older guided_* names; SGLang's regex / ebnf / json_schema.
     response_format: dict[str, Any] | None = None

@@ -6,7 +6,7 @@ slime's `--rollout-external` compares its own launch options with the server's i
 for an idle engine by polling `/v1/loads?include=core`; SGLang's router (sglang-router) polls `/get_load`
 for its power-of-two policy and its own `/get_loads`. Every value here is what splash does: a flag
 splash has no counterpart for is reported only where SGLang's default describes splash's behaviour
-(no PD disaggregation, no remote code, one scheduler), and left out otherwise; speculative decoding
+(no remote code, one scheduler), and left out otherwise; speculative decoding
 reports its algorithm (NGRAM) and draft count when on.
 The live layout has no SGLang flag; splash's own keys (`layout`, `layout_mode`, ...) sit beside these.
 """
@@ -77,7 +77,7 @@ def server_args(engine: Any, stats: dict[str, Any], model_name: str, launch: dic
         "speculative_num_draft_tokens": stats.get("speculative_num_draft_tokens"),
         "speculative_policy": stats.get("speculative_policy"),
         "speculative_depth": stats.get("speculative_depth"),
-        "disaggregation_mode": "null", "encoder_only": False, "enable_metrics": True,
+        **pd_args(getattr(eng, "config", None)), "encoder_only": False, "enable_metrics": True,
         "skip_server_warmup": True,
         "weight_version": getattr(eng, "weight_version", "default"),
         # the chat front end: the template's kind (jinja | deepseek_v32 | plain | None: no chat format, and
@@ -88,6 +88,19 @@ def server_args(engine: Any, stats: dict[str, Any], model_name: str, launch: dic
     for k, v in (launch or {}).items():  # host, port, dist_init_addr as the server was started
         if v is not None:
             out[k] = v
+    return out
+
+
+def pd_args(config: Any) -> dict[str, Any]:
+    """SGLang's disaggregation fields: the mode (sglang-router reads it at registration), the transfer
+    backend and the prefill's bootstrap port."""
+    mode = getattr(config, "disaggregation_mode", "null")
+    out: dict[str, Any] = {"disaggregation_mode": mode}
+    if mode != "null":
+        out.update(disaggregation_transfer_backend=config.disaggregation_transfer_backend,
+                   disaggregation_bootstrap_port=config.disaggregation_bootstrap_port,
+                   disaggregation_decode_enable_radix_cache=config.disaggregation_decode_enable_radix_cache,
+                   num_reserved_decode_tokens=config.num_reserved_decode_tokens)
     return out
 
 

@@ -68,6 +68,9 @@ class Serving:
         self.reasoning_parser: str | None = (getattr(config, "reasoning_parser", None)
                                              or detect_reasoning_parser(template, model_type))
         self.grammar_enabled = getattr(config, "grammar_backend", "xgrammar") != "none"
+        from splash.server.pd import role_for
+
+        self.pd: Any = role_for(engine)  # prefill/decode disaggregation: this server's half (None: colocated)
 
     # ---- checks ---------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -280,9 +283,11 @@ class Serving:
 
     # ---- running --------------------------------------------------------------------------------
     async def generate(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str,
-                       ids: list[str] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                       ids: list[str] | None = None, boots: list[Any] | None = None
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one engine request per prompt; yield (prompt index, snapshot) as they arrive. `ids`
-        names the engine requests (the native API's `rid`), else they derive from `base_id`.
+        names the engine requests (the native API's `rid`), else they derive from `base_id`; `boots`
+        (splash/server/pd.py `bootstraps`) each prompt's prefill/decode bootstrap, if any.
 
         On any exit before all finish (client gone, error, cancellation) every unfinished request is
         aborted, which frees its KV pages.
@@ -291,8 +296,9 @@ class Serving:
             ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         for p in prompts:
             self.metrics.prompt_tokens.inc(len(p))
+        boots = boots if boots is not None and self.pd is not None else [None] * len(prompts)
         if len(prompts) == 1:
-            async with contextlib.aclosing(self._one(prompts[0], params[0], ids[0])) as g:
+            async with contextlib.aclosing(self._one(prompts[0], params[0], ids[0], boots[0])) as g:
                 async for out in g:
                     yield 0, out
             return
@@ -302,7 +308,7 @@ class Serving:
 
         async def pump(i: int) -> None:
             try:
-                async with contextlib.aclosing(self._one(prompts[i], params[i], ids[i])) as g:
+                async with contextlib.aclosing(self._one(prompts[i], params[i], ids[i], boots[i])) as g:
                     async for out in g:
                         await queue.put((i, out))
                 await queue.put((i, None))
@@ -328,10 +334,16 @@ class Serving:
             with _shielded():
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _one(self, prompt: list[int], params: SamplingParams, rid: str) -> AsyncIterator[RequestOutput]:
+    async def _one(self, prompt: list[int], params: SamplingParams, rid: str, boot: Any = None
+                   ) -> AsyncIterator[RequestOutput]:
         timer = RequestTimer(self.metrics)
         finished = False
-        gen = self.engine.generate(prompt, params, rid)
+        if boot is not None:  # this server's half of a disaggregated request
+            from splash.server.pd import run
+
+            gen = run(self.pd, prompt, params, rid, boot)
+        else:
+            gen = self.engine.generate(prompt, params, rid)
         try:
             async for out in gen:
                 timer.tokens_seen(sum(len(o.token_ids) for o in out.outputs))

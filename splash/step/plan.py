@@ -10,12 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from splash.core.layouts import LAYOUTS as CORE_LAYOUTS
+from splash.core.layouts import LAYOUT_NAMES as LAYOUTS  # the names plans carry ("tp", ...)
 
-LAYOUTS = tuple(lay.value for lay in CORE_LAYOUTS)  # the names plans carry ("tp", "dp", "cp", "dop")
 # Plan kinds. "forward" and "switch" (a forward step in which the layout switches) run the SPMD step
 # on every rank (STEP_KINDS, sent as step messages); the others are control messages of the rank group
-# (splash/worker/loop.py): "load" carries an EngineSpec in `payload` and
+# (splash/worker/loop.py): "load" carries the RuntimeSpec in `payload` and
 # makes every rank (re)build its model shard and KV pool, "unload" drops them, "stats" gathers each
 # rank's CommStats to rank 0, "tables" gathers each rank's page tables (tests, debugging), "shutdown"
 # ends the worker processes; "draft" (speculative decoding with MTP layers, after a step) runs the

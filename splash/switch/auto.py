@@ -73,7 +73,7 @@ class AutoLayout:
     decisions: Any
     # and, from the controller: distinct_tokens(dst), fitting(dsts, live, rows), _projected(seq)
 
-    def _init_policy(self, dtype: Any, margin: float, min_dwell: int, budget: bool) -> None:
+    def _init_policy(self, dtype: Any, margin: float, min_dwell: int) -> None:
         dt = dtype_name(dtype)
         self.sizes = AttentionSizes(self.cfg, dt, self.kv_dtype)
         P = self.alloc.page_size

@@ -28,19 +28,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from splash.config import EngineConfig, parse_schedule
 from splash.core.correction import describe
-from splash.core.model_config import ConfigError, dtype_name
-from splash.core.prior import load_or_default_theta
+from splash.core.model_config import ConfigError
 from splash.kv.allocator import request_capacity
-from splash.kv.pool import KVPool
+from splash.runtime_spec import RuntimeSpec
 from splash.step.plan import LAYOUTS, StepPlan
 from splash.switch import LiveRequest, SwitchPlanner, SwitchRefusal
 from splash.switch.auto import AutoLayout, LayoutDecision
 from splash.switch.plan import MODES
-from splash.switch.replicas import ReplicaPages, replica_pages
+from splash.switch.replicas import ReplicaPages
 from splash.switch.step import SwitchTiming
 
 log = logging.getLogger("splash.switch")
@@ -91,30 +87,30 @@ class SwitchEvent:
 class SwitchController(AutoLayout):
     """Rank 0's side of live switching for one engine (see the module docstring)."""
 
-    def __init__(self, engine: Any, cfg: Any, dtype: Any, *, schedule: Sequence[tuple[int, str]] = (),
-                 auto: bool = False, theta: Any = None, theta_source: str = "", margin: float = 0.05,
-                 min_dwell: int = 8, mode: str = "overlapped", weight_pages: Sequence[int] | None = None,
-                 budget: bool = False, history: int = 100_000) -> None:
-        if mode not in MODES:
-            raise ConfigError(f"--switch-mode must be one of {', '.join(MODES)}, got {mode!r}")
+    def __init__(self, engine: Any, spec: RuntimeSpec, *, weight_pages: Sequence[int] | None = None,
+                 history: int = 100_000) -> None:
+        """`engine`: its allocator and scheduler (and runner, for `auto`'s step clock); `spec`: the
+        model, dtype and element format, the schedule, `auto` and its theta, margin, dwell and mode;
+        `weight_pages`: pages per rank the projection replicas take in DP/CP (measured by the ranks
+        under a memory budget: `RankFacts.replica_pages`; None: none withheld)."""
+        c = spec.config
         self.engine = engine
         self.alloc = engine.allocator
         self.sched = engine.scheduler
-        self.cfg = cfg
+        self.cfg = spec.model
         self.world = self.alloc.world
-        self.mode = mode
-        self.schedule = deque(parse_schedule(schedule) if isinstance(schedule, str) else
-                              parse_schedule(list(schedule)))
+        self.mode = c.switch_mode
+        self.schedule = deque((n, lay.value) for n, lay in spec.schedule)
         # the pool's element format (--kv-cache-dtype): what a page weighs in every plan and policy
-        self.kv_dtype = (getattr(engine, "info", None) or {}).get("kv_dtype") or dtype_name(dtype)
-        self.planner = SwitchPlanner(cfg, self.alloc, dtype, self.kv_dtype)
+        self.kv_dtype = spec.kv_format
+        self.planner = SwitchPlanner(self.cfg, self.alloc, spec.dtype, self.kv_dtype)
         self.replicas = ReplicaPages(self.alloc, weight_pages, self.planner.page_bytes)
-        self.auto = auto
+        self.auto = spec.auto
         self.policy_cfg = None
-        self.theta, self.theta_source = theta, theta_source
+        self.theta, self.theta_source = spec.theta, spec.theta_source
         self.sizes = None
-        if auto:
-            self._init_policy(dtype, margin, min_dwell, budget)
+        if self.auto:
+            self._init_policy(spec.dtype, c.switch_margin, c.min_dwell_steps)
         self.pending: Any = None  # the SwitchPlan travelling with the current step
         self._pending_event: SwitchEvent | None = None
         self._requested: tuple[str, str | None] | None = None
@@ -130,8 +126,8 @@ class SwitchController(AutoLayout):
         self.switch_backs: dict[tuple[str, str], int] = {}  # the regret guard's switches back, committed
         self._switch_back: Any = None  # a guard Verdict asking to go back at the next step
         self.feedback: Any = None  # StepFeedback (auto): the step clock behind the online correction
-        if auto:
-            self._init_feedback(margin)
+        if self.auto:
+            self._init_feedback(c.switch_margin)
 
     @property
     def weight_pages(self) -> list[int]:
@@ -406,25 +402,3 @@ def holds_pages(pages: list[list[int]], owner: int = 0) -> bool:
     if first and first[0] >= 0:
         return True
     return any(row and (row[0] >= 0 or row[-1] >= 0 or max(row) >= 0) for row in pages)
-
-
-def attach_switching(engine: Any, cfg: Any, model: Any, config: EngineConfig) -> SwitchController:
-    """Give a T-rank engine its SwitchController (always: benchmarks `request()` switches too), from the
-    engine's resolved config: --layout auto (the policy, its theta prior, margin and dwell), the forced
-    schedule, the switch mode, and replica pages withheld when a memory budget sizes the pools."""
-    world = engine.allocator.world
-    wp = [0] * world
-    if config.memory_per_rank is not None and config.switching:
-        page_bytes = KVPool.bytes_per_page(cfg, engine.allocator.page_size, model.dtype,
-                                           config.kv_cache_dtype)
-        wp = [replica_pages(model, world, page_bytes)] * world
-    th, src = None, ""
-    if config.auto:
-        th, src = load_or_default_theta(config.theta, world, cfg, dtype_name(model.dtype),
-                                        torch.device(config.device or "cpu").type)
-    ctl = SwitchController(engine, cfg, model.dtype, schedule=config.schedule, auto=config.auto, theta=th,
-                           theta_source=src, margin=config.switch_margin, min_dwell=config.min_dwell_steps,
-                           mode=config.switch_mode, weight_pages=wp,
-                           budget=config.memory_per_rank is not None)
-    engine.switcher = ctl
-    return ctl

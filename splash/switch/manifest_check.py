@@ -9,7 +9,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from splash.core.layouts import Layout
 from splash.core.manifest import KVPages, Manifest
 from splash.switch.columns import Columns
 from splash.switch.plan import LiveRequest
@@ -115,7 +114,7 @@ def weight_op(man: Manifest, src: str, dst: str, T: int) -> str:
     moves, frees = man.weight_moves(), man.weight_frees()
     if not moves and not frees:
         return "keep"
-    if moves and not frees and Layout.named(src).sharded and not Layout.named(dst).sharded:
+    if moves and not frees and man.src.sharded and not man.dst.sharded:
         H = man.sizes.heads
         per = H // T
         got = {(m.proj, m.src, m.dst, h) for m in moves for h in range(m.start, m.stop)}
@@ -123,7 +122,7 @@ def weight_op(man: Manifest, src: str, dst: str, T: int) -> str:
                 if h // per != r}
         if got == want:
             return "gather"
-    if frees and not moves and not Layout.named(src).sharded and Layout.named(dst).sharded:
+    if frees and not moves and not man.src.sharded and man.dst.sharded:
         return "slice"
     raise RuntimeError(f"switch {src}->{dst}: the manifest's weight moves are neither an all-gather of head "
                        "slices nor a discard; the executor cannot run them")

@@ -160,7 +160,7 @@ class SwitchPlan:
     # KDA hybrids (else empty): the KDA layers, the KDA heads each rank holds before / after, and the
     # per-request state blocks every KDA layer moves alike: int64 [k, 4] rows (slot, KDA head, sender,
     # receiver) sorted by (sender, receiver, slot, head), and per rank the [k, 2] (slot, head) blocks it
-    # keeps; the core's set differences of `held_state` (splash/core/manifest.py).
+    # keeps; the core's set differences of `held_state` (splash/core/holdings.py).
     kda_layers: tuple[int, ...] = ()
     src_kda_heads: list[tuple[int, int]] = field(default_factory=list)
     dst_kda_heads: list[tuple[int, int]] = field(default_factory=list)

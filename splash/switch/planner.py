@@ -32,7 +32,6 @@ from splash.core.layouts import Layout
 from splash.core.manifest import Manifest, held_state, switch_manifest
 from splash.core.model_config import ModelConfig, dtype_name
 from splash.core.sizes import AttentionSizes
-from splash.core.stores import kv_format
 from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks
 from splash.step.plan import LAYOUTS
 from splash.switch.columns import Columns, first_bad, request_error, request_scalars
@@ -57,8 +56,9 @@ class SwitchPlanner:
         cfg.check_ranks(alloc.world)
         self.cfg, self.alloc = cfg, alloc
         self.dtype = dtype_name(dtype)
-        self.kv_dtype = kv_format(str(kv_dtype if kv_dtype is not None else dtype).removeprefix("torch."))
-        self.sizes = AttentionSizes(cfg, self.dtype, self.kv_dtype)  # one per planner: it memoises weights
+        # the pool's element format (resolved once: RuntimeSpec.kv_format; None: the plain dtype's)
+        self.sizes = AttentionSizes(cfg, self.dtype, self.dtype if kv_dtype is None else str(kv_dtype))
+        self.kv_dtype = self.sizes.kv_dtype  # (one per planner: it memoises weights)
         self._weight_ops: dict[tuple[object, ...], str] = {}
         T = alloc.world
         self.reserve = [int(reserve_pages)] * T if isinstance(reserve_pages, int) else list(reserve_pages)
@@ -113,7 +113,8 @@ class SwitchPlanner:
                              "requests each need one")
         cols = self.columns(live) if cols is None else cols
         free = self.alloc.num_free
-        owners = self._choose_owners(src, dst, live, cols, free)
+        src_l, dst_l = self.alloc.core_layout, Layout.named(dst)  # (the core's layouts, once per plan)
+        owners = self._choose_owners(src_l, dst_l, live, cols, free)
         if isinstance(owners, SwitchRefusal):
             return owners
 
@@ -132,13 +133,13 @@ class SwitchPlanner:
         frees = [old[r, gone[r]].tolist() for r in range(T)]
         new_l = fresh.sum(axis=1).tolist()
         growth_l = _growth(dst, own, cols.n, cols.final, T).tolist()
-        kept = Layout.named(src).owned  # source owners mean something (DP/DOP)
+        kept = src_l.owned  # source owners mean something (DP/DOP)
         first = cols.first_own.tolist()
         batch = [(req.context, req.owner if kept else 0, o, k) for req, o, k in zip(live, owners, first)]
         L = self.cfg.num_attn_layers  # (served MTP layers included: their weights and KV switch too)
         man, in_transit, w_growth = None, [0.0] * T, [0.0] * T
         if not dry_run or self.weight_headroom is not None:  # (only the weights check reads its bytes)
-            man = switch_manifest(self.sizes, Layout(src), Layout(dst), batch, T, P)
+            man = switch_manifest(self.sizes, src_l, dst_l, batch, T, P)
             in_transit = [float(x) for x in man.in_transit_bytes()]
             w_growth = [float((a - b) * L) for a, b in zip(man.weights.recv_bytes, man.weights.freed_bytes)]
         room = Headroom(total_pages=self.alloc.num_total, used_pages=self.alloc.num_used, new_pages=new_l,
@@ -270,11 +271,11 @@ class SwitchPlanner:
             self._weight_ops[key] = weight_op(man, src, dst, self.world)
         return self._weight_ops[key]
 
-    def _choose_owners(self, src: str, dst: str, live: Sequence[LiveRequest], cols: Columns,
+    def _choose_owners(self, src: Layout, dst: Layout, live: Sequence[LiveRequest], cols: Columns,
                        free: list[int]) -> list[int] | SwitchRefusal:
         """DP/DOP owners: kept from DP/DOP, else balanced by projected pages (LPT) where they fit."""
-        kept = Layout.named(src).owned
-        if not Layout.named(dst).owned or kept:
+        kept = src.owned
+        if not dst.owned or kept:
             return [req.owner if kept else 0 for req in live]
         avail = [f - r for f, r in zip(free, self.reserve)]
         # Requests sharing prefix pages go to one owner together (the page lives once, on it): the
@@ -289,9 +290,9 @@ class SwitchPlanner:
         got, stuck, left = balanced_owners(final.tolist(), lacks.astype(np.int64).tolist(), avail, ids)
         if stuck is not None:
             req = next(req for req, g in zip(live, group) if g == stuck)
-            return SwitchRefusal(src, dst, "owners", f"request {req.req_id} ({req.end} tokens, with the "
-                                 "requests sharing its prefix) fits on no rank as owner: free pages beyond "
-                                 f"the reserve {left}")
+            return SwitchRefusal(src.value, dst.value, "owners", f"request {req.req_id} ({req.end} tokens, "
+                                 "with the requests sharing its prefix) fits on no rank as owner: free pages "
+                                 f"beyond the reserve {left}")
         return [got[g] for g in group.tolist()]
 
 

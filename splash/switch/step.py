@@ -33,7 +33,7 @@ def run_switch_step(runner: Any, plan: StepPlan) -> torch.Tensor:
     sw = plan.payload
     comm = getattr(runner, "switch_comm", None) or runner.comm
     ex = SwitchExecutor(sw, runner.model, runner.pool, comm, state=getattr(runner, "state", None))
-    dst = make_layout(sw.dst, runner.layout.kernels)  # (the engine's KernelConfig, kept by the layout)
+    dst = make_layout(sw.dst, runner.kernels)  # (the rank's one Kernels: its state carries over)
     layout = SwitchLayout(ex, dst)
     # The context first (the step message has already replaced this rank's tables by the destination's):
     # building it zeroes the state slots of requests that start this step (KDA hybrids), and that must

@@ -23,17 +23,16 @@ Deterministic from the seed and the step count (fixed thread count, deterministi
 budget is turned into a step count once, from the speed of the first steps while the learning rate still
 warms up (train_info.json records it, and `steps=` that number replays the run exactly on the same machine
 and Python, unless the deadline cut it short: a machine that slowed down later).
+
+This file is the training loop and its evaluation; the corpus and tokenizer are `corpus.py`, the model's
+shape and module `model.py`, the checkpoint written and loaded `checkpoint.py` (all in splash/training/).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import platform
-import re
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,316 +41,22 @@ import torch
 from torch import nn
 
 from splash.core.model_config import ConfigError, ModelConfig
+from splash.training.checkpoint import checkpoint_tensors, load_mtp_model, write_checkpoint
+from splash.training.corpus import build_corpus, is_heldout, read_source, stdlib_files, train_tokenizer
+from splash.training.model import DEFAULT_DIMS, MTPModel, model_config, resolve_dims, shape_dims
+
+__all__ = [  # (with the corpus, model and checkpoint names callers import from here)
+    "BIAS_UPDATE", "CALIBRATE_STEPS", "DEFAULT_DIMS", "MTP_WEIGHT", "TRAINED_NAME", "TRAIN_VERSION",
+    "MTPModel", "Trained", "checkpoint_tensors", "ensure_trained_model", "evaluate", "generated_acceptance",
+    "load_mtp_model", "model_config", "resolve_dims", "shape_dims", "train", "train_mtp_model",
+    "write_checkpoint",
+]
 
 TRAIN_VERSION = "2"  # 2: the deep and narrow default shape (16 x 128)
-SPECIALS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}  # ids 0, 1, 2
-SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
-                       "encodings", "pydoc_data"})  # not code people write / huge generated tables
-HELDOUT_EVERY = 25  # files 12, 37, 62, ... (sorted) are held out
 MTP_WEIGHT = 0.3  # DeepSeek-V3's lambda for the first 10T tokens
 # gamma of DeepSeek-V3's aux-loss-free load balancing: 5x its 0.001, so a run of a few hundred steps
 # balances its experts (0.001 left them 3-4x skewed after 70 steps)
 BIAS_UPDATE = 5e-3
-# The default shape: DeepSeek-V3's architecture, deep and narrow like the real one (61 layers + 1 MTP
-# layer), so the MTP layer is a small share of a target step (on CPU at batch 1 every layer costs about the
-# same: at 4 layers a chain of 3 drafts cost ~75% of a step). 16 x 128 has about 4 x 256's matmul FLOPs
-# per token, but trains ~1.4x slower per token on 2 cores (each layer's attention scores cost the same at
-# any width, and 4x the layers run 4x the small ops).
-DEFAULT_LAYERS = 16
-DEFAULT_HIDDEN = 128
-HEAD_DIM = 32  # qk_nope_head_dim = v_head_dim; heads = hidden / HEAD_DIM, so heads * v_head_dim = hidden
-ROPE_DIM = 16
-MAX_LAYERS = 256
-
-
-def shape_dims(layers: int = DEFAULT_LAYERS, hidden_size: int = DEFAULT_HIDDEN) -> dict[str, Any]:
-    """The model dims that follow from a depth and a width: MLA with hidden/32 heads of 32 (+16 rope),
-    q_lora_rank 3/4 hidden, kv_lora_rank max(64, hidden/2); one dense first layer (intermediate 3 x hidden),
-    then MoE: 8 routed experts top-2 plus 1 shared, expert intermediate hidden/2. At 16 x 128: 4 heads,
-    q_lora_rank 96, kv_lora_rank 64, dense 384, experts 64."""
-    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
-        raise ConfigError(f"layers must be an integer in [1, {MAX_LAYERS}], got {layers!r}")
-    if (isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size % HEAD_DIM
-            or not HEAD_DIM <= hidden_size <= 4096):
-        raise ConfigError(f"hidden size must be a multiple of {HEAD_DIM} in [{HEAD_DIM}, 4096] (heads of "
-                          f"{HEAD_DIM}), got {hidden_size!r}")
-    h = hidden_size
-    return {"hidden_size": h, "intermediate_size": 3 * h, "moe_intermediate_size": h // 2,
-            "num_hidden_layers": layers, "num_attention_heads": h // HEAD_DIM, "q_lora_rank": 3 * h // 4,
-            "kv_lora_rank": max(64, h // 2), "qk_nope_head_dim": HEAD_DIM, "qk_rope_head_dim": ROPE_DIM,
-            "v_head_dim": HEAD_DIM, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
-            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
-            "max_position_embeddings": 2048}
-
-
-DEFAULT_DIMS: dict[str, Any] = shape_dims()
-
-
-def resolve_dims(layers: int | None = None, hidden_size: int | None = None,
-                 dims: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every model dim: shape_dims(layers, hidden_size) (each defaulting to `dims`' own value, then to
-    the default shape), overridden by `dims` (tests pin toy dims that way)."""
-    dims = dict(dims or {})
-    unknown = set(dims) - set(DEFAULT_DIMS)
-    if unknown:
-        raise ConfigError(f"unknown model dims {sorted(unknown)}; choose from {sorted(DEFAULT_DIMS)}")
-    for arg, key, val in (("layers", "num_hidden_layers", layers),
-                          ("hidden_size", "hidden_size", hidden_size)):
-        if val is not None and key in dims and dims[key] != val:
-            raise ConfigError(f"{arg}={val} contradicts dims[{key!r}]={dims[key]}")
-    L = layers if layers is not None else dims.get("num_hidden_layers", DEFAULT_LAYERS)
-    h = hidden_size if hidden_size is not None else dims.get("hidden_size", DEFAULT_HIDDEN)
-    return {**shape_dims(L, h), **dims}
-
-
-def _heldout(i: int) -> bool:
-    return i % HELDOUT_EVERY == HELDOUT_EVERY // 2
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """Token streams (documents as BOS text EOS, concatenated) and what they were made from."""
-
-    train: torch.Tensor  # int64 [N]
-    heldout: torch.Tensor  # int64 [M]
-    description: dict[str, Any]
-
-
-# ---- corpus and tokenizer -----------------------------------------------------------------------------
-def stdlib_files(limit_bytes: int | None = None) -> tuple[str, list[str]]:
-    """The stdlib's *.py files (sorted relative paths) and its root; `limit_bytes` keeps the first files
-    up to that many bytes (tests use a small slice)."""
-    root = sysconfig.get_paths()["stdlib"]
-    out: list[str] = []
-    for d, dirs, files in os.walk(root):
-        rel = os.path.relpath(d, root)
-        parts = [] if rel == "." else rel.split(os.sep)
-        if SKIP_DIRS.intersection(parts):
-            dirs[:] = []
-            continue
-        dirs[:] = [x for x in dirs if x not in SKIP_DIRS]
-        out += [os.path.join(*parts, f) for f in files if f.endswith(".py")]
-    out.sort()
-    if limit_bytes is not None:
-        kept, total = [], 0
-        for f in out:
-            if total >= limit_bytes:
-                break
-            kept.append(f)
-            total += os.path.getsize(os.path.join(root, f))
-        out = kept
-    if len(out) < 2:
-        raise ConfigError(f"found no Python sources under the standard library at {root}; train-mtp needs "
-                          "a Python installation with its stdlib sources (*.py)")
-    return root, out
-
-
-def _read(root: str, rel: str) -> str:
-    with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
-        return f.read()
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    """Byte-level BPE (GPT-2's byte alphabet, so any text encodes) with BOS/EOS/PAD at ids 0-2 and BOS
-    prepended by the post-processor, as splash's built-in tokenizer does. BPE training has no randomness:
-    the same texts give the same merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS.values()),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2,
-                                  show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    bos = SPECIALS["bos_token"]
-    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                       special_tokens=[(bos, tok.token_to_id(bos))])
-    return tok
-
-
-def build_corpus(tok: Any, root: str, files: list[str]) -> Corpus:
-    """Encode every file as BOS text EOS; held-out files (`_heldout`) go to their own stream."""
-    eos = tok.token_to_id(SPECIALS["eos_token"])
-    texts = [_read(root, f) for f in files]
-    encs = tok.encode_batch(texts)  # BOS added by the post-processor
-    train: list[int] = []
-    held: list[int] = []
-    for i, e in enumerate(encs):
-        (held if _heldout(i) else train).extend([*e.ids, eos])
-    desc = {"source": "Python standard library sources (*.py)", "root": root,
-            "python": platform.python_version(), "files": len(files),
-            "heldout_files": sum(map(_heldout, range(len(files)))),
-            "bytes": sum(len(t.encode()) for t in texts), "skipped_dirs": sorted(SKIP_DIRS),
-            "heldout_rule": f"file i (sorted) with i % {HELDOUT_EVERY} == {HELDOUT_EVERY // 2}",
-            "train_tokens": len(train), "heldout_tokens": len(held)}
-    return Corpus(torch.tensor(train, dtype=torch.long), torch.tensor(held, dtype=torch.long), desc)
-
-
-# ---- model --------------------------------------------------------------------------------------------
-def model_config(vocab_size: int, dims: dict[str, Any] | None = None) -> ModelConfig:
-    """The splash ModelConfig of the trained model: `resolve_dims(dims=dims)` (the default shape, or the
-    shape following from dims' layers and hidden size, overridden by `dims`)."""
-    d = resolve_dims(dims=dims)
-    return ModelConfig(name="mtp", model_type="deepseek_v3", vocab_size=vocab_size, topk_method="noaux_tc",
-                       scoring_func="sigmoid", norm_topk_prob=True, rope_theta=10000.0, rope_scaling=None,
-                       rope_interleave=True, bos_token_id=0, eos_token_id=1, pad_token_id=2, **d)
-
-
-def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json: splash's built-in form (splash.model.tiny.hf_config_dict) plus one MTP layer."""
-    from splash.model.tiny import hf_config_dict
-
-    return {**hf_config_dict(cfg), "num_nextn_predict_layers": 1}
-
-
-class MTPLayer(nn.Module):
-    """DeepSeek-V3's MTP module at depth 1: a DeepseekV3DecoderLayer (layer index L, so its MLP is MoE)
-    plus enorm / hnorm / eh_proj / shared_head.norm; the embedding and head are passed in (the main
-    model's). Its names, `layer.` dropped, are the checkpoint's under `model.layers.{L}.`."""
-
-    def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__()
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-            DeepseekV3DecoderLayer,
-            DeepseekV3RMSNorm,
-        )
-
-        d = config.hidden_size
-        self.enorm = DeepseekV3RMSNorm(d, eps=config.rms_norm_eps)
-        self.hnorm = DeepseekV3RMSNorm(d, eps=config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.layer = DeepseekV3DecoderLayer(config, layer_idx=layer_idx)
-        self.shared_head = nn.Module()
-        self.shared_head.norm = DeepseekV3RMSNorm(d, eps=config.rms_norm_eps)
-
-    def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor], mask: Any,
-                head: nn.Module) -> torch.Tensor:
-        """Logits for t[i+2] from embed(t[i+1]) and the main model's post-norm hidden h[i]."""
-        x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        x = self.layer(x, attention_mask=mask, position_ids=position_ids,
-                       position_embeddings=position_embeddings)
-        return head(self.shared_head.norm(x))
-
-
-class MTPModel(nn.Module):
-    """transformers' DeepseekV3ForCausalLM (`main`) plus one MTP layer sharing its embedding and head."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-        hf = DeepseekV3Config(**{k: v for k, v in hf_config(cfg).items() if k != "architectures"})
-        hf._attn_implementation = "sdpa"
-        self.main = DeepseekV3ForCausalLM(hf)
-        self.mtp = MTPLayer(hf, layer_idx=cfg.num_hidden_layers)
-        for m in self.mtp.modules():  # transformers' own init (N(0, initializer_range), unit norms)
-            self.main._init_weights(m)
-
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [B, S] -> (main logits [B, S, V] for t[1..S], MTP logits [B, S-1, V] for t[2..S])."""
-        from transformers.masking_utils import create_causal_mask
-
-        base = self.main.model
-        h = base(input_ids=ids).last_hidden_state  # after model.norm
-        logits = self.main.lm_head(h)
-        n = ids.shape[1] - 1
-        pos = torch.arange(n, device=ids.device).unsqueeze(0)
-        e = base.embed_tokens(ids[:, 1:])
-        rope = base.rotary_emb(e, pos)
-        mask = create_causal_mask(config=self.main.config, inputs_embeds=e, attention_mask=None, cache=None,
-                                  position_ids=pos)
-        mtp_logits = self.mtp(e, h[:, :-1], pos, rope, mask, self.main.lm_head)
-        return logits, mtp_logits
-
-
-_FUSED = re.compile(r"^(.*mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-def _unfuse(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """transformers 5 keeps experts fused ([E, 2I, H] gate|up, [E, H, I] down); checkpoints name each."""
-    m = _FUSED.match(name)
-    if not m:
-        return {name: t}
-    out = {}
-    for e in range(t.shape[0]):
-        p = f"{m.group(1)}.{e}"
-        if m.group(2) == "down_proj":
-            out[f"{p}.down_proj.weight"] = t[e]
-        else:
-            inter = t.shape[1] // 2
-            out[f"{p}.gate_proj.weight"] = t[e, :inter]
-            out[f"{p}.up_proj.weight"] = t[e, inter:]
-    return out
-
-
-def checkpoint_tensors(model: MTPModel, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor under its Hugging Face / DeepSeek checkpoint name, MTP layer included (float32)."""
-    from splash.model.tiny import weight_shapes
-
-    L = cfg.num_hidden_layers
-    out: dict[str, torch.Tensor] = {}
-    for k, v in model.main.state_dict().items():
-        out.update(_unfuse(k, v))
-    for k, v in model.mtp.state_dict().items():
-        k = k.removeprefix("layer.")
-        out.update(_unfuse(f"model.layers.{L}.{k}", v))
-    out[f"model.layers.{L}.embed_tokens.weight"] = model.main.model.embed_tokens.weight
-    out[f"model.layers.{L}.shared_head.head.weight"] = model.main.lm_head.weight
-    want = mtp_weight_shapes(cfg) | weight_shapes(cfg)
-    got = {k: tuple(v.shape) for k, v in out.items()}
-    if got != want:  # a transformers whose names drifted: fail here, not in the server
-        diff = sorted(set(got) ^ set(want)) or sorted(k for k in got if got[k] != want[k])
-        raise RuntimeError(f"checkpoint names/shapes differ from DeepSeek-V3's: {diff[:6]}")
-    return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
-
-
-def load_mtp_model(path: str) -> MTPModel:
-    """A checkpoint written by train_mtp_model as the MTPModel it was trained as (experts fused back), so
-    tests and the serving side get reference main and MTP logits: `load_mtp_model(dir)(ids)`."""
-    from safetensors.torch import load_file
-
-    cfg = ModelConfig.from_hf(path)
-    model = MTPModel(cfg)
-    flat = load_file(os.path.join(path, "model.safetensors"))
-    L = cfg.num_hidden_layers
-
-    def fused(sd: dict[str, torch.Tensor], name: Any) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for k, v in sd.items():
-            m = _FUSED.match(name(k))
-            if not m:
-                out[k] = flat[name(k)]
-            elif m.group(2) == "down_proj":
-                out[k] = torch.stack([flat[f"{m.group(1)}.{e}.down_proj.weight"] for e in range(v.shape[0])])
-            else:
-                out[k] = torch.stack([torch.cat([flat[f"{m.group(1)}.{e}.gate_proj.weight"],
-                                                 flat[f"{m.group(1)}.{e}.up_proj.weight"]])
-                                      for e in range(v.shape[0])])
-        return out
-
-    model.main.load_state_dict(fused(model.main.state_dict(), lambda k: k))
-    model.mtp.load_state_dict(fused(model.mtp.state_dict(),
-                                    lambda k: f"model.layers.{L}.{k.removeprefix('layer.')}"))
-    model.eval()
-    return model
-
-
-def mtp_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The MTP layer's tensors (`model.layers.{L}.*`, L = num_hidden_layers) and their shapes."""
-    import dataclasses
-
-    from splash.model.tiny import weight_shapes
-
-    L, d = cfg.num_hidden_layers, cfg.hidden_size
-    p = f"model.layers.{L}."
-    deeper = weight_shapes(dataclasses.replace(cfg, num_hidden_layers=L + 1))
-    s = {k: v for k, v in deeper.items() if k.startswith(p)}
-    s.update({p + "enorm.weight": (d,), p + "hnorm.weight": (d,), p + "eh_proj.weight": (d, 2 * d),
-              p + "shared_head.norm.weight": (d,), p + "shared_head.head.weight": (cfg.vocab_size, d),
-              p + "embed_tokens.weight": (cfg.vocab_size, d)})
-    return s
 
 
 # ---- training -----------------------------------------------------------------------------------------
@@ -462,33 +167,6 @@ def _schedule(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac))))
 
 
-def _write_json(path: str, obj: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-
-
-def write_checkpoint(out_dir: str, model: MTPModel, cfg: ModelConfig, tok: Any,
-                     info: dict[str, Any]) -> str:
-    """config.json, generation_config.json, model.safetensors (float32, MTP layer included), the tokenizer
-    (tokenizer.json, tokenizer_config.json, special_tokens_map.json) and train_info.json."""
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    _write_json(os.path.join(out_dir, "tokenizer_config.json"),
-                {**SPECIALS, "add_bos_token": False, "model_max_length": cfg.max_position_embeddings,
-                 "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False})
-    _write_json(os.path.join(out_dir, "special_tokens_map.json"), SPECIALS)
-    _write_json(os.path.join(out_dir, "config.json"), hf_config(cfg))
-    _write_json(os.path.join(out_dir, "generation_config.json"),
-                {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "do_sample": False})
-    weights = os.path.join(out_dir, "model.safetensors")
-    save_file(checkpoint_tensors(model, cfg), weights, metadata={"format": "pt"})
-    os.chmod(weights, os.stat(os.path.join(out_dir, "config.json")).st_mode & 0o777)  # (it writes 0600)
-    _write_json(os.path.join(out_dir, "train_info.json"), info)
-    return out_dir
-
 
 def _check_args(steps: int | None, minutes: float, vocab_size: int, seq_len: int, batch_size: int,
                 warmup: int, threads: int, dims: dict[str, Any]) -> None:
@@ -551,7 +229,8 @@ def train(*, seed: int = 0, minutes: float = 12.0, steps: int | None = None, voc
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         root, files = stdlib_files(corpus_bytes)
-        tok = train_tokenizer([_read(root, f) for i, f in enumerate(files) if not _heldout(i)], vocab_size)
+        texts = [read_source(root, f) for i, f in enumerate(files) if not is_heldout(i)]
+        tok = train_tokenizer(texts, vocab_size)
         corpus = build_corpus(tok, root, files)
         say(f"corpus: {len(files)} stdlib files, {corpus.description['bytes'] / 1e6:.1f} MB -> "
             f"{corpus.train.numel():,} train / {corpus.heldout.numel():,} held-out tokens "

@@ -4,13 +4,14 @@ A decode step on a GPU launches a few hundred small kernels; replaying them as o
 removes the launch cost, which dominates at small batch. What makes the forward capturable: every
 tensor it reads lives in a static buffer (token ids, positions, KV write slots, page tables) that the
 step's real values are copied into; nothing in it syncs with the host (the attention kernel reads its
-bounds from device memory, `splash/attention/paged.py`; the MoE runs its sync-free dense form on CUDA,
+bounds from device memory, `splash/attention/triton_mla.py`; the MoE runs its sync-free dense form on CUDA,
 `MoE._dense`); and its launches depend on the batch size only. A batch of B rows runs the graph of the
 smallest bucket >= B; the padding rows repeat the last real row (same token, position, page table and
 KV slot), so they compute and write exactly what that row does and touch nothing else.
 
 Only where it is safe: T = 1 (collectives are not captured), decode steps (one row per request, every
-page held), the paged Triton kernel in use, contexts within the static table. Anything else, a bucket
+page held), the paged Triton kernel in use (the rank's `Kernels`, handed over by the runner), contexts
+within the static table. Anything else, a bucket
 whose capture failed, `--enforce-eager` / `SPLASH_NATIVE=0` or `SPLASH_CUDA_GRAPHS=0`, runs eagerly.
 Buckets are captured lazily at their first step (a warm-up run, then the capture, then the replay; the
 warm-up writes the same KV rows the replay writes). `capture=False` runs the same padded static-buffer
@@ -20,12 +21,15 @@ forward eagerly, which is how CPU tests check the padding and buffers (no CUDA g
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from splash.config import KernelConfig
 from splash.model.context import ForwardContext, SliceCtx
+
+if TYPE_CHECKING:
+    from splash.attention.kernels import Kernels
 
 log = logging.getLogger("splash.engine")
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -45,7 +49,7 @@ def for_runner(runner: Any) -> DecodeGraphs | None:
     """The runner's decode graphs, or None where they do not apply (CPU, T > 1, turned off, a DSA model:
     its selected-key count follows the step's longest context, a shape a captured graph cannot take)."""
     if (runner.device.type != "cuda" or runner.world != 1 or runner.pool is None
-            or not enabled(runner.layout.kernels)):
+            or not enabled(runner.kernels.config)):
         return None
     if getattr(runner.model.cfg, "is_sparse", False):
         return None
@@ -53,7 +57,7 @@ def for_runner(runner: Any) -> DecodeGraphs | None:
     # the StateStep's row/slot tensors are built per step; capturing it needs static slot buffers too.
     if getattr(runner.model.cfg, "is_hybrid", False):
         return None
-    return DecodeGraphs(runner.model, runner.pool, runner.layout)
+    return DecodeGraphs(runner.model, runner.pool, runner.kernels)
 
 
 class _Bucket:
@@ -64,11 +68,11 @@ class _Bucket:
 class DecodeGraphs:
     """Static buffers shared by every bucket, the captured graphs, the buckets that failed."""
 
-    def __init__(self, model: Any, pool: Any, layout: Any, sizes: tuple[int, ...] | None = None,
+    def __init__(self, model: Any, pool: Any, kernels: Kernels, sizes: tuple[int, ...] | None = None,
                  capture: bool = True) -> None:
-        self.model, self.kv, self.layout = model, pool, layout
-        self.kernels = layout.kernels
-        self.sizes = tuple(sorted(sizes or capture_sizes(self.kernels)))
+        self.model, self.kv = model, pool
+        self.kernels = kernels  # the rank's: which kernel decode rows take (and the config's sizes)
+        self.sizes = tuple(sorted(sizes or capture_sizes(kernels.config)))
         self.capture = capture
         P = pool.page_size
         cap = min(int(model.cfg.max_position_embeddings), pool.num_pages * P)
@@ -80,7 +84,7 @@ class DecodeGraphs:
         self.slots = torch.zeros(n, dtype=torch.long, device=dev)
         self.table = torch.full((n, self.width), -1, dtype=torch.long, device=dev)
         self.rows = torch.arange(n, dtype=torch.long, device=dev)
-        self._probe = torch.empty(0, dtype=pool.dtype, device=dev)  # what `paged.kernel_for` looks at
+        self._probe = torch.empty(0, dtype=pool.dtype, device=dev)  # what `Kernels.kernel_for` looks at
         self.graphs: dict[int, _Bucket] = {}
         self.failed: set[int] = set()
         self.mempool: Any = None
@@ -88,14 +92,12 @@ class DecodeGraphs:
 
     def bucket(self, ctx: ForwardContext) -> int | None:
         """The bucket that serves this step, None when it must run eagerly."""
-        from splash.attention import paged
-
         B = len(ctx.seqs)
         if (B == 0 or ctx.num_rows != B or not ctx.all_held or ctx.max_end > self.cap or B > self.sizes[-1]
                 or ctx.page_table is None or ctx.page_table.shape[1] > self.width
-                or self.kernels.attention_form == "mha"):
+                or self.kernels.config.attention_form == "mha"):
             return None
-        if self.capture and paged.kernel_for(self._probe, self.kernels.enforce_eager) != "triton":
+        if self.capture and self.kernels.kernel_for(self._probe) != "triton":
             return None
         size = next(s for s in self.sizes if s >= B)
         return None if size in self.failed else size

@@ -7,7 +7,8 @@ CPU time). Raising the mmap threshold to glibc's maximum (32 MiB) and the trim t
 keeps such blocks in the heap for reuse, as tcmalloc (which vLLM's CPU backend preloads) does.
 Blocks above 32 MiB (KV pools, large weights) are still mapped and unmapped whole, and `give_back`
 (called when an RL trainer releases memory) returns every free page of the heap at once.
-SPLASH_MALLOC_TUNE=0 leaves malloc alone; anything but glibc on Linux is left alone too.
+`--no-malloc-tune` (SPLASH_MALLOC_TUNE=0; `tune(False)`) leaves malloc alone; anything but glibc on
+Linux is left alone too.
 
 The Python heap has the same kind of stall: `freeze_heap` moves what start-up built out of the
 collector's generations, so a full collection between steps does not scan the model again.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import os
 import sys
 from typing import Any
 
@@ -40,11 +40,12 @@ def _libc() -> Any | None:
     return _state["libc"]
 
 
-def tune() -> bool:
-    """Keep freed blocks up to 32 MiB in the heap (once per process); whether malloc is tuned."""
+def tune(enabled: bool = True) -> bool:
+    """Keep freed blocks up to 32 MiB in the heap (once per process; `enabled`: the engine's
+    `malloc_tune`); whether malloc is tuned."""
     if "tuned" in _state:
         return _state["tuned"]
-    libc = None if os.environ.get("SPLASH_MALLOC_TUNE", "1").strip() == "0" else _libc()
+    libc = _libc() if enabled else None
     ok = libc is not None and all(libc.mallopt(k, v) == 1 for k, v in (
         (_M_MMAP_THRESHOLD, _MMAP_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 << 20)))
     _state["tuned"] = ok

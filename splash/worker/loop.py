@@ -1,8 +1,8 @@
 """The plan loop every rank follows: worker ranks run it as their whole life, rank 0 mirrors it.
 
 A worker waits on the control plane for the next `StepPlan` from rank 0 and dispatches on its kind:
-"load" builds this rank's model shard and KV pool from the `EngineSpec` payload (answering with its
-page count through a gather, or with the error that stopped it), "forward" runs the SPMD step, "stats"
+"load" builds this rank's model shard and KV pool from the `RuntimeSpec` payload (answering with its
+`RankFacts` through a gather, or with the error that stopped it), "forward" runs the SPMD step, "stats"
 sends its CommStats to rank 0, "unload" drops the shard, "shutdown" ends the loop; "switch" is a
 forward step in which the layout switches (the runner runs it, splash/switch/step.py). Steps arrive
 as compact messages (splash/step/wire.py) that update the rank's own page tables. New kinds plug in
@@ -25,6 +25,7 @@ import torch
 from splash.step import wire
 from splash.step.plan import StepPlan
 from splash.worker.host_malloc import freeze_heap, thaw_heap
+from splash.worker.load import RankFacts
 
 log = logging.getLogger("splash.worker")
 
@@ -55,8 +56,9 @@ def register_handler(kind: str, fn: Handler) -> None:
 
 
 # ---- the pieces rank 0 shares with workers ----------------------------------------------------------
-def load_reply(state: WorkerState, plan: StepPlan) -> dict[str, Any]:
-    """Build this rank's share from the spec; the facts (or error) rank 0 gathers from every rank."""
+def load_reply(state: WorkerState, plan: StepPlan) -> RankFacts | dict[str, str]:
+    """Build this rank's share from the spec; what it measured (or its error) rank 0 gathers from every
+    rank."""
     from splash.worker.load import load_rank
 
     unload(state)
@@ -65,9 +67,7 @@ def load_reply(state: WorkerState, plan: StepPlan) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it with this rank's number
         return {"error": f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)}
     state.grid.comm.stats.reset()
-    rs = state.rank_state
-    return {"pages": rs.pages, "weight_bytes": rs.weight_bytes, "reserve_bytes": rs.reserve_bytes,
-            "device": str(rs.runner.device), "slots": rs.slots, "state_bytes": rs.state_bytes}
+    return state.rank_state.facts
 
 
 def unload(state: WorkerState) -> None:

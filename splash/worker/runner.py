@@ -37,10 +37,13 @@ class ModelRunner:
     """One rank: weights, its KV pool, its attention layout; runs plans."""
 
     def __init__(self, model: Any, pool: Any, layout: Any, comm: Any = None, rank: int = 0,
-                 world: int = 1) -> None:
+                 world: int = 1, kernels: Any = None) -> None:
         self.model = model
         self.pool = pool
         self.layout = layout
+        # the rank's attention kernels (splash/attention/kernels.py), built once: every layout of this
+        # runner, a live switch's included, and its CUDA graphs use it (default: the layout's own)
+        self.kernels = kernels if kernels is not None else layout.kernels
         self.comm = comm
         self.rank = rank
         self.world = world

@@ -15,6 +15,7 @@ import torch
 
 from splash.core.model_config import ConfigError, ModelConfig
 from splash.core.sizes import parse_bytes
+from splash.runtime_spec import RuntimeSpec
 
 
 def available_bytes(device: torch.device) -> int:
@@ -53,22 +54,26 @@ def reserve_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: 
     return int(max_num_batched_tokens * per_row * b + max_num_seqs * cfg.vocab_size * 4)
 
 
-def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: int, reserve: int,
-             memory_per_rank: int | str | None, num_kv_pages: int | None, max_num_seqs: int,
-             max_model_len: int, device: torch.device, keep_free: int = 0, state_bytes: int = 0,
-             kv_cache_dtype: str | None = None) -> int:
-    """Pages of one rank's KV pool: an explicit count, what the budget leaves, or a default.
+def kv_pages(spec: RuntimeSpec, device: torch.device, weights: int, reserve: int, keep_free: int = 0,
+             state_bytes: int = 0) -> int:
+    """Pages of one rank's KV pool: an explicit count, what the budget leaves, or a default, for the
+    spec's model, page size, element format and limits on `device`, after this rank's measured
+    `weights` and `reserve`.
 
     `keep_free`: bytes the default (unbudgeted) pool leaves unused beyond its usual share, e.g. for the
     projection replicas a live switch into DP/CP gathers. `state_bytes`: a KDA hybrid's state slots
     (splash/kv/state.py), taken from the same budget before the pages."""
     from splash.kv.pool import KVPool
 
+    c, page_size = spec.config, spec.page_size
+    num_kv_pages, memory_per_rank = c.num_kv_pages, c.memory_per_rank
+    max_num_seqs, max_model_len = int(c.max_num_seqs or 0), int(c.max_model_len or 0)
     if num_kv_pages is not None:
         if num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1, got {num_kv_pages}")
         return int(num_kv_pages)
-    per_page = KVPool.bytes_per_page(cfg, page_size, kv_dtype, kv_cache_dtype)
+    per_page = KVPool.bytes_per_page(spec.model, page_size, spec.dtype, spec.kv_format)
+    most = -(-c.max_total_tokens // page_size) if c.max_total_tokens else None  # --max-total-tokens's cap
     if memory_per_rank is not None:
         budget = parse_bytes(memory_per_rank)
         kv = budget - weights - reserve - state_bytes
@@ -78,10 +83,14 @@ def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: i
                               f"rank's weights take {weights / 2**20:.2f} MiB, the step workspace "
                               f"{reserve / 2**20:.2f} MiB{state}, and one page needs {per_page} bytes; "
                               "raise it")
-        return int(kv // per_page)
+        pages = int(kv // per_page)
+        return pages if most is None else min(pages, most)
     # Default: enough for a full batch at full context, capped by a share of what the device has.
     want = max_num_seqs * -(-max_model_len // page_size) * per_page
     cap = int(available_bytes(device) * (0.85 if device.type == "cuda" else 0.2)) - keep_free
+    if device.type == "cuda" and c.mem_fraction_static:  # weights + KV within this share of the GPU
+        free, total = torch.cuda.mem_get_info(device)  # (the weights are loaded: counted in total - free)
+        cap = int(free - total * (1 - c.mem_fraction_static)) - keep_free
     if device.type != "cuda":
         cap = min(cap, 128 * 2**20)  # CPU demos and tests: plenty, and quick to allocate
     if device.type == "cuda":  # (a CPU's default pool stays as it is: the slots come on top of it)
@@ -90,6 +99,9 @@ def kv_pages(cfg: ModelConfig, kv_dtype: torch.dtype, page_size: int, weights: i
         also = ""
         if keep_free:
             also = f" next to the {keep_free / 2**20:.0f} MiB of projection replicas live switching needs"
+        if device.type == "cuda" and c.mem_fraction_static:
+            also += f" within --mem-fraction-static {c.mem_fraction_static} (raise it)"
         raise ConfigError(f"free memory leaves no room for a KV cache{also}; pass --memory-per-rank or "
                           "--num-kv-pages")
-    return min(want, cap) // per_page
+    pages = min(want, cap) // per_page
+    return pages if most is None else min(pages, most)

@@ -32,15 +32,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16;
-
-static inline float bf16_to_f(bf16 v) {
-    uint32_t u = ((uint32_t)v) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 #include "kv_formats.h"
 
 #ifndef VBYTES /* vector bytes (tests build other widths; GCC splits wider ones into native vectors) */
@@ -111,6 +102,19 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
             hi = mid - 1;
     }
     return lo;
+}
+
+/* The pages a group's table is walked over: those up to its rows' last position (at most W); *mx: that
+ * position (-1: no row has one). */
+static int64_t group_pages(const int64_t *positions, const int64_t *rows, int64_t r0, int64_t r1, int64_t P,
+                           int64_t W, int64_t *mx) {
+    int64_t m = -1;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t p = positions[rows ? rows[r] : r];
+        if (p > m) m = p;
+    }
+    *mx = m;
+    return m < 0 ? 0 : (m / P + 1 < W ? m / P + 1 : W);
 }
 
 /* DEFINE(NAME, T, A, V, VI, U, UBITS, CONV, KEY, UNKEY, ROW, KROW): T pool type, A score type, V / VI
@@ -227,57 +231,59 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
         }                                                                                                   \
     }                                                                                                       \
                                                                                                             \
-    /* The indices of the top k (k < m) of x[0..m) by (key descending, index ascending), ascending,         \
-     * into sel; returns k. Rows of 16 * SAMPLE keys or more first guess the k-th key from a sample: it     \
-     * lies, most likely, between the sample quantiles 4 standard deviations either side of its rank; one   \
-     * pass counts the keys above that band and lists the band's keys and every index at or above it, so    \
-     * the k-th is selected from the band alone and only the listed indices are scanned (the whole row      \
-     * when the guess missed). buf, cidx: m entries; smp: 2 * SAMPLE. */                                    \
+    /* The top k of the candidates x[idx[c]] (idx NULL: x[c]), c in [0, nc), in index order: every key     \
+     * above the k-th key v and the first `need` equal to it (ties go to the earlier key), into sel;       \
+     * returns how many (k when the candidates hold them). The one tie rule of both selections. */         \
+    static inline int64_t NAME##_take(const U *x, const int64_t *idx, int64_t nc, int64_t k, U v,          \
+                                      int64_t need, int64_t *sel) {                                        \
+        int64_t o = 0;                                                                                     \
+        for (int64_t c = 0; c < nc && o < k; c++) {                                                        \
+            const int64_t i = idx ? idx[c] : c;                                                            \
+            const U u = x[i];                                                                              \
+            const int64_t take = (u > v) | ((u == v) & (need > 0));                                        \
+            need -= take & (u == v);                                                                       \
+            sel[o] = i;                                                                                    \
+            o += take;                                                                                     \
+        }                                                                                                  \
+        return o;                                                                                          \
+    }                                                                                                      \
+                                                                                                           \
+    /* The indices of the top k (k < m) of x[0..m) by (key descending, index ascending), ascending,        \
+     * into sel; returns k. Rows of 16 * SAMPLE keys or more first guess the k-th key from a sample: it    \
+     * lies, most likely, between the sample quantiles 4 standard deviations either side of its rank; one  \
+     * pass counts the keys above that band and lists the band's keys and every index at or above it, so   \
+     * the k-th is selected from the band alone and only the listed indices are scanned (the whole row     \
+     * when the guess missed). buf, cidx: m entries; smp: 2 * SAMPLE. */                                   \
     static int64_t NAME##_select(const U *x, int64_t m, int64_t k, U *buf, int64_t *cidx, U *smp,          \
-                                 int64_t *sel) {                                                            \
-        int64_t need, o = 0;                                                                                \
-        if (m >= 16 * SAMPLE) {                                                                              \
-            for (int64_t i = 0; i < SAMPLE; i++) smp[i] = x[(i * m) / SAMPLE + (m / SAMPLE) / 2];           \
-            NAME##_sort(smp, smp + SAMPLE, SAMPLE);                                                         \
-            const double f = (double)k / (double)m;                                                         \
-            const int64_t rs = (k * SAMPLE) / m, margin = (int64_t)(4.0 * sqrt(SAMPLE * f * (1 - f))) + 2;  \
-            const int64_t up = rs - margin, down = rs + margin + 1;                                         \
+                                 int64_t *sel) {                                                           \
+        int64_t need;                                                                                      \
+        if (m >= 16 * SAMPLE) {                                                                            \
+            for (int64_t i = 0; i < SAMPLE; i++) smp[i] = x[(i * m) / SAMPLE + (m / SAMPLE) / 2];          \
+            NAME##_sort(smp, smp + SAMPLE, SAMPLE);                                                        \
+            const double f = (double)k / (double)m;                                                        \
+            const int64_t rs = (k * SAMPLE) / m, margin = (int64_t)(4.0 * sqrt(SAMPLE * f * (1 - f))) + 2; \
+            const int64_t up = rs - margin, down = rs + margin + 1;                                        \
             const U hi = up < 1 ? (U) ~(U)0 : smp[SAMPLE - up]; /* the up-th largest sample */             \
-            const U lo = down > SAMPLE ? (U)0 : smp[SAMPLE - down];                                         \
-            int64_t above = 0, nb = 0, nc = 0;                                                              \
-            for (int64_t i = 0; i < m; i++) {                                                               \
-                const U u = x[i];                                                                           \
-                const int64_t over = u > hi, in = (u >= lo) & !over;                                        \
-                above += over;                                                                              \
-                buf[nb] = u;                                                                                \
-                nb += in;                                                                                   \
-                cidx[nc] = i;                                                                               \
-                nc += over | in;                                                                            \
-            }                                                                                               \
-            if (above < k && k <= above + nb) {                                                             \
-                const U v = NAME##_kth(buf, nb, k - above, buf, &need);                                     \
-                for (int64_t c = 0; c < nc && o < k; c++) {                                                 \
-                    const int64_t i = cidx[c];                                                              \
-                    const U u = x[i];                                                                       \
-                    const int64_t take = (u > v) | ((u == v) & (need > 0));                                 \
-                    need -= take & (u == v);                                                                \
-                    sel[o] = i;                                                                             \
-                    o += take;                                                                              \
-                }                                                                                           \
-                return o;                                                                                   \
-            }                                                                                               \
-        }                                                                                                   \
-        const U v = NAME##_kth(x, m, k, buf, &need);                                                        \
-        for (int64_t i = 0; i < m && o < k; i++) {                                                          \
-            const U u = x[i];                                                                               \
-            const int64_t take = (u > v) | ((u == v) & (need > 0));                                         \
-            need -= take & (u == v);                                                                        \
-            sel[o] = i;                                                                                     \
-            o += take;                                                                                      \
-        }                                                                                                   \
-        return o;                                                                                           \
-    }                                                                                                       \
-                                                                                                            \
+            const U lo = down > SAMPLE ? (U)0 : smp[SAMPLE - down];                                        \
+            int64_t above = 0, nb = 0, nc = 0;                                                             \
+            for (int64_t i = 0; i < m; i++) {                                                              \
+                const U u = x[i];                                                                          \
+                const int64_t over = u > hi, in = (u >= lo) & !over;                                       \
+                above += over;                                                                             \
+                buf[nb] = u;                                                                               \
+                nb += in;                                                                                  \
+                cidx[nc] = i;                                                                              \
+                nc += over | in;                                                                           \
+            }                                                                                              \
+            if (above < k && k <= above + nb) {                                                            \
+                const U v = NAME##_kth(buf, nb, k - above, buf, &need);                                    \
+                return NAME##_take(x, cidx, nc, k, v, need, sel);                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        const U v = NAME##_kth(x, m, k, buf, &need);                                                       \
+        return NAME##_take(x, NULL, m, k, v, need, sel);                                                   \
+    }                                                                                                      \
+                                                                                                           \
     int NAME(const A *q, int64_t q_n, int64_t q_h, const A *w, int64_t w_n, int64_t N, const int64_t *rows, \
              const int64_t *positions, const T *kv, int64_t num_pages, int64_t P, const int64_t *tables,    \
              int64_t tstride, int64_t W, int64_t nt, const int64_t *row_seq, int64_t n, int64_t H, int64_t d, \
@@ -315,12 +321,8 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
             }                                                                                                \
             gfirst[ng] = n;                                                                                  \
             for (g = 0; g < ng; g++) { /* an upper bound on the runs: pages up to the group's last row */    \
-                int64_t mx = -1;                                                                             \
-                for (int64_t r = gfirst[g]; r < gfirst[g + 1]; r++) {                                        \
-                    const int64_t p = positions[rows ? rows[r] : r];                                         \
-                    if (p > mx) mx = p;                                                                      \
-                }                                                                                            \
-                const int64_t np = mx < 0 ? 0 : (mx / P + 1 < W ? mx / P + 1 : W);                           \
+                int64_t mx;                                                                                  \
+                const int64_t np = group_pages(positions, rows, gfirst[g], gfirst[g + 1], P, W, &mx);        \
                 total_runs += np + 1;                                                                        \
             }                                                                                                \
             runs = malloc(sizeof(run_t) * (size_t)total_runs);                                               \
@@ -328,12 +330,8 @@ static int64_t find_run(const run_t *runs, int64_t nruns, int64_t i) {
             int64_t nr = 0;                                                                                  \
             for (g = 0; g < ng; g++) {                                                                       \
                 const int64_t *tbl = tables + (row_seq ? row_seq[gfirst[g]] : 0) * tstride;                  \
-                int64_t mx = -1;                                                                             \
-                for (int64_t r = gfirst[g]; r < gfirst[g + 1]; r++) {                                        \
-                    const int64_t p = positions[rows ? rows[r] : r];                                         \
-                    if (p > mx) mx = p;                                                                      \
-                }                                                                                            \
-                const int64_t np = mx < 0 ? 0 : (mx / P + 1 < W ? mx / P + 1 : W);                           \
+                int64_t mx;                                                                                  \
+                const int64_t np = group_pages(positions, rows, gfirst[g], gfirst[g + 1], P, W, &mx);        \
                 grun[g] = nr;                                                                                \
                 int64_t cnt = 0;                                                                             \
                 for (int64_t pg = 0; pg < np; pg++) {                                                        \

@@ -1,6 +1,6 @@
 /* Element formats of the KV cache as the CPU kernels read them (splash/kv/codec.py writes them; the
- * table is splash/core/stores.py's `store_parts`). Included by mla_paged.c and dsa_index.c, which
- * define `bf16` and `bf16_to_f` first.
+ * table is splash/core/stores.py's `store_parts`). Included by mla_paged.c and dsa_index.c after the
+ * C headers (math, stdint, string); `bf16` and `bf16_to_f` are theirs from here.
  *
  * FP8 e4m3 ("fn": no infinities, 0x7f / 0xff NaN) values are converted exactly (every FP8 value is a
  * float) and multiplied by their scale: 8 at a time with AVX2 (a normal value's exponent and mantissa
@@ -10,6 +10,16 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+typedef uint16_t bf16;
+
+/* a BF16 value as float: its 16 bits are a float's top half (exact) */
+static inline float bf16_to_f(bf16 v) {
+    uint32_t u = ((uint32_t)v) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 static float fp8_lut[256];
 static int fp8_lut_ready = 0;

@@ -26,14 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16;
-
-static inline float bf16_to_f(bf16 v) {
-    uint32_t u = ((uint32_t)v) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "kv_formats.h"
 
 static inline bf16 f_to_bf16(float f) {
     uint32_t u;
@@ -42,9 +35,6 @@ static inline bf16 f_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);                                      /* round to nearest even */
     return (bf16)(u >> 16);
 }
-
-
-#include "kv_formats.h"
 
 /* the first n (D or dc: never fewer than dc) values of one FP8 key row (fmt 1 or 2, above) into dst, in
  * type A (float or double) */
