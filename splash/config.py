@@ -319,9 +319,6 @@ class EngineConfig:
 
     def resolved(self, world: int, max_position_embeddings: int) -> EngineConfig:
         """Every default that depends on the ranks or the model filled in (what the ranks receive)."""
-        if world > 1 and self.disaggregation_mode != "null":
-            raise ConfigError(f"--disaggregation-mode {self.disaggregation_mode} on {world} ranks: T > 1 on "
-                              "a PD side is not built yet; run each side with --tp 1")
         if world == 1 and self.switch_schedule:
             raise ConfigError("--switch-schedule needs T > 1 ranks (one rank has one layout); add --tp 2")
         seqs = self.max_num_seqs or default_max_num_seqs(world, self.serving)

@@ -248,6 +248,6 @@ def check_disaggregation(c: Any) -> None:
     if mode == "decode" and c.enable_prefix_caching is None:  # SGLang's decode default: off
         keep = bool(c.disaggregation_decode_enable_radix_cache)
         object.__setattr__(c, "enable_prefix_caching", keep)
-    if mode != "null" and c.world > 1:
-        raise ConfigError(f"--disaggregation-mode {mode} with --tp {c.world}: T > 1 on a PD side is "
-                          "not built yet; run each side with --tp 1")
+    if mode != "null" and getattr(c, "nnodes", 1) > 1:  # (each rank's transfer engine binds loopback)
+        raise ConfigError(f"--disaggregation-mode {mode} with --nnodes {c.nnodes}: a PD side spans one "
+                          "node for now; run each side's ranks on one host (--tp up to its devices)")

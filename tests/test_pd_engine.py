@@ -156,8 +156,6 @@ def test_dead_peer_fails_one_request_and_frees_its_pages():
         dest = dec.pd.reserve("gone", ids, PARAMS)
         assert dec.allocator.num_free != free and not dec.scheduler.book_errors()
         dec.pd.close()  # the decode side's memory is gone (as when its process dies)
-        dec.pd._transfer.engine = None
-        dec.pd._transfer = None
         results: dict[str, dict] = {}
         pre.pd.add_prefill("gone", ids, PARAMS, dest, lambda r: results.__setitem__(r["request_id"], r))
         while pre.has_unfinished():
@@ -308,7 +306,7 @@ def test_bad_destination_fails_that_request_only():
         good = dec.pd.reserve("r0", PROMPTS[0], PARAMS)
         bad = dec.pd.reserve("r1", PROMPTS[1], PARAMS)
         pre.pd.add_prefill("r0", PROMPTS[0], PARAMS, good, done)
-        pre.pd.add_prefill("r1", PROMPTS[1], PARAMS, {**bad, "pages": [10 ** 6]}, done)
+        pre.pd.add_prefill("r1", PROMPTS[1], PARAMS, {**bad, "pages": [10 ** 6], "table": [[10 ** 6]]}, done)
         while pre.has_unfinished():
             pre.step()
         assert results["r0"]["error"] is None and "outside the peer's pool" in results["r1"]["error"]

@@ -1,4 +1,4 @@
-"""`splash plan weights|switches|crossovers|capacity|advise`: the analytical core on the command line
+"""`splash plan weights|switches|crossovers|capacity|advise|pd`: the analytical core on the command line
 (capacity and advise in plan_capacity.py, the shared options in plan_args.py).
 
 Every subcommand prints a readable table, or exactly one JSON object with --json. Bad input
@@ -27,6 +27,7 @@ from splash.commands.plan_args import (
 from splash.commands.plan_capacity import run_advise, run_capacity, theta_from
 from splash.core.layouts import DIRECTIONS, PAPER_PAGE_SIZE, Layout
 from splash.core.model_config import ConfigError
+from splash.core.presets import PRESETS
 from splash.core.sizes import GIB, MIB
 
 
@@ -179,6 +180,44 @@ def _model_crossovers(args: argparse.Namespace) -> int:
     return emit(args, obj, text)
 
 
+# ---- pd: the prefill-to-decode transfer -------------------------------------------------------------
+def run_pd(args: argparse.Namespace) -> int:
+    """`plan pd`: one request's transfer from the prefill group to the decode group (`core/pd.py`)."""
+    from splash.core.pd import Group, blind_bytes, plan_pd
+    from splash.core.presets import resolve_model_config
+
+    cfg = resolve_model_config(args.model)
+    need(args.context, "--context")
+    need(args.page_size, "--page-size")
+    pages = -(-args.context // args.page_size)
+    if pages * max(args.prefill_tp, args.decode_tp) > MAX_PAGES:
+        raise ConfigError(f"--context {args.context:,} is {pages:,} pages of {args.page_size}: more than a "
+                          "manifest is built for; raise --page-size")
+    src = Group(Layout.parse(args.prefill_layout), args.prefill_tp, args.prefill_owner)
+    dst = Group(Layout.parse(args.decode_layout), args.decode_tp, args.decode_owner)
+    kw = dict(kv_format=args.kv_dtype, dtype=args.dtype, state=args.state_dtype)
+    m = plan_pd(cfg, src, dst, args.context, args.page_size, fill=not args.no_fill, **kw)
+    blind = blind_bytes(cfg, src, dst, args.context, args.page_size, **kw)
+    ratio = blind / m.link_bytes if m.link_bytes else None
+    obj = {"model": cfg.name, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "fill": not args.no_fill,
+           **m.to_json(moves=args.moves), "blind_bytes": blind, "blind_ratio": ratio}
+    rows = [[f"prefill {r}", f"{b:,}", "", "", ""] for r, b in enumerate(m.send)]
+    rows += [[f"decode {r}", "", f"{lr:,}", f"{fr:,}", f"{fs:,}"]
+             for r, (lr, fr, fs) in enumerate(zip(m.link_recv, (a - b for a, b in zip(m.recv, m.link_recv)),
+                                                  m.fill_send))]
+    mib = lambda b: f"{b:,} bytes ({b / MIB:,.2f} MiB)"  # noqa: E731
+    heads = "".join(f", {k} {v:,} a head" for k, v in m.head_bytes.items())
+    text = (f"{cfg.name}: prefill {src.layout.label} T={src.ranks} -> decode {dst.layout.label} "
+            f"T={dst.ranks}, context {args.context:,} ({m.num_pages:,} pages of {args.page_size}, "
+            f"{m.page_bytes:,} bytes a page{heads})\n"
+            + table(rows, ["rank", "link send", "link recv", "fill recv", "fill send"])
+            + f"\nlink: {mib(m.link_bytes)}; fill inside the decode group: {mib(m.fill_bytes)}"
+            + "\nlayout-blind (every prefill rank sends all it holds to each decode rank needing any): "
+            + mib(blind) + (f", {ratio:.2f}x the link" if ratio is not None else "")
+            + f"\n{m.note}")
+    return emit(args, obj, text)
+
+
 # ---- capacity -------------------------------------------------------------------------------------
 def register(sub: argparse._SubParsersAction) -> None:
     from splash.argtypes import output_file
@@ -265,5 +304,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--speculative-draft-layers", type=int, default=1,
                    help="MTP layers a draft runs through (default 1; 0: n-gram drafts)")
     a.set_defaults(func=run_advise)
+
+    d = kinds.add_parser("pd", help="one request's prefill-to-decode transfer: bytes each rank sends and "
+                         "receives, against a layout-blind transfer")
+    d.add_argument("--model", default="deepseek-v3", help=f"preset ({', '.join(PRESETS)}), checkpoint dir, "
+                   "config.json (default deepseek-v3)")
+    d.add_argument("--prefill-layout", default="tp", help="the prefill group's layout tp|dp|cp|dop")
+    d.add_argument("--prefill-tp", type=int, default=2, help="ranks of the prefill group (default 2)")
+    d.add_argument("--prefill-owner", type=int, default=0, help="the request's owner rank there (DP/DOP)")
+    d.add_argument("--decode-layout", default="dp", help="the decode group's layout tp|dp|cp|dop")
+    d.add_argument("--decode-tp", type=int, default=2, help="ranks of the decode group (default 2)")
+    d.add_argument("--decode-owner", type=int, default=0, help="the request's owner rank there (DP/DOP)")
+    d.add_argument("--context", "-s", type=int, default=8192, help="prompt tokens of the request")
+    d.add_argument("--page-size", type=int, default=PAPER_PAGE_SIZE, help="KV page size (default 64)")
+    d.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto",
+                   help="auto (the activations' dtype) or " + KV_DTYPE_HELP)
+    d.add_argument("--dtype", default="bf16", help="model dtype bf16|fp16|fp8|fp32|fp64 (default bf16)")
+    d.add_argument("--state-dtype", help="KDA recurrent state dtype (default fp32, fp64 for fp64)")
+    d.add_argument("--no-fill", action="store_true", help="send every replica over the link instead of "
+                   "completing a replicated decode layout inside its group")
+    d.add_argument("--moves", action="store_true", help="with --json: list every move")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.set_defaults(func=run_pd)
 
     p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])

@@ -119,9 +119,11 @@ class KVTransfer:
                 raise ValueError(f"the prefill and decode engines disagree on {k}: this side has "
                                  f"{mine.get(k)!r}, the peer {info.get(k)!r}; run both with the same "
                                  f"checkpoint and the same --dtype, --kv-cache-dtype and --page-size")
-        for part in ("stores", "state"):
-            a = [(s["name"], s["dtype"], s["shape"][0], s["shape"][2:]) for s in mine[part]]
-            b = [(s["name"], s["dtype"], s["shape"][0], s["shape"][2:]) for s in info.get(part, [])]
+        for part in ("stores", "state"):  # (a state's axis 0 is its slots, free to differ)
+            a = [(s["name"], s["dtype"], s["shape"][0] if part == "stores" else None, s["shape"][2:])
+                 for s in mine[part]]
+            b = [(s["name"], s["dtype"], s["shape"][0] if part == "stores" else None, s["shape"][2:])
+                 for s in info.get(part, [])]
             if a != b:
                 raise ValueError(f"the prefill and decode engines disagree on the {part} layout: this side "
                                  f"has {a}, the peer {b}")
@@ -134,9 +136,13 @@ class KVTransfer:
         return n + (sum(t[0].numel() * t.element_size() for t in st) if slot else 0)
 
     def write(self, peer: dict[str, Any], src_pages: Sequence[int], dst_pages: Sequence[int],
-              src_slot: int = -1, dst_slot: int = -1) -> tuple[int, float]:
+              src_slot: int = -1, dst_slot: int = -1,
+              heads: Sequence[tuple[str, int, int, int]] | None = None) -> tuple[int, float]:
         """Write `src_pages` (this side's page ids) into the peer's `dst_pages`, and the state of
-        `src_slot` into `dst_slot`, in one batch call. -> (bytes, seconds); TransferError on failure."""
+        `src_slot` into `dst_slot`, in one batch call. `heads`: which heads of the slot move, as
+        (store, first local head here, first local head there, heads) with store "kda_state" (the
+        recurrent tensors) or "kda_conv" (the conv windows) of every KDA layer; None: every head of both
+        (the two sides hold the same heads). -> (bytes, seconds); TransferError on failure."""
         if len(src_pages) != len(dst_pages):
             raise TransferError(f"{len(src_pages)} pages to send but {len(dst_pages)} to receive them")
         far_pages, far_slots = int(peer["num_pages"]), int(peer.get("num_slots", 0))
@@ -163,15 +169,14 @@ class KVTransfer:
                     srcs.append(mine + s * page)
                     dsts.append(theirs + d * page)
                     lens.append(n * page)
-        if (src_slot >= 0) != (dst_slot >= 0) or (st and src_slot < 0):
+        if (src_slot >= 0) != (dst_slot >= 0):
             raise TransferError(f"state slot {src_slot} -> {dst_slot}: a KDA model's request needs a slot "
                                 "on both sides")
-        if src_slot >= 0:
-            for t, far in zip(st, peer["state"]):
-                per = t[0].numel() * t.element_size()
-                srcs.append(t.data_ptr() + src_slot * per)
-                dsts.append(far["base"] + dst_slot * per)
-                lens.append(per)
+        if src_slot >= 0 and st:
+            if heads is None:
+                h = int(st[0].shape[1])
+                heads = [("kda_state", 0, 0, h), ("kda_conv", 0, 0, h)]
+            self._state_pieces(st, peer["state"], src_slot, dst_slot, heads, srcs, dsts, lens)
         if not srcs:
             return 0, 0.0
         # The binding gives up the GIL for the write; taking it back waits for the server's other Python
@@ -189,6 +194,36 @@ class KVTransfer:
             raise TransferError(f"the KV write to {peer['session_id']} failed (Mooncake code {rc}): the "
                                 "decode side is gone or refused it")
         return sum(lens), dt
+
+    @staticmethod
+    def _state_pieces(st: list[torch.Tensor], far: list[dict[str, Any]], src_slot: int, dst_slot: int,
+                      heads: Sequence[tuple[str, int, int, int]], srcs: list[int], dsts: list[int],
+                      lens: list[int]) -> None:
+        """The pieces of a slot's heads: per KDA layer, a head range of the recurrent state
+        [slots, h, d, d] is one run; of the conv windows [slots, 3*h*d, K-1] (q, k, v parts) three. The
+        two sides may hold different head counts (head-sharded at different T): offsets from each
+        side's own shapes."""
+        for k in range(0, len(st), 2):
+            rec, conv, frec, fconv = st[k], st[k + 1], far[k], far[k + 1]
+            d = int(rec.shape[2])
+            h_mine, h_far = int(rec.shape[1]), int(frec["shape"][1])
+            for store, a, b, n in heads:
+                if not (0 <= a and a + n <= h_mine and 0 <= b and b + n <= h_far):
+                    raise TransferError(f"heads {a}..{a + n} -> {b}..{b + n} of {store} are outside the "
+                                        f"{h_mine} heads here / {h_far} on the peer")
+                if store == "kda_state":
+                    per = d * d * rec.element_size()
+                    srcs.append(rec.data_ptr() + (src_slot * h_mine + a) * per)
+                    dsts.append(frec["base"] + (dst_slot * h_far + b) * per)
+                    lens.append(n * per)
+                elif store == "kda_conv":
+                    per = d * int(conv.shape[2]) * conv.element_size()
+                    for part in range(3):
+                        srcs.append(conv.data_ptr() + (src_slot * 3 * h_mine + part * h_mine + a) * per)
+                        dsts.append(fconv["base"] + (dst_slot * 3 * h_far + part * h_far + b) * per)
+                        lens.append(n * per)
+                else:
+                    raise TransferError(f"unknown per-request store {store!r}")
 
     def close(self) -> None:
         """Unregister the memory (the engine object itself is freed with this one)."""

@@ -72,12 +72,16 @@ class PDAsync:
     async def pd_arrived(self, request_id: str, first_token: int | list[int],
                          first_logprobs: dict[Any, float] | list[dict[Any, float] | None] | None = None,
                          prompt_logprobs: list[dict[Any, float] | None] | None = None,
-                         drafts: list[list[int]] | None = None) -> None:
+                         drafts: list[list[int]] | None = None, nbytes: int | None = None,
+                         fill: list[dict[str, Any]] | None = None) -> None:
         """The prefill side wrote the KV of `request_id`: it decodes from `first_token` on (n > 1: one
         per sequence, with `first_logprobs` one per sequence too; and reports the prefill side's
-        `prompt_logprobs`, if the request asked; `drafts`: its result["drafts"], MTP's first chains)."""
+        `prompt_logprobs`, if the request asked; `drafts`: its result["drafts"], MTP's first chains;
+        `nbytes`, `fill`: its result["bytes"] and ["fill"], what it wrote and the replicas this side
+        completes itself)."""
         def go(eng: Any) -> None:
-            outs = eng.pd.arrived(request_id, first_token, first_logprobs, prompt_logprobs, drafts)
+            outs = eng.pd.arrived(request_id, first_token, first_logprobs, prompt_logprobs, drafts, nbytes,
+                                  fill)
             self._deliver_all([(o.request_id, o) for o in outs])  # type: ignore[attr-defined]
 
         await self.call(go)  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ from splash.core.layouts import LAYOUT_NAMES as LAYOUTS  # the names plans carry
 # draft model over the step's accepted rows and chains drafts (its payload a DraftWork; sent as a step
 # message, since it grows tables); "state" puts back the state snapshots of KDA hybrid requests whose
 # speculative rows were rejected (payload: the slots).
-PLAN_KINDS = ("forward", "switch", "draft", "state", "load", "unload", "stats", "tables", "shutdown")
+PLAN_KINDS = ("forward", "switch", "draft", "state", "load", "unload", "stats", "tables", "shutdown", "pd")
 STEP_KINDS = ("forward", "switch")
 
 

@@ -114,6 +114,7 @@ class SwitchController(AutoLayout):
         self.pending: Any = None  # the SwitchPlan travelling with the current step
         self._pending_event: SwitchEvent | None = None
         self._requested: tuple[str, str | None] | None = None
+        self.deferred: str | None = None  # a switch waiting for PD requests' KV to arrive (decode side)
         self.steps_since_switch = 0
         self._last_eval: tuple[Any, int] | None = None  # (running set key, step) the Policy last priced
         self.events: deque[SwitchEvent] = deque(maxlen=history)
@@ -247,8 +248,20 @@ class SwitchController(AutoLayout):
         plan = st.plan
         cur = self.alloc.layout
         if dst is None or dst == cur:
+            self.deferred = None
             self.steps_since_switch += 1
             return
+        if self.sched.parked or self.sched.draining:
+            # A PD decode engine: the prefill side writes into the parked requests' pages as reserved in
+            # this layout; the switch waits until they arrived (new reservations wait for it: pd.reserve).
+            self.deferred = dst
+            if cause == "schedule":
+                self.schedule.appendleft((plan.step, dst))
+            elif cause == "request":
+                self._requested = (dst, mode)
+            self.steps_since_switch += 1
+            return
+        self.deferred = None
         t0 = time.perf_counter()
         why = self.stranded(dst, live)
         if why is not None:

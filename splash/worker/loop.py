@@ -135,6 +135,15 @@ def _on_weights(state: WorkerState, plan: StepPlan) -> None:
 register_handler("weights", _on_weights)
 
 
+def _on_pd(state: WorkerState, plan: StepPlan) -> None:
+    from splash.worker.pd import on_pd_plan  # prefill/decode disaggregation: this rank's KV writes
+
+    on_pd_plan(state, plan)
+
+
+register_handler("pd", _on_pd)
+
+
 def _on_draft(state: WorkerState, plan: StepPlan) -> None:
     state.runner.draft(plan)  # speculative decoding with MTP layers: the draft phase after a step
 

@@ -28,8 +28,6 @@ Per-request state lives in the two stages' tables, not on `Sequence`. T = 1 only
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -38,8 +36,10 @@ from typing import Any
 
 import torch
 
-from splash.disagg.transfer import KVTransfer, TransferError
+from splash.core.layouts import Layout
+from splash.core.pd import Group, PageMove, StateMove
 from splash.engine.outputs import RequestOutput
+from splash.engine.pd_ranks import PDRanks
 from splash.engine.request import Request
 from splash.engine.request import Sequence as Seq
 from splash.engine.sampler import Sampled
@@ -70,6 +70,8 @@ class PrefillJob:
     first: list[Sampled | None]
     ended: list[bool]
     drafts: list[list[int]] = dataclasses.field(default_factory=list)  # per sequence: its first chain (MTP)
+    fill: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # per sequence: the decode
+    # group's own moves that complete its replicas (the manifest's fill), set when it is sent
     error: str | None = None
     nbytes: int = 0
     secs: float = 0.0
@@ -80,7 +82,7 @@ def targets(dest: dict[str, Any], n: int) -> list[dict[str, Any]]:
     the destination's own "pages" and "slot" for n = 1). ValueError if they are not n."""
     seqs = dest.get("seqs")
     if seqs is None:
-        seqs = [{"pages": dest.get("pages", []), "slot": dest.get("slot", -1)}]
+        seqs = [{k: dest[k] for k in ("pages", "slot", "owner", "table") if k in dest}]
     if not isinstance(seqs, list) or len(seqs) != n:
         raise ValueError(f"the decode side reserved pages for {len(seqs) if isinstance(seqs, list) else '?'} "
                          f"sequences but this request samples n = {n}: the two sides disagree on n")
@@ -139,23 +141,34 @@ class PDPrefill(Stage):
                 self.pd.engine.scheduler.free(seq)
 
     def send(self, job: PrefillJob, seq: Seq) -> None:
-        """Write `seq`'s prompt KV (every store) and state into its destination; end it."""
+        """Write `seq`'s prompt KV (every store) and state into its destination, as the core's manifest
+        from this side's layout to the decode side's plans it (each block once over the link); end it."""
+        pd = self.pd
         n = len(seq.prompt_token_ids)
-        target, pages = job.targets[seq.index], pages_for(n, self.pd.engine.allocator.page_size)
+        target, pages = job.targets[seq.index], pages_for(n, pd.engine.allocator.page_size)
         try:
-            nbytes, secs = self.pd.transfer.write(job.dest["layout"], seq.pages[0][:pages],
-                                                  target["pages"][:pages], seq.slot,
-                                                  int(target.get("slot", -1)))
-        except Exception as e:  # (a failed write, or a malformed destination: this request only)
-            if not isinstance(e, TransferError):
-                log.exception("the KV write of %s failed", seq.group.request_id)
+            info = job.dest["layout"]
+            peers = info.get("ranks") or [info]
+            src = pd.ranks.group(seq.owner)
+            dst = Group(Layout.named(info.get("layout", "tp")), len(peers), int(target.get("owner", 0)))
+            man = pd.ranks.manifest(src, dst, n)
+            table = target.get("table") or [target["pages"]]
+            writes = pd.ranks.writes(man.pages, man.states, src, [row[:pages] for row in seq.pages],
+                                     seq.slot, dst, [list(row[:pages]) for row in table],
+                                     int(target.get("slot", -1)), peers)
+            nbytes, secs, err = pd.ranks.send(writes)
+        except Exception as e:  # (a malformed destination: this request only)
+            log.exception("the KV write of %s failed", seq.group.request_id)
+            nbytes, secs, err = 0, 0.0, f"the KV write failed: {type(e).__name__}: {e}"
+        if err is not None:
             seq.finish("abort")
-            self.end(job, seq, str(e) if isinstance(e, TransferError) else
-                     f"the KV write failed: {type(e).__name__}: {e}")
+            self.end(job, seq, err)
             return
-        self.pd.sent(nbytes, secs)
+        pd.sent(nbytes, secs)
         job.nbytes += nbytes
         job.secs += secs
+        job.fill[seq.index] = {"pages": [[m.page, m.src, m.dst] for m in man.fill_pages],
+                               "states": [[m.store, m.h0, m.h1, m.src, m.dst] for m in man.fill_states]}
         self.end(job, seq, None)
 
     def end(self, job: PrefillJob, seq: Seq, error: str | None) -> None:
@@ -173,7 +186,7 @@ class PDPrefill(Stage):
         table = self.pd.prompt_table(req)
         result = {"request_id": req.request_id, "first_token": firsts[0], "logprobs": lps[0],
                   "first_tokens": firsts, "first_logprobs": lps, "drafts": job.drafts,
-                  "error": job.error, "bytes": job.nbytes, "seconds": job.secs,
+                  "error": job.error, "bytes": job.nbytes, "seconds": job.secs, "fill": job.fill,
                   "prompt_logprobs": None if table is None else list(table.values)}
         if job.on_done is not None:
             try:
@@ -219,38 +232,24 @@ class PD:
         self.prefill = PDPrefill(self)
         self.decode = PDDecode(self)
         self.stages = [self.prefill, self.decode]
-        self._transfer: KVTransfer | None = None
-        self.bytes_total = 0  # sent (prefill side) and received (decode side)
+        self.ranks = PDRanks(engine)
+        self.bytes_total = 0  # sent (prefill side) and received (decode side), over the link
+        self.fill_bytes_total = 0  # moved inside this (decode) group to complete replicas
         self.seconds_total = 0.0
         self.transfers = 0
         self.failures = 0
         engine.scheduler.drain_s = DRAIN_S
         if getattr(engine.config, "disaggregation_mode", "null") not in (None, "null"):
-            _ = self.transfer  # started with the engine, so a bad install fails at startup
+            self.ranks.start()  # every rank's transfer engine with the engine, so a bad install fails now
 
-    # ---- the transfer engine --------------------------------------------------------------------
-    @property
-    def transfer(self) -> KVTransfer:
-        """This rank's transfer engine, started on first use with the pools registered."""
-        if self._transfer is None:
-            eng = self.engine
-            if eng.world != 1 or not hasattr(eng.runner, "pool"):
-                raise ValueError("prefill/decode disaggregation runs on one rank per side for now (--tp 1); "
-                                 "T > 1 comes with issue 47")
-            spec = eng.spec
-            model = json.dumps(dataclasses.asdict(spec.model), sort_keys=True, default=str)
-            identity = {"checkpoint": hashlib.sha256(model.encode()).hexdigest()[:16],
-                        "model": spec.model_name, "dtype": str(spec.dtype).removeprefix("torch."),
-                        "kv_format": spec.kv_format, "page_size": spec.page_size}
-            self._transfer = KVTransfer(eng.runner.pool, getattr(eng.runner, "state", None), identity)
-        return self._transfer
-
+    # ---- the transfer engines -------------------------------------------------------------------
     def layout_info(self) -> dict[str, Any]:
-        return self.transfer.layout_info()
+        """What the handshake sends the peer: identity, memory of every rank, the live layout and size."""
+        return self.ranks.layout_info()
 
     def check_peer(self, info: dict[str, Any]) -> None:
         """Raise ValueError naming the first difference between this engine and the peer's `info`."""
-        self.transfer.check_peer(info)
+        self.ranks.local().check_peer(info)
 
     def sent(self, nbytes: int, secs: float) -> None:
         self.bytes_total += nbytes
@@ -267,6 +266,10 @@ class PD:
         if eng.rl.kv_released:  # (as a colocated engine's requests wait for the resume, so does this one)
             raise PDNoRoom("this decode server's KV memory is released (release_memory_occupation); no "
                            "pages until it is resumed")
+        switcher = getattr(eng, "switcher", None)
+        if switcher is not None and switcher.deferred is not None:
+            raise PDNoRoom(f"a layout switch to {switcher.deferred} waits for the requests whose KV is on "
+                           "its way; new ones are reserved after it")
         info = self.layout_info()
         req = eng.new_request(request_id, params=params, prompt_token_ids=prompt_token_ids)
         held: list[Seq] = []
@@ -289,9 +292,11 @@ class PD:
         eng.audit(f"pd reserve {request_id}")
         first = req.seqs[0]
         dest = {"request_id": request_id, "session_id": info["session_id"], "pages": list(first.pages[0]),
-                "slot": first.slot, "num_tokens": len(req.prompt_token_ids), "layout": info}
+                "slot": first.slot, "owner": first.owner, "table": [list(r) for r in first.pages],
+                "num_tokens": len(req.prompt_token_ids), "layout": info}
         if len(req.seqs) > 1:
-            dest["seqs"] = [{"pages": list(s.pages[0]), "slot": s.slot} for s in req.seqs]
+            dest["seqs"] = [{"pages": list(s.pages[0]), "slot": s.slot, "owner": s.owner,
+                             "table": [list(r) for r in s.pages]} for s in req.seqs]
         return dest
 
     def _headroom(self, new: Seq) -> int:
@@ -308,12 +313,15 @@ class PD:
     def arrived(self, request_id: str, first_token: int | list[int],
                 first_logprobs: dict[Any, float] | list[dict[Any, float] | None] | None = None,
                 prompt_logprobs: list[dict[Any, float] | None] | None = None,
-                drafts: list[list[int]] | None = None) -> list[RequestOutput]:
+                drafts: list[list[int]] | None = None, nbytes: int | None = None,
+                fill: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """The KV of a parked request is in its pages: it joins the batch with `first_token` committed
         (n > 1: a list, sequence i continues from token i, with logprobs i; `prompt_logprobs`: what the
         prefill side computed, if the request asked; `drafts`: the prefill's result["drafts"], one MTP
-        chain per sequence, which its first step verifies). -> its snapshot (final if those tokens ended it).
-        Unknown (aborted meanwhile): []."""
+        chain per sequence, which its first step verifies; `nbytes`: the bytes the prefill wrote into
+        this side, result["bytes"]; `fill`: result["fill"], per sequence the moves inside this group
+        that complete its replicas, run here first). -> its snapshot (final if those tokens ended it).
+        Unknown (aborted meanwhile): []. A failed fill fails the request (RuntimeError)."""
         eng = self.engine
         seqs = self.decode.parked.get(request_id)
         if seqs is None:
@@ -324,12 +332,17 @@ class PD:
             raise ValueError(f"{len(firsts)} first tokens for {len(seqs)} sequences")
         if prompt_logprobs is not None:
             self._prompt_logprobs(seqs[0], prompt_logprobs)
+        if fill and any(f.get("pages") or f.get("states") for f in fill):
+            self._fill(request_id, seqs, fill)
         del self.decode.parked[request_id]
         changed: dict[str, Request] = {}
-        n_pages = pages_for(len(seqs[0].prompt_token_ids), eng.allocator.page_size)
+        if nbytes is None:  # (a caller that does not pass the prefill's count: one rank's whole request)
+            n_pages = pages_for(len(seqs[0].prompt_token_ids), eng.allocator.page_size)
+            nbytes = sum(self.ranks.local().request_bytes(n_pages, s.slot >= 0) for s in seqs)
+        self.sent(int(nbytes), 0.0)
+        self.transfers += len(seqs) - 1
         for seq, tok, d in zip(seqs, firsts, lps):
             eng.scheduler.admit_computed(seq)
-            self.sent(self.transfer.request_bytes(n_pages, seq.slot >= 0), 0.0)
             self._skip_draw(seq)
             lp = None if d is None else {int(k): float(v) for k, v in d.items()}
             eng.commit(seq, Sampled(int(tok), lp), time.time())
@@ -343,6 +356,24 @@ class PD:
         outs = eng._collect(changed)
         eng.audit(f"pd arrived {request_id}")
         return outs
+
+    def _fill(self, request_id: str, seqs: list[Seq], fill: list[dict[str, Any]]) -> None:
+        """Complete the replicas this group's layout keeps (TP's pages, CP's KDA state) from the copy
+        each block arrived as: the manifest's fill moves, rank to rank inside this group."""
+        peers = self.layout_info()["ranks"]
+        for seq, f in zip(seqs, fill):
+            if not (f.get("pages") or f.get("states")):
+                continue
+            me = self.ranks.group(seq.owner)
+            pages = tuple(PageMove(int(j), int(a), int(b)) for j, a, b in f.get("pages", ()))
+            states = tuple(StateMove(str(st), int(h0), int(h1), int(a), int(b))
+                           for st, h0, h1, a, b in f.get("states", ()))
+            writes = self.ranks.writes(pages, states, me, seq.pages, seq.slot, me, seq.pages, seq.slot, peers)
+            nbytes, _, err = self.ranks.send(writes)
+            if err is not None:
+                self.fail(request_id, f"completing the KV replicas in this group failed: {err}")
+                raise RuntimeError(f"request {request_id}: completing the KV replicas failed: {err}")
+            self.fill_bytes_total += nbytes
 
     def _prompt_logprobs(self, seq: Seq, values: list[dict[Any, float] | None]) -> None:
         """Fill the request's prompt logprobs (PromptLogprobsStage's table) with the prefill side's."""
@@ -403,29 +434,31 @@ class PD:
         req = self.engine.add_request(request_id, params=one, prompt_token_ids=prompt_token_ids)
         n = len(req.seqs)
         self.prefill.jobs[req] = PrefillJob(dest, where, on_done, [None] * n, [False] * n,
-                                            [[] for _ in range(n)])
+                                            [[] for _ in range(n)], [{} for _ in range(n)])
         return req
 
     def stats(self) -> dict[str, Any]:
         return {"kv_transfer_bytes_total": self.bytes_total, "kv_transfer_seconds_total": self.seconds_total,
+                "kv_fill_bytes_total": self.fill_bytes_total,
                 "kv_transfers_total": self.transfers, "kv_transfer_failures_total": self.failures,
                 "pd_waiting_for_kv": len(self.decode.parked), "pd_prefill_inflight": len(self.prefill.jobs),
                 "pd_draining": len(self.engine.scheduler.draining)}
 
     def release(self) -> None:
         """The KV memory is about to be freed (`release_memory_occupation`): no write may land in it.
-        Its registration goes first (a prefill's write then fails at once with Mooncake's error instead
-        of landing in freed memory), then every request still waiting for its KV fails, and the pages of
-        aborted ones held against a late write are freed (no write can land there any more)."""
-        if self._transfer is not None:  # (a new transfer engine, a new session, on the next use: Mooncake's
-            self._transfer.close()      # segment does not take memory registered again after this)
-            self._transfer.engine = None
-            self._transfer = None
+        Its registration goes first on every rank (a prefill's write then fails at once with Mooncake's
+        error instead of landing in freed memory; a new transfer engine, a new session, on the next use:
+        Mooncake's segment does not take memory registered again after this), then every request still
+        waiting for its KV fails, and the pages of aborted ones held against a late write are freed (no
+        write can land there any more)."""
+        self.ranks.close()
         for rid in list(self.decode.parked):
             self.fail(rid, "the decode server released its KV memory (release_memory_occupation) before "
                            "the prompt's KV arrived")
         self.engine.scheduler.expire(float("inf"))
 
     def close(self) -> None:
-        if self._transfer is not None:
-            self._transfer.close()
+        try:
+            self.ranks.close()
+        except Exception:  # noqa: BLE001 - closing (a failed rank group has nothing left to close)
+            log.debug("closing the transfer engines failed", exc_info=True)
