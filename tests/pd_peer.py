@@ -66,6 +66,36 @@ def main() -> None:
                     while eng.has_unfinished():
                         eng.step()
                     ans = {k: v for k, v in got.items() if k != "prompt_logprobs"}
+                elif op == "prefill_many":  # (one batch: chunks and sends interleave with its switches)
+                    res: dict[str, Any] = {}
+                    for rid, ids, dest in zip(cmd["rids"], cmd["ids"], cmd["dests"]):
+                        eng.pd.add_prefill(rid, ids, SamplingParams(**cmd["params"]), dest,
+                                           lambda r, res=res: res.__setitem__(r["request_id"], r))
+                    layouts = set()
+                    while eng.has_unfinished():
+                        eng.step()
+                        layouts.add(str(eng.allocator.layout))
+                    ans = {"results": {k: {x: y for x, y in v.items() if x != "prompt_logprobs"}
+                                       for k, v in res.items()}, "layouts": sorted(layouts)}
+                elif op == "arrived_many":  # (all in, then decode them together while the layout switches)
+                    done: dict[str, Any] = {}
+                    layouts = set()
+                    for rid, r in cmd["results"].items():
+                        for o in eng.pd.arrived(rid, r["first_tokens"], r["first_logprobs"], None,
+                                                r["drafts"], r["bytes"], r.get("fill")):
+                            if o.finished:
+                                done[o.request_id] = list(o.outputs[0].token_ids)
+                        if cmd.get("step_between"):
+                            for o in eng.step():
+                                if o.finished:
+                                    done[o.request_id] = list(o.outputs[0].token_ids)
+                            layouts.add(str(eng.allocator.layout))
+                    while eng.has_unfinished():
+                        for o in eng.step():
+                            if o.finished:
+                                done[o.request_id] = list(o.outputs[0].token_ids)
+                        layouts.add(str(eng.allocator.layout))
+                    ans = {"tokens": done, "layouts": sorted(layouts)}
                 elif op == "stats":
                     st = eng.stats()
                     ans = {"stats": {k: v for k, v in st.items() if isinstance(v, (int, float, str))},

@@ -42,8 +42,8 @@ VERBOSE = bool(os.environ.get("PD_PEER_LOG"))  # (the peers' stderr, when debugg
 class Peer:
     """One side's engine in its own process; `ask` sends a command and waits for its answer."""
 
-    def __init__(self, model: str, tp: int, mode: str, layout: str = "tp") -> None:
-        opts = {**ENGINE, "model": model, "disaggregation_mode": mode}
+    def __init__(self, model: str, tp: int, mode: str, layout: str = "tp", **extra: Any) -> None:
+        opts = {**ENGINE, "model": model, "disaggregation_mode": mode, **extra}
         if tp > 1:
             opts.update(tp=tp, layout=layout)
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("pd_peer.py")),
@@ -82,17 +82,17 @@ class Peer:
             self.proc.wait(10)
 
 
-def reference(model: str) -> list[list[int]]:
+def reference(model: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     eng = build_engine(model, **ENGINE)
     try:
-        for i, ids in enumerate(PROMPTS):
+        for i, ids in enumerate(prompts):
             eng.add_request(f"r{i}", params=SamplingParams(**PARAMS), prompt_token_ids=ids)
         got: dict[str, list[int]] = {}
         while eng.has_unfinished():
             for o in eng.step():
                 if o.finished:
                     got[o.request_id] = list(o.outputs[0].token_ids)
-        return [got[f"r{i}"] for i in range(len(PROMPTS))]
+        return [got[f"r{i}"] for i in range(len(prompts))]
     finally:
         eng.shutdown()
 
@@ -117,10 +117,11 @@ def transfer(pre: Peer, dec: Peer, rid: str, ids: list[int], cfg: ModelConfig, a
     return tokens  # type: ignore[no-any-return]
 
 
-def test_every_layout_pair_at_T2_to_T2_equals_colocated():
+@pytest.mark.parametrize("model", ["tiny", "tiny-dsa", "tiny-hybrid"])
+def test_every_layout_pair_at_T2_to_T2_equals_colocated(model):
     """All 16 (prefill layout, decode layout) pairs at T = 2 -> T = 2, each side switching live between
-    requests: tokens equal one colocated T = 1 engine's, bytes equal the manifest's."""
-    model = "tiny-hybrid"
+    requests: tokens equal one colocated T = 1 engine's, bytes equal the manifest's (DeepSeek-V3's
+    latent; V3.2's indexer keys beside it; the hybrid's per-request state with heads)."""
     ref = reference(model)
     cfg = resolve_model_config(model)
     pre, dec = Peer(model, 2, "prefill"), Peer(model, 2, "decode")
@@ -159,6 +160,44 @@ def test_different_sizes_on_the_two_sides(tp_pre, tp_dec, pairs):
                 dec.ask("switch", layout=b)
             i = k % len(PROMPTS)
             assert transfer(pre, dec, f"s{k}", PROMPTS[i], cfg, a, b) == ref[i], (a, b)
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_random_switch_schedules_on_both_sides_while_transfers_are_in_flight():
+    """Six requests parked on the decode side at once (its scheduled switches wait for their KV), prefilled
+    in one batch on the prefill side (chunks over several steps, its layout switching between them, each
+    request sent in the layout it finished in), arriving one by one while the decode side steps (and
+    switches once nothing waits): greedy tokens equal one colocated engine's."""
+    import random
+
+    model = "tiny-hybrid"
+    rng = random.Random(47)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+    ref = reference(model, prompts)
+
+    def schedule(steps: int, k: int) -> str:
+        out, cur = [], "tp"
+        for step in sorted(rng.sample(range(1, steps), k)):
+            cur = rng.choice([x for x in LAYOUTS if x != cur])
+            out.append(f"{step}:{cur}")
+        return ",".join(out)
+
+    pre = Peer(model, 2, "prefill", switch_schedule=schedule(4, 3))
+    dec = Peer(model, 2, "decode", switch_schedule=schedule(16, 6))
+    try:
+        rids = [f"x{i}" for i in range(len(prompts))]
+        dests = [dec.ask("reserve", rid=rid, ids=ids, params=PARAMS) for rid, ids in zip(rids, prompts)]
+        sent = pre.ask("prefill_many", rids=rids, ids=prompts, dests=dests, params=PARAMS)
+        assert len(sent["layouts"]) > 1, sent["layouts"]  # (the prefill did switch between its sends)
+        assert all(r["error"] is None for r in sent["results"].values())
+        got = dec.ask("arrived_many", results=sent["results"], step_between=True)
+        assert len(got["layouts"]) > 1, got["layouts"]
+        assert [got["tokens"][rid] for rid in rids] == ref
+        for side in (pre, dec):
+            st = side.ask("stats")
+            assert not st["books"] and st["requests"] == 0
     finally:
         pre.close()
         dec.close()
