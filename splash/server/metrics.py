@@ -183,6 +183,9 @@ class _EngineCounters(Collector):
                "PD: KV bytes moved by the transfer engine (sent on a prefill, received on a decode)."),
               ("splash:kv_transfer_seconds", "kv_transfer_seconds_total",
                "PD: seconds spent in KV transfers."),
+              ("splash:kv_fill_bytes", "kv_fill_bytes_total",
+               "PD decode: KV bytes copied inside this group to complete the replicas its layout keeps "
+               "(each block crosses the link once; splash plan pd's fill)."),
               ("splash:kv_transfers", "kv_transfers_total", "PD: KV transfers (one per request)."),
               ("splash:kv_transfer_failures", "kv_transfer_failures_total",
                "PD: requests whose KV transfer or handshake failed."))
