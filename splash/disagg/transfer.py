@@ -32,9 +32,11 @@ class TransferError(RuntimeError):
 
 
 def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) of the runs where both page lists go up by one together."""
+    """(src start, dst start, length) of the runs where both page lists go up by one together, the page
+    pairs taken in the source's order (each pair is its own copy): two tables handed out backwards by
+    LIFO free lists (pages freed 0..n come back n..0) are one run, not one piece per page."""
     out: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
+    for s, d in sorted(zip(src, dst)):
         if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
         else:
