@@ -139,7 +139,9 @@ def test_a_recipe_command_line_parses_into_splash_options(argv, fields, server):
     (["--headless"], r"--headless: .* --nnodes N"),
     (["--quantization", "fp8"], r"--quantization: splash reads the checkpoint's own quantization_config"),
     # sglang deepseek_v32.md, "PD Disaggregation"
-    (["--disaggregation-mode", "prefill", "--tp", "2"], r"--disaggregation-mode prefill .* T > 1 on a PD"),
+    # (T > 1 on each side is served; a side over several nodes is not yet)
+    (["--disaggregation-mode", "prefill", "--tp", "2", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000"],
+     r"--disaggregation-mode prefill with --nnodes 2: a PD side spans one node"),
     (["--enable-nsa-prefill-context-parallel"], r"--enable-nsa-prefill-context-parallel: .* --layout cp"),
     (["--tokenizer-mode", "mistral"], r"--tokenizer-mode mistral: .* accepted: auto"),
     (["--num-kv-pages", "8", "--max-total-tokens", "64"], r"--num-kv-pages .* --max-total-tokens .*give one"),

@@ -195,6 +195,9 @@ def test_bootstrap_server_routes():
     assert c.post("/pd/rooms/5", json={"dest": _dest([0])}).status_code == 409
     own = {"pages": [0], "session_id": "127.0.0.1:4242", "layout": {"session_id": "127.0.0.1:4242"}}
     assert c.post("/pd/rooms/7", json={"dest": own}).status_code == 400  # (the prefill's own memory)
+    own = {"pages": [0], "session_id": "127.0.0.1:1",  # (... named by one of its ranks)
+           "layout": {"session_id": "127.0.0.1:1", "ranks": [{"session_id": "127.0.0.1:4242"}]}}
+    assert c.post("/pd/rooms/8", json={"dest": own}).status_code == 400
     assert c.post("/pd/rooms/6", json={}).status_code == 400
     assert c.delete("/pd/rooms/5").json()["status"] == "failed"
     assert c.get("/pd/rooms/5").json()["status"] == "failed"
@@ -232,6 +235,57 @@ def test_decode_fails_clearly_when_the_prefill_is_unreachable():
             await _collect(side.generate([1], P(), "d2", Bootstrap("127.0.0.1", None, 9)))
 
     asyncio.run(go())
+
+
+def test_a_decode_released_between_the_write_and_the_arrival_fails_the_request_not_hangs(one_torch_thread):
+    """The prefill wrote the KV (its room done), then the decode's KV memory was released before the
+    decode took it in: the release failed the waiting request, so its stream would never speak (a soak
+    through the router saw such requests hang until the client's read timeout). Real engines on two
+    threads, the room's answer played by the prefill engine itself; the request fails at once, 502, and
+    nothing stays held on the decode."""
+    if not _mooncake_ok():
+        pytest.skip("the Mooncake transfer engine does not import: run `make setup`")
+    from splash.engine.async_engine import AsyncEngine
+    from splash.engine.build import build_engine
+    from splash.engine.sampling import SamplingParams
+
+    kw = dict(dtype="float64", page_size=4, max_num_seqs=4, device="cpu", check_books=True, num_kv_pages=32)
+    pre = AsyncEngine.built_on_thread(lambda: build_engine("tiny", **kw))
+    dec = AsyncEngine.built_on_thread(lambda: build_engine("tiny", **kw, enable_memory_saver=True))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ids = list(range(10, 31))
+
+    async def meet(boot, dest):  # (the room: the prefill writes, then the decode releases its KV memory)
+        _, res = await pre.pd_prefill("r", ids, params, dest)
+        assert res["error"] is None and res["bytes"] > 0
+        await dec.call(lambda eng: eng.release_memory_occupation(["kv_cache"]))
+        return {"status": "done", "first_tokens": [res["first_token"]], "first_logprobs": [None]}
+
+    async def go():
+        side = DecodeSide(dec)
+        side._meet = meet
+        t0 = time.monotonic()
+        with pytest.raises(APIError, match="dropped request r before its transferred KV") as e:
+            await asyncio.wait_for(_collect(side.generate(ids, params, "r", Bootstrap("127.0.0.1",
+                                                                                       free_port(), 5))), 60)
+        assert e.value.status == 502 and time.monotonic() - t0 < 30
+        await dec.call(lambda eng: eng.resume_memory_occupation(["kv_cache"]))
+        out = [o async for o in dec.generate(ids, params, "after")]  # (the decode keeps serving)
+        assert out[-1].finished and len(out[-1].outputs[0].token_ids) == 4
+
+        def held(eng):
+            eng.rl.flush_cache()  # (the prefix cache's pages count as used)
+            return len(eng.requests), eng.stats()["kv_pages_used"], eng.scheduler.book_errors()
+
+        for eng in (pre, dec):
+            n, used, errors = await eng.call(held)
+            assert (n, used) == (0, 0) and not errors, (n, used, errors)
+
+    try:
+        asyncio.run(go())
+    finally:
+        pre.shutdown()
+        dec.shutdown()
 
 
 # ---- end to end: 1P1D behind sglang-router in PD mode ---------------------------------------------------
@@ -468,8 +522,9 @@ def test_a_transfer_to_a_dead_decode_fails_that_request_only(pd):
                        timeout=10).json()["layout"]
     # a destination whose decode is gone (nothing listens on its session's port): the write fails at once
     gone = f"127.0.0.1:{free_port()}"
+    ranks = [{**r, "session_id": gone} for r in layout.get("ranks", ())]  # (each rank's own session)
     dest = {"request_id": "gone", "session_id": gone, "pages": [0, 1], "slot": -1,
-            "num_tokens": len(IDS[0]), "layout": {**layout, "session_id": gone}}
+            "num_tokens": len(IDS[0]), "layout": {**layout, "session_id": gone, "ranks": ranks}}
     # (a destination in the prefill's own memory is refused)
     mine = {**dest, "session_id": layout["session_id"], "layout": layout}
     r = httpx.post(f"http://127.0.0.1:{boot}/pd/rooms/31336", json={"dest": mine}, timeout=10)

@@ -286,7 +286,10 @@ def test_stream_routed_experts_and_info(server, ckpts):
     import json
 
     chunks = [json.loads(e) for e in events[:-1]]
-    assert [len(c["output_ids"]) for c in chunks] == list(range(1, NEW + 1))  # cumulative
+    # cumulative; a slow reader may get two tokens in one chunk (SGLang streams the latest state too)
+    lens = [len(c["output_ids"]) for c in chunks]
+    assert lens[0] >= 1 and lens[-1] == NEW and all(a < b for a, b in zip(lens, lens[1:])), lens
+    assert all(c["output_ids"] == chunks[-1]["output_ids"][:len(c["output_ids"])] for c in chunks)
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     objs = greedy_batch(server, return_routed_experts=True)

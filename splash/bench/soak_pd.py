@@ -6,7 +6,8 @@ both servers (an update to the prefill and then the decode, inside the greedy ch
 runs on one version on both sides). Once idle (the decode's aborted pages drained), each side is flushed
 and read: both must hold no page and no slot. n > 1 through the router: probed once at the start; where
 a side refuses it (not built yet with a bootstrap room), an n = 2 draw goes as 2 requests of n = 1 and the
-report says so.
+report says so. sglang-router retries an attempt a server answers 5xx (a new room each time), so the
+clients see only what is left: the report also gives the router's own count of failed attempts.
 """
 
 from __future__ import annotations
@@ -39,20 +40,25 @@ def soak_pd(a: argparse.Namespace, paths: list[str], env: dict[str, str], server
     `server`, `idle_and_flush`, `reference`: splash/bench/soak.py's (passed in: it imports this module)."""
     from splash.bench.churn import Soak
     from splash.bench.pd_serve import one_p_one_d
+    from splash.bench.peer import free_port
     from splash.core.model_config import ConfigError
 
     if a.tp != 1:
         raise ConfigError("--pd runs each side at --tp 1 (T > 1 on a PD side is not built yet)")
     t0 = time.monotonic()
     # (the router's circuit breaker off: after 10 failed requests it takes the prefill out of rotation
-    # for 60 s and answers 503 to everything, which would hide what the servers themselves answer)
+    # for 60 s and answers 503 to everything, which would hide what the servers themselves answer; its
+    # metrics on a port of ours, the last --prometheus-port given being the one it takes)
+    metrics = free_port()
+    flags = ("--disable-circuit-breaker", "--prometheus-port", str(metrics))
     with one_p_one_d(lambda port, *extra: [*server(a, paths[0], port), *extra], env, a.startup_timeout,
-                     router_flags=("--disable-circuit-breaker",)) as ((p_url, d_url, r_url), procs):
+                     router_flags=flags) as ((p_url, d_url, r_url), procs):
         vocab = int(httpx.get(d_url + "/v1/models", timeout=10).json()["data"][0]["vocab_size"])
         n_copies, probe = asyncio.run(_probe_n(r_url))
         s = Soak(a, r_url, paths, vocab, servers=[p_url, d_url], n_copies=n_copies)
         asyncio.run(s.run())
         load_s = time.monotonic() - t0
+        retried = _router_retries(f"http://127.0.0.1:{metrics}/metrics")
         infos = [asyncio.run(idle_and_flush(u)) for u in (p_url, d_url)]
         healthy = []
         for u in (p_url, d_url):
@@ -95,12 +101,31 @@ def soak_pd(a: argparse.Namespace, paths: list[str], env: dict[str, str], server
         "healthy_after": all(healthy), "exit_code": max(codes, key=abs),
         "greedy_checked": len(t.checks), "greedy_mismatches": len(mismatches),
         "server_log_errors": len(problems), "seconds": round(load_s, 1),
-        "pd": {"sides": per_side, "n_as_copies": n_copies, "n_probe": probe,
+        "pd": {"sides": per_side, "n_as_copies": n_copies, "n_probe": probe, "router_retried": retried,
                "5xx_by_cause": dict(Counter(_cause(x) for x in t.http_5xx).most_common(6))},
         "examples": {"5xx": t.http_5xx[:3], "client": t.client_errors[:3],
                      "unexpected_4xx": t.unexpected_4xx[:3], "mismatch": mismatches[:3], "log": problems[:3]},
         "usage": t.usage, "marks": t.marks,
     }
+
+
+def _router_retries(url: str) -> dict[str, int] | None:
+    """What sglang-router retried unseen by the clients: an attempt the decode answers 5xx is tried again
+    (a new room, up to 5 attempts), so the soak's 5xx count is what is left after the retries. None: its
+    metrics did not answer. (sglang-router 0.3.2's names; each counted once per worker type: the decode's.)"""
+    try:
+        text = httpx.get(url, timeout=10).text
+    except httpx.HTTPError:
+        return None
+    names = {"smg_worker_errors_total": "failed_attempts", "smg_worker_retries_total": "retries",
+             "smg_worker_retries_exhausted_total": "retries_exhausted"}
+    out = dict.fromkeys(names.values(), 0)
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        key = names.get(head.split("{", 1)[0])
+        if key is not None and 'worker_type="decode"' in head and value.replace(".", "", 1).isdigit():
+            out[key] += int(float(value))
+    return out
 
 
 def _cause(line: str) -> str:
@@ -125,6 +150,9 @@ def format_pd(r: dict[str, Any]) -> list[str]:
         out.append(f"{side}: leaked pages / slots {v['leaked_pages']} / {v['leaked_slots']}, flush "
                    f"{v['flush_after_idle']}, exit {v['exit_code']}, KV transfers {int(v['kv_transfers'])} "
                    f"({int(v['kv_transfer_failures'])} failed, {v['kv_transfer_bytes'] / 2**20:.1f} MiB)")
+    if (rt := pd.get("router_retried")) is not None:
+        out.append(f"router: {rt['failed_attempts']} attempts failed (5xx), {rt['retries']} retries, "
+                   f"{rt['retries_exhausted']} exhausted (a retry takes a new room; clients see the rest)")
     for cause, count in pd.get("5xx_by_cause", {}).items():
         out.append(f"5xx x{count}: {cause}")
     return out

@@ -80,6 +80,13 @@ class PDAsync:
         `nbytes`, `fill`: its result["bytes"] and ["fill"], what it wrote and the replicas this side
         completes itself)."""
         def go(eng: Any) -> None:
+            if request_id not in eng.pd.decode.parked:
+                # Failed meanwhile (a KV release between the write and this call): its stream ends here
+                # instead of waiting for snapshots that never come.
+                err = EngineError(f"request {request_id} no longer waits for its KV (aborted or failed "
+                                  "while the prefill wrote it)")
+                self._deliver_all([(request_id, err)])  # type: ignore[attr-defined]
+                return
             outs = eng.pd.arrived(request_id, first_token, first_logprobs, prompt_logprobs, drafts, nbytes,
                                   fill)
             self._deliver_all([(o.request_id, o) for o in outs])  # type: ignore[attr-defined]

@@ -7,7 +7,8 @@ is splash/server/pd_rooms.py. The decode's half (`DecodeSide`): reserve the prom
 (`pd_reserve`), POST where they are to the prefill's bootstrap server, long-poll the room, then
 `pd_arrived` (the KV and the first token are in place: the request decodes from there) or `pd_fail`
 (pages freed, a clear error). Each poll is the prefill's heartbeat: a prefill that stops answering
-fails the request within `HEARTBEAT_TIMEOUT_S`, never the server.
+fails the request within `HEARTBEAT_TIMEOUT_S`, never the server. The arrival's first snapshot is
+checked for (`_arrival`): a request the engine dropped meanwhile fails at once instead of hanging.
 
 Mode null ignores the bootstrap fields, as SGLang does: a colocated server answers such a request in
 full, so a router or client that adds them loses nothing. A prefill or decode server given a request
@@ -28,6 +29,7 @@ import anyio
 
 from splash.engine.outputs import RequestOutput
 from splash.engine.sampling import SamplingParams
+from splash.engine.streams import EngineError
 from splash.server.errors import APIError
 
 log = logging.getLogger("splash.server")
@@ -36,6 +38,7 @@ RESERVE_TIMEOUT_S = 60.0  # the decode waits this long for room in its pool
 WAITING_TIMEOUT_S = 300.0  # ... and this long for the prefill to finish a room (SGLang's WAITING_TIMEOUT)
 HEARTBEAT_TIMEOUT_S = 3.0  # a prefill that answers no poll for this long is gone
 RELEASE_TIMEOUT_S = 30.0  # a decode giving a request up waits at most this long for a running write
+ARRIVAL_TIMEOUT_S = 5.0  # the arrival's snapshot is in the stream when pd_arrived returns; this bounds it
 POLL_S = 2.0  # one long poll
 CONNECT_S = 2.0
 
@@ -143,7 +146,8 @@ class DecodeSide:
                 rid, [int(t) for t in firsts] if params.n > 1 else int(firsts[0]),
                 [_logprobs(d) for d in lps] if params.n > 1 else _logprobs(lps[0]),
                 None if prompt_lps is None else [_logprobs(d) for d in prompt_lps],
-                drafts=result.get("drafts"))
+                drafts=result.get("drafts"), nbytes=result.get("bytes"), fill=result.get("fill"))
+            first = await self._arrival(rid, stream)
         except PDFailed as e:
             await self._release(rid, stream, boot, str(e))
             raise APIError(str(e), status=502, type="server_error", code="pd_transfer_failed") from None
@@ -151,8 +155,25 @@ class DecodeSide:
             await self._release(rid, stream, boot, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
             raise
         async with contextlib.aclosing(stream) as s:
-            async for out in s:
-                yield out
+            yield first
+            if not first.finished:
+                async for out in s:
+                    yield out
+
+    async def _arrival(self, rid: str, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """The snapshot `pd_arrived` put in the request's stream: it is there once the call returns (the
+        engine delivers it before it answers), so the bound is never waited out in the normal case. No
+        snapshot means the engine no longer had the request when its KV was taken in: it failed it
+        meanwhile (a `release_memory_occupation` between the prefill's write and the arrival fails every
+        request waiting for its KV) and that stream would never speak, so the request fails now, 502 (a
+        router retries it), instead of hanging until the client gives up."""
+        try:
+            return await asyncio.wait_for(anext(stream), ARRIVAL_TIMEOUT_S)
+        except (TimeoutError, StopAsyncIteration, EngineError):
+            log.warning("PD request %s: the decode engine dropped it before its KV was taken in", rid)
+            raise PDFailed(f"the decode server dropped request {rid} before its transferred KV was taken in "
+                           f"(its KV memory was released meanwhile, or the request was aborted); retry "
+                           f"it") from None
 
     async def _release(self, rid: str, stream: AsyncIterator[RequestOutput], boot: Bootstrap, why: str
                        ) -> None:

@@ -37,6 +37,7 @@ log = logging.getLogger("splash.server")
 BOOTSTRAP_TIMEOUT_S = 120.0  # a held prefill request (or a destination) waits this long for its other half
 KEEP_S = 60.0  # an ended room is kept this long for the decode's last poll (and to refuse a reuse)
 MAX_WAIT_S = 10.0  # the longest long poll the bootstrap server grants
+OWN_S = 10.0  # this prefill's own transfer sessions are read again after this long
 
 TERMINAL = ("done", "failed")
 
@@ -99,7 +100,7 @@ class PrefillRooms:
         self.timeout_s = bootstrap_timeout_s
         self.keep_s = keep_s
         self.rooms: dict[int, Room] = {}
-        self._own_session: str | None = None
+        self._own: tuple[float, set[str]] | None = None  # (when read, this prefill's ranks' sessions)
 
     def stats(self) -> dict[str, Any]:
         return {"pd_rooms_bootstrapping": sum(r.state == "bootstrapping" and r.claimed_by is not None
@@ -201,10 +202,9 @@ class PrefillRooms:
         if not isinstance(layout, dict) or dest.get("session_id") != layout.get("session_id"):
             raise APIError("the destination needs its decode's layout, whose session_id is the "
                            "destination's", param="dest.layout", code="invalid_destination")
-        if self._own_session is None:
-            self._own_session = (await self.engine.pd_layout_info()).get("session_id")
-        if layout.get("session_id") == self._own_session:  # (a write into this prefill's own pool)
-            raise APIError(f"the destination's session {self._own_session} is this prefill's own",
+        mine = _sessions(layout) & await self._own_sessions()
+        if mine:  # (a write into this prefill's own pools)
+            raise APIError(f"the destination's session {sorted(mine)[0]} is this prefill's own",
                            param="dest.session_id", code="invalid_destination")
         try:
             await self.engine.pd_check_peer(layout)
@@ -214,6 +214,13 @@ class PrefillRooms:
                            code="pd_handshake_failed") from None
         r.dest, r.state = dest, "waiting_for_input"
         r.dest_event.set()
+
+    async def _own_sessions(self) -> set[str]:
+        """This prefill's ranks' transfer sessions (read again after OWN_S: a memory release and resume
+        starts new ones)."""
+        if self._own is None or time.monotonic() - self._own[0] > OWN_S:
+            self._own = (time.monotonic(), _sessions(await self.engine.pd_layout_info()))
+        return self._own[1]
 
     async def poll(self, room_id: int, wait_s: float) -> dict[str, Any]:
         r = self.room(room_id, create=False)
@@ -232,6 +239,13 @@ class PrefillRooms:
         if r.state in ("bootstrapping", "waiting_for_input"):
             r.fail(why)
         return r.state
+
+
+def _sessions(layout: dict[str, Any]) -> set[str]:
+    """Every transfer session a layout names: rank 0's at the top level, each rank's under "ranks"."""
+    out = {layout.get("session_id"), *(r.get("session_id") for r in layout.get("ranks") or ()
+                                       if isinstance(r, dict))}
+    return {str(x) for x in out if x}
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:

@@ -13,10 +13,11 @@ max_tokens = 1 (the first token drawn here with the request's own parameters, as
 finishes, before its pages are freed, its KV of every store and its KDA state go to the decode side's
 pages and slot, as the core's manifest from this side's layout to the decode side's plans it, every rank
 writing its share (splash/engine/pd_ranks.py), and `on_done` gets the first token, its logprobs and the
-outcome. A failed write or an abort fails that request only. With MTP layers (`--speculative-algorithm MTP`) the
-pages are held past the step's draft phase (`MtpDrafter.keep`), which writes the last chunk's draft KV
-(the `mtp_*` stores, sent with the rest) and chains the drafts the decode side's first step verifies, as
-a colocated engine's first decode step does (`arrived`'s `drafts`).
+outcome. A failed write or an abort fails that request only. With MTP layers
+(`--speculative-algorithm MTP`) the pages are held past the step's draft phase (`MtpDrafter.keep`),
+which writes the last chunk's draft KV (the `mtp_*` stores, sent with the rest) and chains the drafts
+the decode side's first step verifies, as a colocated engine's first decode step does (`arrived`'s
+`drafts`).
 
 A request with n > 1 (an RL group) reserves pages for each of its n sequences; the prefill side runs
 its n sequences as a colocated engine would (the prompt's full pages computed once when the prefix cache
