@@ -1,4 +1,5 @@
-"""`splash simulate rollout`: a drain workload through the cost model, per fixed layout and policy."""
+"""`splash simulate rollout`: a drain workload through the cost model, per fixed layout and policy;
+`splash simulate pd` (the 1P1D study) is registered from splash/commands/simulate_pd.py."""
 
 from __future__ import annotations
 
@@ -107,4 +108,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--plot", metavar="FILE", type=output_file,
                    help="write a PNG: running requests over time and makespans")
     r.set_defaults(func=run_rollout)
+    from splash.commands.simulate_pd import register as register_pd
+
+    register_pd(kinds)
     p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])

@@ -33,15 +33,24 @@ class HardwareProfile:
     link_eff: float = 0.7
     step_overhead_ms: float = 1.0  # launches, sampling, scheduling per step
     law_scenario: str | None = None  # its appendix-B illustrative-law scenario, if any
+    # The link between a prefill and a decode group (disaggregation's KV transfer), per rank and direction:
+    # a node's scale-out NIC per device, not the collectives' NVLink (None: priced at link_gb_s).
+    pd_link_gb_s: float | None = None
+    pd_latency_us: float = 0.0  # one transfer's fixed cost: handshake, submission, completion notice
 
 
+# Prefill-to-decode link: the paper's 1P1D groups sit on two nodes and does not name their fabric; an HGX
+# B200/H200 node pairs each GPU with one 400 Gb/s NDR NIC (ConnectX-7, GPUDirect RDMA, what Mooncake
+# writes through), so 50 GB/s per rank-link and direction; the per-transfer latency (100 us) is an assumed
+# handshake + completion notice. The DCU's 200 Gb/s per device is assumed. Calibrate all three.
 PROFILES: dict[str, HardwareProfile] = {
     "b200": HardwareProfile("b200", "NVIDIA B200 (HGX, NVLink 5)", 180e9 / GIB, 2250, 4500, 8.0, 900, 8,
-                            memory_fraction=0.85, law_scenario="b200"),
+                            memory_fraction=0.85, law_scenario="b200", pd_link_gb_s=50, pd_latency_us=100),
     "h200": HardwareProfile("h200", "NVIDIA H200 SXM (NVLink 4)", 141e9 / GIB, 989, 1979, 4.8, 450, 10,
-                            law_scenario="h200"),
+                            law_scenario="h200", pd_link_gb_s=50, pd_latency_us=100),
     "dcu": HardwareProfile("dcu", "Hygon BW1000 DCU (assumed figures; calibrate)", 64.0, 200, 400, 1.8, 100,
-                           20, memory_fraction=0.85, reserve_gib=1.0, law_scenario="dcu"),
+                           20, memory_fraction=0.85, reserve_gib=1.0, law_scenario="dcu", pd_link_gb_s=25,
+                           pd_latency_us=100),
     "cpu": HardwareProfile("cpu", "CPU ranks over gloo (one process per rank)", 8.0, 0.05, 0.05, 0.01, 1.0,
                            200, memory_fraction=1.0, reserve_gib=0.25, matmul_eff=1.0, attention_eff=1.0,
                            mem_eff=1.0, link_eff=1.0, step_overhead_ms=2.0),
@@ -87,6 +96,8 @@ def theta_for(hw: HardwareProfile | str, ranks: int, sizes: AttentionSizes | Non
         link_bw=hw.link_gb_s * 1e9 * hw.link_eff, latency=hw.latency_us * 1e-6, t0=t0, t_row=t_row,
         t_experts=t_experts, expert_frac=expert_frac,
         reserve_bytes=hw.reserve_gib * GIB, act_bytes=2.0, name=f"{hw.name}x{ranks}", source="profile",
+        pd_link_bw=None if hw.pd_link_gb_s is None else hw.pd_link_gb_s * 1e9 * hw.link_eff,
+        pd_link_lat=hw.pd_latency_us * 1e-6,
     )
 
 

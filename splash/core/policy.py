@@ -10,12 +10,15 @@ unless the current layout no longer fits, which forces the move at once.
 prediction by what its measured steps say, and a layout known only by its prior must lead by its
 `uncertainty` on top of the margin (it is ranked by its time x (1 + uncertainty)).
 `decide` is a pure function; `Policy` only carries (current layout, steps since the last switch).
+A prefill group of a disaggregated deployment passes `pd` (its decode group, `pd_cost.PDDest`): each
+layout is then priced for time to first token, the step plus its finishing requests' transfer over the
+link (`pd_cost.ttft_price`); without it nothing changes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,7 @@ from splash.core.layouts import (
     state_requests_per_rank,
 )
 from splash.core.model_config import ConfigError
+from splash.core.pd_cost import PDDest, transfer_seconds
 from splash.core.sizes import AttentionSizes
 from splash.core.switch_time import switch_time
 from splash.core.theta import Theta
@@ -73,16 +77,17 @@ class LayoutEval:
     kv_pool_tokens: int  # KV tokens one rank could hold in this layout with the batch's weights
     factor: float = 1.0  # online correction: measured / predicted (1: the prior as is)
     uncertainty: float = 0.0  # extra lead a switch into this layout must show
+    transfer_s: float = 0.0  # a prefill group's: its finishing requests' transfer to the decode group
 
     @property
     def time(self) -> float:
-        """The step time the policy believes: the prediction times the correction."""
-        return self.cost.total * self.factor
+        """The step time the policy believes: the prediction times the correction (plus the transfer)."""
+        return self.cost.total * self.factor + self.transfer_s
 
     @property
     def predicted(self) -> float:
-        """Eq 10 on theta alone."""
-        return self.cost.total
+        """Eq 10 on theta alone (plus the transfer)."""
+        return self.cost.total + self.transfer_s
 
     def score(self, current: Layout | None) -> float:
         """What the argmin ranks: the time, made pessimistic by the uncertainty unless already running."""
@@ -97,7 +102,7 @@ class LayoutEval:
                 "uncertainty": self.uncertainty, "memory_gib": self.memory_bytes / 2**30, "fits": self.fits,
                 "switch_peak_gib": self.switch_peak_bytes / 2**30, "switch_fits": self.switch_fits,
                 "switch_exposed_s": self.switch_exposed_s, "kv_pool_tokens_per_rank": self.kv_pool_tokens,
-                "feasible": self.feasible}
+                "feasible": self.feasible, "transfer_s": self.transfer_s}
 
 
 @dataclass(frozen=True)
@@ -161,21 +166,29 @@ def resident_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: i
 
 def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout | None,
              config: PolicyConfig = PolicyConfig(),
-             corrections: Mapping[Layout, tuple[float, float]] | None = None) -> dict[Layout, LayoutEval]:
+             corrections: Mapping[Layout, tuple[float, float]] | None = None, *, pd: PDDest | None = None,
+             finishing: Sequence[bool] | None = None) -> dict[Layout, LayoutEval]:
     """Time, steady-state fit (Eq 6) and switch fit (Eq 5) of every candidate on the live batch.
 
     `current=None` evaluates a fresh start (no switch, so Eq 5 does not apply). `corrections`: per
-    layout (factor, uncertainty) from measured steps (absent: (1, 0), the prior as is).
+    layout (factor, uncertainty) from measured steps (absent: (1, 0), the prior as is). `pd`: this is a
+    prefill group sending to that decode group: each time includes the transfer of the requests whose
+    prompts finish this step (`finishing`, one flag per request; None: all of them).
     """
     T, P = theta.ranks, config.page_size
     sizes.cfg.check_ranks(T)
     H, R = theta.memory_bytes, theta.reserve_bytes
     out: dict[Layout, LayoutEval] = {}
+
+    def link(lay: Layout) -> float:
+        return 0.0 if pd is None else transfer_seconds(sizes, theta, lay, batch, pd, P or DEFAULT_PAGE_SIZE,
+                                                          finishing)
+
     if not config.check_memory:  # the caller judged memory: price only (an engine does this per decision)
         for lay in config.layouts:
             f, u = (corrections or {}).get(lay, (1.0, 0.0))
             out[lay] = LayoutEval(lay, step_cost(lay, sizes, batch, theta, P), math.nan, True, math.nan, True,
-                                  math.nan, 0, float(f), float(u))
+                                  math.nan, 0, float(f), float(u), link(lay))
         return out
     now_cur = resident_bytes(current, sizes, batch, T, P, False) if current is not None else None
     for lay in config.layouts:
@@ -201,22 +214,24 @@ def evaluate(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout 
         pool = model_pool_tokens(lay, sizes, H, T, R, requests=batch.size)
         f, u = (corrections or {}).get(lay, (1.0, 0.0))
         out[lay] = LayoutEval(lay, cost, float(steady.max(initial=0)), fits, peak, sw_fits, exposed, pool,
-                              float(f), float(u))
+                              float(f), float(u), link(lay))
     return out
 
 
 def decide(sizes: AttentionSizes, theta: Theta, batch: Batch, current: Layout | str | None,
            steps_since_switch: int, config: PolicyConfig = PolicyConfig(),
-           corrections: Mapping[Layout, tuple[float, float]] | None = None) -> Decision:
+           corrections: Mapping[Layout, tuple[float, float]] | None = None, *, pd: PDDest | None = None,
+           finishing: Sequence[bool] | None = None) -> Decision:
     """pi(x; theta): the layout to run this step, and why. Pure: no state is kept.
 
     `current=None` asks which layout to start in: the fastest layout that fits, no hysteresis.
     `corrections`: see `evaluate`; a candidate's lead is measured on its score (time x (1 +
     uncertainty)), so an unmeasured layout must beat the current one by margin and uncertainty.
+    `pd`, `finishing`: a prefill group's time to first token (see `evaluate`).
     """
     current = None if current is None else Layout.parse(current)
-    return choose(evaluate(sizes, theta, batch, current, config, corrections), current, steps_since_switch,
-                  config)
+    evals = evaluate(sizes, theta, batch, current, config, corrections, pd=pd, finishing=finishing)
+    return choose(evals, current, steps_since_switch, config)
 
 
 def choose(evals: Mapping[Layout, LayoutEval], current: Layout | None, steps_since_switch: int,
@@ -264,15 +279,17 @@ class Policy:
     """Stateful wrapper the scheduler calls once per step: remembers the layout and its dwell."""
 
     def __init__(self, sizes: AttentionSizes, theta: Theta, config: PolicyConfig = PolicyConfig(),
-                 initial: Layout | str = Layout.TP) -> None:
-        self.sizes, self.theta, self.config = sizes, theta, config
+                 initial: Layout | str = Layout.TP, pd: PDDest | None = None) -> None:
+        self.sizes, self.theta, self.config, self.pd = sizes, theta, config, pd
         self.current = Layout.parse(initial)
         self.steps_since_switch = 0
         self.switches = 0
 
-    def step(self, batch: Batch, steps: int = 1) -> Decision:
-        """Decide for the next `steps` steps (a simulator may stride several decode steps at once)."""
-        d = decide(self.sizes, self.theta, batch, self.current, self.steps_since_switch, self.config)
+    def step(self, batch: Batch, steps: int = 1, finishing: Sequence[bool] | None = None) -> Decision:
+        """Decide for the next `steps` steps (a simulator may stride several decode steps at once);
+        `finishing`: a prefill group's requests whose prompts finish (see `evaluate`)."""
+        d = decide(self.sizes, self.theta, batch, self.current, self.steps_since_switch, self.config,
+                   pd=self.pd, finishing=finishing)
         if d.switch:
             self.current = d.layout
             self.steps_since_switch = steps

@@ -50,6 +50,9 @@ class Theta:
     link_bw_by_layout: dict[str, float] | None = None  # bytes/s of each layout's collectives (None:
     #                     link_bw for all; calibration fits one per layout: all-reduce, all-gather and
     #                     all-to-all move their bytes at different rates)
+    pd_link_bw: float | None = None  # bytes/s one rank's link moves between a prefill and a decode group
+    #                     (a disaggregated deployment's KV transfer; None: link_bw, the collectives' rate)
+    pd_link_lat: float = 0.0  # seconds per prefill-to-decode transfer (handshake, submission, completion)
 
     def __post_init__(self) -> None:
         if int(self.ranks) < 1:
@@ -60,7 +63,7 @@ class Theta:
                 raise ConfigError(f"theta: {f} must be > 0, got {getattr(self, f)}")
         if not 0 <= float(self.expert_frac) <= 1:
             raise ConfigError(f"theta: expert_frac must be in [0, 1], got {self.expert_frac}")
-        for f in ("latency", "t0", "t_row", "t_experts", "reserve_bytes", "t_req"):
+        for f in ("latency", "t0", "t_row", "t_experts", "reserve_bytes", "t_req", "pd_link_lat"):
             if float(getattr(self, f)) < 0:
                 raise ConfigError(f"theta: {f} must be >= 0, got {getattr(self, f)}")
         eta = {Layout.parse(k).label: float(v) for k, v in dict(self.eta).items()}
@@ -80,6 +83,10 @@ class Theta:
             if not all(v > 0 for v in bw.values()):
                 raise ConfigError(f"theta: link_bw_by_layout must be > 0, got {bw}")
             self.link_bw_by_layout = {lay.label: bw.get(lay.label, float(self.link_bw)) for lay in LAYOUTS}
+        if self.pd_link_bw is not None:
+            if not float(self.pd_link_bw) > 0:
+                raise ConfigError(f"theta: pd_link_bw must be > 0 (or null: link_bw), got {self.pd_link_bw}")
+            self.pd_link_bw = float(self.pd_link_bw)
 
     def eta_of(self, layout: Layout) -> float:
         return self.eta[layout.label]
@@ -91,6 +98,11 @@ class Theta:
     def link_bw_of(self, layout: Layout) -> float:
         """Bytes/s the collectives of `layout` move (link_bw unless calibrated per layout)."""
         return self.link_bw if self.link_bw_by_layout is None else self.link_bw_by_layout[layout.label]
+
+    @property
+    def pd_bw(self) -> float:
+        """Bytes/s of one rank's link between the prefill and the decode group (link_bw unless given)."""
+        return self.link_bw if self.pd_link_bw is None else self.pd_link_bw
 
     # -- JSON --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

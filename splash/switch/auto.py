@@ -19,6 +19,7 @@ import torch
 from splash.core.costmodel import Batch, step_cost
 from splash.core.layouts import Layout
 from splash.core.model_config import dtype_bytes, dtype_name
+from splash.core.pd_cost import PDDest
 from splash.core.policy import PolicyConfig, choose, evaluate
 from splash.core.sizes import AttentionSizes
 from splash.core.theta import Theta
@@ -140,7 +141,9 @@ class AutoLayout:
         here = Layout.parse(cur)
         corr = {Layout.parse(lay): (e.factor, e.uncertainty) for lay, e in est.items()}
         priced = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in cands))
-        evals = evaluate(self.sizes, self.theta, batch, here, priced, corr or None)
+        dest, finishing = self._pd_dest(live, rows)
+        evals = evaluate(self.sizes, self.theta, batch, here, priced, corr or None, pd=dest,
+                         finishing=finishing)
         faster = [lay for lay in cands if lay != cur and lay not in blocked
                   and evals[Layout.parse(lay)].time < evals[here].time]
         fit = set(self.fitting(faster, live, rows))
@@ -157,7 +160,8 @@ class AutoLayout:
             self._last_eval = None  # look again next step
         chosen = d.layout.label.lower()
         if fb is not None:
-            fb.note_prices(plan, live, {lay.label.lower(): e.predicted for lay, e in evals.items()})
+            # (the step alone: what the step clock measures; a transfer is priced on top, never corrected)
+            fb.note_prices(plan, live, {lay.label.lower(): e.cost.total for lay, e in evals.items()})
         reason = d.reason
         queue = [lay for lay in LAYOUTS if lay not in cands]
         if queue:
@@ -175,6 +179,20 @@ class AutoLayout:
                                                   "B=%d rows=%d", plan.step, cur, chosen, reason, msg,
                                                   batch.size, batch.n_rows)
         return chosen if d.switch and chosen != cur else None
+
+    def _pd_dest(self, live: list[Any], rows: dict[Any, int]) -> tuple[PDDest | None, list[bool] | None]:
+        """A prefill server's decode group (the one it last sent to: its layout and size) and which live
+        requests finish their prompt this step (their KV crosses the link after it), so each layout is
+        priced for time to first token (issue 47). (None, None) on any other engine, or before the first
+        transfer, when the decode group is not known yet."""
+        pd = getattr(self.engine, "pd", None)
+        mode = getattr(getattr(self.engine, "config", None), "disaggregation_mode", "null")
+        if pd is None or mode != "prefill" or pd.last_dest is None:
+            return None, None
+        layout, ranks = pd.last_dest
+        n = [len(seq.prompt_token_ids) for seq in live]
+        finishing = [s.num_computed < p <= s.num_computed + rows.get(s.seq_id, 0) for s, p in zip(live, n)]
+        return PDDest(layout, int(ranks)), finishing
 
     def _due(self, step: int, key: tuple[Any, ...]) -> bool:
         """Whether to weigh the batch this step. The verdict only moves when the batch does: when the
