@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import platform
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,9 @@ LINEAR_ROWS = 8  # rows of a linear from which the float32 detour is faster (AVX
 BMM_ROWS = 16  # batch x rows of a batched product from which it is
 GROUPED_ROWS = 64  # rows of a grouped expert GEMM (each expert's weights cast once per call)
 UPCAST_MODES = ("auto", "on", "off")
-_mode = {"upcast": "auto"}  # set_upcast's: the process's rule (see the module docstring)
+# the process's rules (see the module docstring): set_upcast's, and set_gemv's (on unless a measurement
+# turns it off)
+_mode: dict[str, Any] = {"upcast": "auto", "gemv": True}
 
 
 def cpu_flags() -> list[str]:
@@ -63,6 +66,11 @@ def set_upcast(mode: str) -> None:
     _mode["upcast"] = mode
 
 
+def set_gemv(on: bool) -> None:
+    """One bf16/fp16 row through `torch.mv` (on, the default) or `F.linear` (measurements)."""
+    _mode["gemv"] = bool(on)
+
+
 def upcast_half() -> bool:
     """Whether CPU bf16/fp16 GEMMs go through float32 (this CPU lacks native bf16 arithmetic, or
     `set_upcast` said so)."""
@@ -77,10 +85,22 @@ def upcasts(t: torch.Tensor, rows: int, bound: int) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b), through float32 for many bf16 rows on a CPU without native bf16."""
+    """F.linear(x, w, b), through float32 for many bf16 rows on a CPU without native bf16, and as a
+    matrix-vector product for one bf16/fp16 row on CPU (`gemv`)."""
     if upcasts(x, x.numel() // max(1, x.shape[-1]), LINEAR_ROWS):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+    if x.dim() == 2 and x.shape[0] == 1 and b is None and gemv(x):
+        return torch.mv(w, x[0]).unsqueeze(0)
     return F.linear(x, w, b)
+
+
+def gemv(x: torch.Tensor) -> bool:
+    """Whether one bf16/fp16 row on CPU goes through `torch.mv` rather than `F.linear`: a batch-1
+    decode step is mostly such products, and torch's [1, k] x [k, n] half GEMM runs at ~11-15 GB/s of
+    weights here against ~1.5-2x that for `mv` on the same weights (AVX-512 BF16 host, one thread,
+    docs/performance.md "Batch 1"). Both accumulate in float32 and round once; float32/float64 never
+    take it (the float64 parity standard is untouched). `set_gemv(False)` keeps F.linear (A/B runs)."""
+    return x.dtype in _HALF and x.device.type == "cpu" and _mode["gemv"]
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

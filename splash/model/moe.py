@@ -184,6 +184,8 @@ class MoE(nn.Module):
             out = self._dense(x, w, idx)  # no host sync: CUDA decode steps, CUDA graphs
             shared = self._modules.get("shared")
             return out.add_(shared.forward(x)) if shared is not None else out
+        if x.shape[0] == 1 and gemm.gemv(x):
+            return self._one_row(x, w, idx)
         k = idx.shape[1]
         flat = idx.reshape(-1)
         ne = len(self.experts)
@@ -211,6 +213,24 @@ class MoE(nn.Module):
         if shared is not None:
             out.add_(shared.forward(x))
         return out
+
+    def _one_row(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """One bf16/fp16 row on CPU (a batch-1 decode step): its k chosen experts one after another as
+        matrix-vector products, in ascending expert order like the routed paths, each output scaled in
+        float32 and summed in the model's dtype as they do. The grouped GEMM spent ~0.45 ms a layer on
+        `small` at one row (~3 GB/s of expert weights); four `mv`s read the same weights at ~15 GB/s."""
+        b, v, start, ne = self._buffers, x[0], self.experts.start, len(self.experts)
+        ids = idx[0].tolist()
+        out = torch.zeros_like(v)
+        for j in sorted(range(len(ids)), key=ids.__getitem__):
+            e = ids[j] - start
+            if 0 <= e < ne:  # (expert-parallel: another rank's expert adds nothing here)
+                g, u = torch.mv(b["gate_up"][e], v).chunk(2)
+                y = torch.mv(b["down"][e], F.silu(g).mul_(u))
+                out.add_(y.to(torch.float32).mul_(w[0, j]).to(x.dtype))
+        out = out.unsqueeze(0)
+        shared = self._modules.get("shared")
+        return out.add_(shared.forward(x)) if shared is not None else out
 
     def _dense(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Every held expert over every row, each weighted by its routing weight (0 where not chosen):
