@@ -122,3 +122,97 @@ def test_bench_serve_pd_takes_running_servers_by_url():
     doc = json.loads(out.stdout)
     assert doc["model"] == "tiny" and "colocated" not in doc and doc["pd"]["completed"] == 3
     assert doc["transfer"]["transfers"] == 3
+
+
+# ---- --prefill-layouts: the prefill-layout study (splash/bench/pd_layouts.py); no server is started ----
+@pytest.mark.parametrize("argv, msg", [
+    (["--prefill-layouts", "tp,dp"], "go with --pd"),
+    (["--decode-tp", "2"], "go with --pd"),
+    (["--pd", "--model", "tiny", "--decode-layout", "tp"], "go with --prefill-layouts"),
+])
+def test_study_flags_go_with_their_mode(argv, msg):
+    problem = check_args(_args(*argv))
+    assert problem and msg in problem
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--prefill-layouts", "tp,xp"], "takes names from"),
+    (["--prefill-layouts", "tp,TP"], "twice"),
+    (["--prefill-layouts", "tp,auto", "--prefill-tp", "1"], "--prefill-tp >= 2"),
+    (["--prefill-layouts", "cp", "--decode-layout", "auto"], "a fixed one"),
+    (["--prefill-layouts", "cp", "--router-url", "http://x"], "drop --router-url"),
+])
+def test_study_flags_are_checked(argv, msg):
+    from splash.bench import pd_layouts
+
+    a = _args("--pd", "--model", "tiny", *argv)
+    problem = check_args(a) or pd_layouts.check_args(a)
+    assert problem and msg in problem
+
+
+def test_study_defaults():
+    from splash.bench import pd_layouts
+
+    a = _args("--pd", "--model", "tiny", "--prefill-layouts", " TP, dop,auto", "--decode-layout",
+              "DP-attention")
+    assert check_args(a) is None and pd_layouts.check_args(a) is None
+    assert a.prefill_layouts == ["tp", "dop", "auto"]
+    assert (a.prefill_tp, a.decode_tp, a.decode_layout) == (2, 1, "dp")
+
+
+def test_mix_reads_the_prompt_lengths_back_from_the_summary():
+    from splash.bench.pd_layouts import mix
+
+    assert mix({"completed": 5, "total_input_tokens": 2 * 100 + 3 * 10}, 10, 100) == {10: 3, 100: 2}
+    assert mix({"completed": 4, "total_input_tokens": 40}, 10, None) == {10: 4}
+    with pytest.raises(ValueError, match="cannot total"):
+        mix({"completed": 4, "total_input_tokens": 41}, 10, 100)
+
+
+def test_expected_bytes_sum_the_manifests_and_the_blind_baseline():
+    from splash.bench.pd_layouts import expected_bytes
+    from splash.core.pd import Group, blind_bytes, plan_pd
+    from splash.core.presets import PRESETS
+
+    cfg, lengths = PRESETS["tiny"], {33: 3, 200: 2}
+    link = sum(plan_pd(cfg, Group("cp", 2), Group("dp", 1), s, 16, dtype="float32").link_bytes * n
+               for s, n in lengths.items())
+    for lay in ("tp", "dp", "cp", "dop"):  # what crosses is what the decode needs, whatever the source
+        got = expected_bytes(cfg, [lay], 2, "dp", 1, lengths, 16, "auto", "float32")
+        assert got["link_bytes"] == link and got["fill_bytes"] == 0
+        blind = sum(blind_bytes(cfg, Group(lay, 2), Group("dp", 1), s, 16, dtype="float32") * n
+                    for s, n in lengths.items())
+        assert got["blind_bytes_min"] == got["blind_bytes_max"] == blind
+    # a TP prefill's two replicas both go to the one decode rank when the transfer is layout-blind
+    tp = expected_bytes(cfg, ["tp"], 2, "dp", 1, lengths, 16, "auto", "float32")
+    assert tp["blind_bytes_max"] == 2 * link
+    # auto that ran in CP and TP: blind bytes as a range; a TP decode completes its second copy inside
+    both = expected_bytes(cfg, ["cp", "tp"], 2, "tp", 2, lengths, 16, "auto", "float32")
+    assert (both["blind_bytes_min"], both["blind_bytes_max"]) == (2 * link, 4 * link)
+    assert both["link_bytes"] == link and both["fill_bytes"] == link
+
+
+def test_visited_layouts_and_auto_gain():
+    from splash.bench.pd_layouts import auto_gain, table, visited
+
+    before = {"layout": "tp", "switches_total": {"tp->cp": 1}}
+    assert visited(before, {"layout": "tp", "switches_total": {"tp->cp": 1}}) == ["tp"]
+    assert visited(before, {"layout": "cp", "switches_total": {"tp->cp": 2, "cp->dp": 0}}) == ["tp", "cp"]
+    bytes_ = {"sent_bytes": 10, "filled_bytes": 0, "link_bytes": 10, "fill_bytes": 0, "blind_bytes_min": 10,
+              "blind_bytes_max": 20, "equal_manifest": True}
+
+    def run(p50: float, p99: float, tps: float) -> dict:
+        return {"median_ttft_ms": p50, "p99_ttft_ms": p99, "output_throughput": tps, "failed": 0,
+                "errors": [], "layouts_seen": ["cp", "tp"], "switches": 1, "bytes": bytes_}
+
+    runs = {"tp": run(100.0, 300.0, 50.0), "cp": run(80.0, 400.0, 40.0), "auto": run(40.0, 150.0, 60.0)}
+    g = auto_gain(runs)
+    assert (g["median_ttft_ms"]["best_fixed"], g["median_ttft_ms"]["gain"]) == ("cp", 2.0)
+    assert (g["p99_ttft_ms"]["best_fixed"], g["p99_ttft_ms"]["gain"]) == ("tp", 2.0)
+    assert (g["output_throughput"]["best_fixed"], g["output_throughput"]["gain"]) == ("tp", 1.2)
+    assert auto_gain({"tp": runs["tp"]}) is None
+    doc = {"model": "tiny", "dtype": "float32", "prefill_tp": 2, "decode_tp": 1, "decode_layout": "dp",
+           "num_prompts": 4, "long_fraction": 0.5, "long_input_len": 64, "input_len": 8, "output_len": 4,
+           "max_concurrency": 2, "request_rate": "inf", "cpu": "x", "isa": [], "runs": runs, "auto_gain": g}
+    text = table(doc)
+    assert "| AUTO | CP/TP (1 sw) | 40.0 | 150.0 | 60.0 |" in text and "0.00-0.00 | 1.00-2.00x |" in text

@@ -17,7 +17,8 @@ front of a prefill and a decode; --prefill-url / --decode-url for their transfer
 --colocated-url for the comparison, else none is run). The transfer: the prefill's own counters over the
 measured load (`kv_transfer_bytes_total` / `kv_transfer_seconds_total`, the time of its Mooncake batch
 writes) against a raw `batch_transfer_sync_write` of the same bytes in the same pieces between two bare
-transfer engines (splash/bench/pd_transfer.py); the goal is >= 0.8x.
+transfer engines (splash/bench/pd_transfer.py); the goal is >= 0.8x. With --prefill-layouts, the same
+load once per prefill layout instead, at --prefill-tp / --decode-tp ranks (splash/bench/pd_layouts.py).
 """
 
 from __future__ import annotations
@@ -57,15 +58,31 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated-url", default=None,
                    help="with --pd --router-url: a colocated server (or a router in front of one) to "
                         "compare")
+    # the prefill-layout study (splash/bench/pd_layouts.py)
+    p.add_argument("--prefill-layouts", default=None, metavar="L,L,...",
+                   help="with --pd: the same load once per prefill layout (tp, dp, cp, dop, auto), a fresh "
+                        "1P1D each: TTFT, tok/s, and the KV bytes sent against the core's manifest and a "
+                        "layout-blind transfer (no colocated run)")
+    p.add_argument("--prefill-tp", type=int, default=None,
+                   help="with --prefill-layouts: prefill ranks (default 2)")
+    p.add_argument("--decode-tp", type=int, default=None,
+                   help="with --prefill-layouts: decode ranks (default 1)")
+    p.add_argument("--decode-layout", default=None,
+                   help="with --prefill-layouts: the decode's fixed layout, tp|dp|cp|dop (default dp)")
 
 
 def check_args(a: argparse.Namespace) -> str | None:
     """A one-line problem with the --pd flags (or the URL flags without --pd), or None; fills --pd's
     defaults."""
     urls = (a.router_url, a.prefill_url, a.decode_url, a.colocated_url)
+    study = (a.prefill_tp, a.decode_tp, a.decode_layout)
     if not a.pd:
+        if a.prefill_layouts or any(x is not None for x in study):
+            return "--prefill-layouts, --prefill-tp, --decode-tp and --decode-layout go with --pd"
         return ("--router-url, --prefill-url, --decode-url and --colocated-url go with --pd" if any(urls)
                 else None)
+    if not a.prefill_layouts and any(x is not None for x in study):
+        return "--prefill-tp, --decode-tp and --decode-layout go with --prefill-layouts"
     if a.peer or a.base_url:
         return "--pd starts (or takes with --router-url) its own servers; drop --peer / --base-url"
     if a.router_url is None and any(urls):
@@ -74,7 +91,7 @@ def check_args(a: argparse.Namespace) -> str | None:
         return "--pd needs --model (the checkpoint every server loads) or --router-url"
     if a.tp not in (1, 2) or a.layout or a.rounds != 1:
         return ("--pd runs each PD side at --tp 1 and the colocated server at --tp 2; drop --tp, --layout "
-                "and --rounds")
+                "and --rounds (--prefill-layouts with --prefill-tp / --decode-tp sets each side's size)")
     if a.long_fraction == 0:  # the interference workload unless another mix was asked for
         a.long_fraction, a.long_input_len = 0.25, a.long_input_len or 8 * a.input_len
     if a.max_concurrency is None:
@@ -191,8 +208,8 @@ def one_p_one_d(serve: Callable[..., list[str]], env: dict[str, str] | None, sta
             PeerProcess(d_cmd, env=env, name="splash serve (decode)", grace_s=30) as d:
         _up(p, p_url, startup_timeout, "the prefill server")
         _up(d, d_url, startup_timeout, "the decode server")
-        cmd, renv = _router(rp, "--pd-disaggregation", "--prefill", p_url, str(boot), "--decode", d_url,
-                            *router_flags)
+        cmd, renv = _router(rp, "--pd-disaggregation", "--prefill", p_url, str(boot), "--decode", d_url)
+        cmd += router_flags  # (last: one of _router's own flags given again here is the one taken)
         with PeerProcess(cmd, env=renv, name="sglang-router (PD)", grace_s=5) as r:
             _up(r, r_url, 120.0, "sglang-router (PD)", "/readiness", workers=2)
             yield (p_url, d_url, r_url), (p, d)

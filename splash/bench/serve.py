@@ -101,6 +101,10 @@ def run(a: argparse.Namespace) -> int:
     if problem:
         print(f"splash bench serve: {problem}", file=sys.stderr)
         return 2
+    if a.pd and a.prefill_layouts:  # the prefill-layout study (issue 47)
+        from splash.bench import pd_layouts
+
+        return pd_layouts.run(a)
     if a.pd:
         return pd_serve.run(a)
     if a.peer:
