@@ -93,8 +93,8 @@ class EngineConfig:
                                              "weights + KV cache, e.g. 2GiB (default: from the machine)")
     enable_prefix_caching: bool | None = _opt(
         None, "cache", "--enable-prefix-caching", "share full prompt pages between requests by content "
-        "(default on, as in vLLM and SGLang; off for KDA hybrids, whose per-request state a cached prefix "
-        "cannot give)", action=argparse.BooleanOptionalAction,
+        "(default on, as in vLLM and SGLang; KDA hybrids keep their state at each prompt's cacheable end "
+        "with it)", action=argparse.BooleanOptionalAction,
         also=(("--disable-radix-cache", {"action": "store_false", "help": "SGLang's name for "
                                          "--no-enable-prefix-caching"}),))
     kv_cache_dtype: str = _opt(
@@ -106,6 +106,10 @@ class EngineConfig:
     num_state_slots: int | None = _opt(None, "cache", "--num-state-slots", "KDA hybrids: requests whose "
                                        "recurrent state a rank holds at once (default --max-num-seqs)",
                                        type=positive_int)
+    num_state_snapshots: int | None = _opt(
+        None, "cache", "--num-state-snapshots", "KDA hybrids with the prefix cache: cached prefixes whose "
+        "KDA state a rank keeps (snapshots at each prompt's cacheable end, LRU; default --num-state-slots; "
+        "0: no hybrid prefix hits)", type=int)
     mem_fraction_static: float | None = _opt(
         None, "cache", "--mem-fraction-static", "share of a GPU's memory for this rank's weights + KV cache "
         "when no --memory-per-rank is given (SGLang's flag; vLLM's --gpu-memory-utilization); a CPU keeps "

@@ -4,8 +4,8 @@ The model: prefill in chunks (the chunked form, across chunk boundaries) and one
 recurrent form) give transformers' logits (its KDA core in float64, `helpers_kda`) to 1e-9; the
 unpatched reference's greedy tokens too. The engine: chunked prefill with requests admitted mid-run,
 state slots bounding admission, preemption (the state recomputed from the tokens), abort, a weight
-update (stale state never read) and the built-in `tiny-hybrid`; no slot or page leaks; the prefix cache
-is off for hybrids (a per-request state cannot be shared) and asking for it is a clear error.
+update (stale state never read) and the built-in `tiny-hybrid`; no slot or page leaks (the prefix cache
+of hybrids, with state snapshots: tests/test_prefix_hybrid.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 from helpers_ckpt import Seq, SimpleRunner, hf_greedy, hf_logits
 from helpers_kda import build_kimi, kda_core_float64, kimi_reference
 
-from splash.core.model_config import ConfigError
 from splash.engine.build import build_engine
 from splash.engine.sampling import SamplingParams
 
@@ -119,7 +118,7 @@ def test_engine_matches_transformers_with_chunked_prefill_and_mid_run_admission(
     assert ref == plain, "the float32 and float64 cores disagree on a greedy token of this fixture"
     eng = build_engine(model=path, num_kv_pages=256, max_num_batched_tokens=16, **ENGINE)
     try:
-        assert eng.allocator.cache is None, "the prefix cache must be off for a model with per-request state"
+        assert eng.allocator.cache.snaps is not None, "hybrids run the prefix cache with state snapshots"
         for i in (0, 1, 2):
             eng.add_request(f"r{i}", prompt_token_ids=PROMPTS[i], params=greedy(logprobs=0))
 
@@ -193,12 +192,6 @@ def test_abort_and_weight_update_never_read_stale_state(kimi, tmp_path):
         idle(eng)
     finally:
         eng.shutdown()
-
-
-def test_prefix_cache_is_refused_for_hybrids(kimi):
-    path, _, _, _ = kimi
-    with pytest.raises(ConfigError, match="per-request"):
-        build_engine(model=path, num_kv_pages=32, enable_prefix_caching=True, **ENGINE)
 
 
 def test_builtin_tiny_hybrid_serves():

@@ -31,6 +31,8 @@ head-sharded projections (TP, DOP) -> each rank holds its heads' slice of every 
 replica, no exchange: the rank that projects a head updates its state); replicated projections with
 owners (DP) -> the owner holds the whole state; replicated projections without owners (CP: every rank
 has every row) -> every rank holds (and updates) the whole state. `state_share` answers it per rank.
+The prefix cache's KDA snapshots (splash/kv/snapshots.py) are more rows of the same two stores, one per
+cached prompt end rather than per request, placed by the same rule (`snapshot_bytes`).
 
 Element formats (`--kv-cache-dtype`): how a per-token store's values sit in bytes, one more column of
 the table. A plain format keeps every value in one dtype; the FP8 formats pack each token's row:
@@ -229,6 +231,12 @@ def request_state_bytes(cfg: ModelConfig, dtype: str = "bf16", state: str | None
     """z: bytes of one request's per-request state over every layer (KDA recurrent + conv states; 0 for
     a pure MLA model). Constant in its context."""
     return sum(store_request_bytes(s, dtype, state) * len(s.layers) for s in request_stores(cfg))
+
+
+def snapshot_bytes(cfg: ModelConfig, dtype: str = "bf16", state: str | None = None) -> float:
+    """Bytes of one prefix-cache snapshot of a hybrid's KDA state, all heads: one request's state
+    (`request_state_bytes`), kept with a cached prefix and placed as live state is."""
+    return request_state_bytes(cfg, dtype, state)
 
 
 def layer_state_bytes(cfg: ModelConfig, dtype: str = "bf16", state: str | None = None) -> float:

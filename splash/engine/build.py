@@ -99,6 +99,10 @@ def _assemble(spec: RuntimeSpec, runner: Any, facts: list[RankFacts], tok: Any, 
         from splash.kv.slots import SlotAllocator
 
         alloc.slots = SlotAllocator(facts[0].slots)
+        if alloc.cache is not None:  # the prefix cache's KDA state rows, after the slots (kv/snapshots.py)
+            from splash.kv.snapshots import SnapshotPool
+
+            alloc.cache.snaps = SnapshotPool(facts[0].slots, facts[0].snapshots)
     info = {"model": spec.model_name, "model_type": cfg.model_type,
             "dtype": str(spec.dtype).removeprefix("torch."), "device": str(runner.device),
             "kv_dtype": fmt, "kv_cache_dtype": rc.kv_cache_dtype or "auto",

@@ -71,6 +71,16 @@ class GroupRunner:
         self.group.send(control_plan("state", payload=list(slots)))
         self.local.restore_state(slots)
 
+    def copy_state(self, pairs: list[tuple[int, int]]) -> None:
+        """Every rank copies state rows src -> dst in order (a KDA hybrid's prefix snapshots)."""
+        self.group.guarded(self._copy_state, pairs)
+
+    def _copy_state(self, pairs: list[tuple[int, int]]) -> None:
+        from splash.step.plan import control_plan
+
+        self.group.send(control_plan("state", payload={"copy": list(pairs)}))
+        self.local.copy_state(pairs)
+
     def decode_plan_bytes_p50(self) -> int | None:
         """Median bytes of the step message over forward steps with no prefill rows."""
         return self.encoder.decode_bytes_p50()

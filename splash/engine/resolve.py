@@ -17,7 +17,7 @@ from typing import Any
 
 from splash.config import EngineConfig
 from splash.core.model_config import ConfigError, ModelConfig, dtype_name
-from splash.core.stores import kv_format, stores
+from splash.core.stores import kv_format
 from splash.runtime_spec import RuntimeSpec
 
 log = logging.getLogger("splash.engine")
@@ -88,18 +88,9 @@ def element_format(kv_cache_dtype: str | None, dtype: Any) -> str:
 
 
 def prefix_cache_default(cfg: ModelConfig, asked: bool | None) -> bool:
-    """Whether the engine runs the prefix cache: on unless turned off, as in vLLM and SGLang. A model
-    whose requests keep per-request state (the recurrent state of KDA layers) bypasses it: a shared
-    prefix's pages would not give a request that state; asking for it explicitly is an error."""
-    per_request = [s.name for s in stores(cfg) if s.per == "request"]
-    if per_request:
-        if asked:
-            raise ConfigError(f"{cfg.name}: the prefix cache shares KV pages, but this model's requests "
-                              f"also keep per-request state ({', '.join(per_request)}: KDA's recurrent "
-                              "state) that a cached prefix cannot provide; drop --enable-prefix-caching")
-        if asked is None:
-            log.info("%s: prefix cache off: KDA layers keep a per-request recurrent state", cfg.name)
-        return False
+    """Whether the engine runs the prefix cache: on unless turned off, as in vLLM and SGLang. For a model
+    whose requests keep per-request state (the recurrent state of KDA layers) a cached prefix carries a
+    snapshot of that state at its end (splash/kv/snapshots.py), so hybrids get it too."""
     return True if asked is None else bool(asked)
 
 

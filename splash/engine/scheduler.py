@@ -41,6 +41,7 @@ from splash.engine.request import SeqStatus, Sequence
 from splash.kv.allocator import KVAllocator, balanced_owners, pages_for
 from splash.kv.books import Holder, book_errors
 from splash.kv.prefix import Block, PrefixCache
+from splash.kv.snapshots import cut_chunk, save_snapshot, snapshot_end, state_prefix
 from splash.step.plan import SeqSlice, StepPlan
 
 # A request goes to the rank holding its longest cached prefix (DP/DOP) unless that rank's projected
@@ -218,11 +219,11 @@ class Scheduler:
         alloc = self.alloc
         keys = self._keys(seq, cache, PrefixCache.reusable_pages(seq.num_tokens, alloc.page_size))
         if not alloc.core_layout.owned:
-            blocks, wait = cache.match(keys)
+            blocks, wait = self._match(cache, keys)
             return None if wait or not self._fits(cache, blocks, seq, 0) else (0, blocks)
         best: tuple[int, list[Block], bool] | None = None
         for r in range(alloc.world):
-            blocks, wait = cache.match(keys, lambda b, r=r: b.column[r] >= 0)
+            blocks, wait = self._match(cache, keys, lambda b, r=r: b.column[r] >= 0)
             if best is None or len(blocks) > len(best[1]):
                 best = (r, blocks, wait)
         assert best is not None
@@ -234,10 +235,28 @@ class Scheduler:
         owner = self._pick_owner(seq)
         if owner is None:
             return None
-        blocks, wait = cache.match(keys, lambda b: b.column[owner] >= 0)
+        blocks, wait = self._match(cache, keys, lambda b: b.column[owner] >= 0)
         if wait:
             return None
         return owner, blocks if self._fits(cache, blocks, seq, owner) else []
+
+    def _match(self, cache: PrefixCache, keys: list[bytes], holds: object = None) -> tuple[list[Block], bool]:
+        """`cache.match`, cut back for a KDA hybrid to the longest prefix ending at a state snapshot."""
+        blocks, wait = cache.match(keys, holds)
+        return state_prefix(blocks, self.alloc.slots is not None), wait
+
+    def _snap_cap(self, seq: Sequence, k: int) -> int:
+        """A hybrid's prefill chunk ends at its prompt's snapshot point (kv/snapshots.py) when no block
+        there holds a snapshot yet, so the state at that point can be kept."""
+        cache = self.alloc.cache
+        if cache is None or cache.snaps is None or seq.slot < 0:
+            return k
+        end = snapshot_end(seq.num_tokens, self.alloc.page_size)
+        start = seq.num_computed
+        if not start < end < start + k:
+            return k
+        b = cache.blocks.get(self._keys(seq, cache, end // self.alloc.page_size)[-1])
+        return k if b is not None and b.snap >= 0 else cut_chunk(start, k, end)
 
     def _offer(self, seq: Sequence) -> None:
         """Register the pages `seq` now holds whose tokens are all known (not yet computed: not ready)."""
@@ -395,7 +414,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            k = self.cfg.chunk(seq.num_tokens - seq.num_computed, budget)
+            k = self._snap_cap(seq, self.cfg.chunk(seq.num_tokens - seq.num_computed, budget))
             if k <= 0:
                 continue  # nothing new to feed (its last sampled token is still pending)
             while not self.alloc.can_grow(seq.pages, seq.num_computed + k, seq.owner):
@@ -462,7 +481,9 @@ class Scheduler:
                 seq.cache_epoch = cache.epoch
                 seq.num_computed = len(blocks) * self.alloc.page_size
                 seq.num_cached_tokens = seq.num_computed
-            k = self.cfg.chunk(seq.num_tokens - seq.num_computed, budget)
+                if blocks and cache.snaps is not None:  # a hybrid starts from the prefix's state
+                    cache.snaps.load(blocks[-1], seq.slot)
+            k = self._snap_cap(seq, self.cfg.chunk(seq.num_tokens - seq.num_computed, budget))
             seq.owner = owner
             self.charge(seq)
             seq.status = SeqStatus.RUNNING
@@ -521,10 +542,16 @@ class Scheduler:
     def _computed(self, seq: Sequence, start: int, end: int) -> None:
         seq.num_computed = end
         if self.alloc.cache is not None:
-            full = end // self.alloc.page_size
+            P = self.alloc.page_size
+            full = end // P
             if full > len(seq.cached_blocks):  # generated pages too (a conversation's next turn)
                 self._register(seq, full)
             # the pages rows start..end completed: those from the one its first row fell in
             for b in seq.cached_blocks[start // self.alloc.page_size:full]:
                 if b is not None:
                     b.ready = True
+            cache = self.alloc.cache
+            if cache.snaps is not None and seq.slot >= 0 and end == snapshot_end(seq.num_tokens, P) > 0 \
+                    and seq.cache_epoch == cache.epoch:  # a hybrid's state at its prompt's snapshot point
+                save_snapshot(cache, self._keys(seq, cache, end // P)[-1], seq.slot, seq.owner,
+                              self.alloc.core_layout.state_placement.value == "owner")

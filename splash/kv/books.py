@@ -17,7 +17,9 @@ The rules checked (one place; docs/runtime.md "Events and the books" states them
 - the four sets cover the rank's pool exactly; the LRU's per-rank page counts match;
 - every table has one row per rank, rows of equal length, and its pages sit where the layout places
   them; a block a sequence names sits at that sequence's column of the same page index;
-- state slots: held ones distinct, free ones distinct, together every slot once.
+- state slots: held ones distinct, free ones distinct, together every slot once;
+- prefix snapshots (KDA hybrids, splash/kv/snapshots.py): the rows after the slots, each free or the
+  state of exactly the one indexed block that names it (never a stale one), none leaked.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ def book_errors(alloc: KVAllocator, holders: Mapping[int, Holder], limit: int = 
         errs += _cache_errors(alloc, holders, blocks)
     errs += _placement_errors(alloc, holders)
     errs += _slot_errors(alloc, holders)
+    if cache is not None and cache.snaps is not None:
+        snaps = cache.snaps
+        if alloc.slots is None or snaps.base != alloc.slots.num_slots:
+            errs.append(f"prefix snapshot rows start at {snaps.base}, not after the state slots")
+        errs += snaps.errors(blocks)
     return errs[:limit]
 
 

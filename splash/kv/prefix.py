@@ -25,7 +25,9 @@ Rules (the one place they are written):
   invalidation registers no further pages (`epoch`): what it computes next attends to old-weight KV;
 - a layout switch drops the unreferenced blocks first (their pages freed, not moved: cached history
   nobody holds is not worth a transfer on the switching step) and moves every held block once, with
-  its holders (`moved`): keys, reference counts and readiness survive the switch.
+  its holders (`moved`): keys, reference counts and readiness survive the switch;
+- KDA hybrids: a block may carry a snapshot of the state at its end (`snap`, splash/kv/snapshots.py),
+  freed with the block; an invalidation and a switch's commit drop every snapshot.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from splash.kv.snapshots import SnapshotPool
+
 
 @dataclass
 class Block:
@@ -46,6 +50,7 @@ class Block:
     refs: int = 0
     ready: bool = False
     indexed: bool = True  # in the index (matchable); False: stale, kept only for its holders
+    snap: int = -1  # KDA hybrids: the state row of the state at this page's end (kv/snapshots.py)
 
 
 class PrefixCache:
@@ -61,6 +66,8 @@ class PrefixCache:
         self._evictable = [0] * world  # pages per rank held by blocks in the LRU
         self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of those, tokens found (vLLM's prefix_cache_hits)
+        # KDA hybrids: the state snapshots kept with blocks (splash/kv/snapshots.py), else None
+        self.snaps: SnapshotPool | None = None
 
     # ---- keys -------------------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int], pages: int, prev: bytes = b"") -> list[bytes]:
@@ -195,6 +202,8 @@ class PrefixCache:
         """Take every block out of the index (weights changed): evictable pages are returned for
         freeing; held blocks turn stale, freed once by their last holder (`release_column`)."""
         freed = self.flush()
+        if self.snaps is not None:  # a state computed with the old weights is never read again
+            self.snaps.drop(self.live_blocks())
         for b in list(self.blocks.values()):
             b.indexed = False
         self.blocks.clear()
@@ -211,6 +220,8 @@ class PrefixCache:
         if lost is not None:
             raise RuntimeError(f"a switch lost the pages {lost.column} of a prefix block held by {lost.refs} "
                                f"table(s) (unreferenced blocks are flushed before a switch; bookkeeping bug)")
+        if self.snaps is not None:  # the switch re-heads live slots only: snapshot rows are not moved
+            self.snaps.drop(moving)
         for b in moving:
             new = columns[b.column]
             indexed = b.indexed
@@ -228,6 +239,9 @@ class PrefixCache:
 
     def _forget(self, b: Block) -> None:
         self._unlist(b)
+        if self.snaps is not None and b.snap >= 0:
+            self.snaps.release(b)
+            self.snaps.evicted += 1
         if self.blocks.get(b.key) is b:
             del self.blocks[b.key]
         for r, p in enumerate(b.column):
@@ -240,5 +254,6 @@ class PrefixCache:
         return sum(b.refs >= 2 for b in self.live_blocks())
 
     def stats(self) -> dict[str, object]:
-        return {"prefix_cache_blocks": len(self.blocks), "prefix_cache_evictable_blocks": len(self._lru),
-                "prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits}
+        out = {"prefix_cache_blocks": len(self.blocks), "prefix_cache_evictable_blocks": len(self._lru),
+               "prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits}
+        return out if self.snaps is None else {**out, **self.snaps.stats()}

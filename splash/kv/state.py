@@ -113,6 +113,15 @@ class StatePool:
             for t in self.tensors():
                 t.index_fill_(0, idx, 0)
 
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy the state of row src into row dst in every layer, pair by pair in order (the prefix
+        cache's snapshots, splash/kv/snapshots.py: a save then a load of the same row may be one batch).
+        Each rank copies what it holds of the rows (its heads; DP: the owner's are the ones that count)."""
+        for src, dst in pairs:
+            for i in self.layers:
+                self._rec[i][dst].copy_(self._rec[i][src])
+                self._conv[i][dst].copy_(self._conv[i][src])
+
     # ---- blocks of (slot, head): what a layout switch moves -------------------------------------------
     @property
     def block_width(self) -> int:

@@ -32,6 +32,7 @@ class RankFacts:
     reserve_bytes: int  # the step workspace kept out of the KV budget
     device: str  # where it runs ("cpu", "cuda:1")
     slots: int = 0  # KDA state slots (0: the model keeps no per-request state)
+    snapshots: int = 0  # KDA state rows after the slots kept for the prefix cache (splash/kv/snapshots.py)
     state_bytes: int = 0  # what they take
     replica_pages: int = 0  # pages its projection replicas take in DP/CP (a budgeted, switching pool)
 
@@ -94,7 +95,7 @@ def load_rank(spec: RuntimeSpec, grid: Any) -> RankState:
             keep_free = replicas  # (only the default-sized pool uses it)
         else:
             pool_weights -= replicas  # (only a budgeted pool uses weights)
-    slots, state_bytes = 0, 0
+    slots, state_bytes, snaps = 0, 0, 0
     if cfg.is_hybrid:  # one state slot per request the rank may hold at once, from the same budget
         slots = int(c.num_state_slots or c.max_num_seqs)
         if slots < 1:
@@ -102,7 +103,10 @@ def load_rank(spec: RuntimeSpec, grid: Any) -> RankState:
         heads = len(next(la.self_attn for la in net.layers if la.kind == "kda").heads)
         # A live switch into DP/CP holds every head of a slot (Layout.state_placement): budget for it.
         budget_heads = cfg.linear_num_heads if spec.switching else heads
-        state_bytes = slots * StatePool.bytes_per_slot(cfg, tdtype, budget_heads)
+        from splash.kv.snapshots import snapshot_rows
+
+        snaps = snapshot_rows(True, spec.prefix_cache, c.num_state_snapshots, slots)
+        state_bytes = (slots + snaps) * StatePool.bytes_per_slot(cfg, tdtype, budget_heads)
     pages = kv_pages(spec, dev, pool_weights, reserve, keep_free=keep_free, state_bytes=state_bytes)
     pool = KVPool.for_model(cfg, pages, spec.page_size, tdtype, dev, spec.kv_format)
     if pool.fmt == "fp8_e4m3":
@@ -111,7 +115,7 @@ def load_rank(spec: RuntimeSpec, grid: Any) -> RankState:
         pool.tensor_scale.update(kv_scales(spec.model_path, pool.latent_layers))
     runner = ModelRunner(net, pool, layout, grid.comm, grid.rank, world, kernels=kernels)
     if slots:
-        runner.state = StatePool.for_model(cfg, slots, tdtype, dev, heads=heads)
+        runner.state = StatePool.for_model(cfg, slots + snaps, tdtype, dev, heads=heads)
     runner.switch_comm = getattr(grid, "switch", None)  # layout-switch transfers (splash/switch/)
     # The replicas' pages a DP/CP layout withholds under a budget (splash/switch/replicas.py), ceil.
     withheld = 0
@@ -121,5 +125,5 @@ def load_rank(spec: RuntimeSpec, grid: Any) -> RankState:
         page_bytes = KVPool.bytes_per_page(cfg, spec.page_size, tdtype, spec.kv_format)
         withheld = replica_pages(net, world, page_bytes)
     facts = RankFacts(pages=pages, weight_bytes=weights, reserve_bytes=reserve, device=str(runner.device),
-                      slots=slots, state_bytes=state_bytes, replica_pages=withheld)
+                      slots=slots, state_bytes=state_bytes, replica_pages=withheld, snapshots=snaps)
     return RankState(runner=runner, facts=facts)

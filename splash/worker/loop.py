@@ -152,7 +152,10 @@ register_handler("draft", _on_draft)
 
 
 def _on_state(state: WorkerState, plan: StepPlan) -> None:
-    state.runner.restore_state(plan.payload)  # a KDA hybrid's rejected drafts: the state snapshot back
+    if isinstance(plan.payload, dict):  # a KDA hybrid's prefix snapshots saved / loaded (kv/snapshots.py)
+        state.runner.copy_state(plan.payload["copy"])
+    else:
+        state.runner.restore_state(plan.payload)  # a KDA hybrid's rejected drafts: the state snapshot back
 
 
 register_handler("state", _on_state)

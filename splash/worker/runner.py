@@ -146,6 +146,11 @@ class ModelRunner:
         """Put back the snapshot of `slots` the last step took (its speculative rows were rejected)."""
         self.state.restore_snapshot(slots)
 
+    @torch.inference_mode()
+    def copy_state(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy state rows src -> dst in order (a hybrid's prefix snapshots saved and loaded)."""
+        self.state.copy_slots(pairs)
+
     def context(self, plan: StepPlan, layout: Any) -> Any:
         """The step's ForwardContext under `layout`, from this rank's tables (or the plan's own)."""
         return self.context_of(plan.seqs, layout, own=plan.delta is None)

@@ -18,6 +18,7 @@ from splash.engine.stages.metrics import Metrics
 from splash.engine.stages.pd import PD
 from splash.engine.stages.prompt_logprobs import PromptLogprobsStage
 from splash.engine.stages.routing import Routing
+from splash.engine.stages.snapshots import Snapshots
 from splash.engine.stages.speculation import Speculation
 from splash.engine.stages.switch import Switching
 
@@ -33,5 +34,6 @@ def build_stages(engine: Any) -> Hooks:
     engine.guided = Grammar(engine)
     engine.speculation = Speculation(engine)
     engine.pd = PD(engine)  # prefill/decode disaggregation: its two stages
-    return Hooks([engine.metrics, Switching(engine), Routing(engine), PromptLogprobsStage(), Logprobs(),
-                  Detokenize(engine), engine.guided, engine.speculation, *engine.pd.stages])
+    return Hooks([engine.metrics, Snapshots(engine), Switching(engine), Routing(engine),
+                  PromptLogprobsStage(), Logprobs(), Detokenize(engine), engine.guided, engine.speculation,
+                  *engine.pd.stages])
