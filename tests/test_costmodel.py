@@ -108,6 +108,29 @@ def test_dop_exchange_tracks_rows_not_context():
     assert more_rows.comm == pytest.approx(4 * short.comm)
 
 
+def test_dop_exchange_is_charged_per_rank():
+    """Eq 10's R is what one rank's link carries: Eq 4's group total summed over the ranks' receives,
+    the busiest rank's share priced (1/T of it when rows are balanced, more for a rank owning more)."""
+    from splash.core.costmodel import eq4_bytes, eq4_rank_bytes
+
+    c = PRESETS["deepseek-v3"]
+    H, d_c, d_r, T, b = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, 8, 2
+    for rows_r in ([4] * 8, [7, 1, 0, 0, 3, 5, 2, 6]):
+        n = sum(rows_r)
+        each = [eq4_rank_bytes(np.array([x]), n, H, d_c, d_r, T, b) for x in rows_r]
+        assert sum(each) == pytest.approx(eq4_bytes(n, H, d_c, d_r, T, b))
+        assert eq4_rank_bytes(np.array(rows_r), n, H, d_c, d_r, T, b) == pytest.approx(max(each))
+    assert eq4_rank_bytes(np.array([4] * 8), 32, H, d_c, d_r, T, b) == pytest.approx(
+        eq4_bytes(32, H, d_c, d_r, T, b) / T)
+    # and the step's R: DOP's exchange at 1/T of the total beside TP's all-reduce
+    sizes = AttentionSizes(c)
+    th = _theta(ranks=T)
+    batch = Batch.balanced(T, 1000, 4, T)
+    dop, tp = step_cost(Layout.DOP, sizes, batch, th), step_cost(Layout.TP, sizes, batch, th)
+    r = dop.comm * th.link_bw_of(Layout.DOP) - tp.comm * th.link_bw_of(Layout.TP)  # (bytes, one layer)
+    assert r == pytest.approx(eq4_bytes(batch.n_rows, H, d_c, d_r, T, th.act_bytes) / T, rel=1e-6)
+
+
 def test_batch_validation():
     with pytest.raises(ConfigError):
         Batch.make([5], [6])

@@ -161,11 +161,11 @@ def test_a_request_waits_for_a_transfer_to_free_the_pool():
 
 
 def test_auto_on_a_prefill_server_prices_the_transfer_of_the_prompts_that_finish():
-    """The engine's `auto` (switch/auto.py) hands the policy its decode group and which live requests
-    finish their prompt this step; nothing before the first transfer, nothing off a prefill server."""
+    """The engine's `auto` (switch/auto.py, `pd_dest`) hands the policy its decode group and which live
+    requests finish their prompt this step; none before the first transfer or off a prefill."""
     from types import SimpleNamespace as NS
 
-    from splash.switch.auto import AutoLayout
+    from splash.switch.auto import pd_dest
 
     def seq(i: int, computed: int, prompt: int) -> NS:
         return NS(seq_id=i, num_computed=computed, prompt_token_ids=[0] * prompt)
@@ -174,12 +174,12 @@ def test_auto_on_a_prefill_server_prices_the_transfer_of_the_prompts_that_finish
     rows = {0: 32, 1: 32, 2: 1}
     pd = NS(last_dest=None)
     me = NS(engine=NS(pd=pd, config=NS(disaggregation_mode="prefill")))
-    assert AutoLayout._pd_dest(me, live, rows) == (None, None)  # (the decode group is not known yet)
+    assert pd_dest(me.engine, live, rows) == (None, None)  # (the decode group is not known yet)
     pd.last_dest = ("dp", 2)
-    dest, finishing = AutoLayout._pd_dest(me, live, rows)
+    dest, finishing = pd_dest(me.engine, live, rows)
     assert dest == PDDest(Layout.parse("dp"), 2) and finishing == [False, True, False]
     me.engine.config.disaggregation_mode = "null"
-    assert AutoLayout._pd_dest(me, live, rows) == (None, None)
+    assert pd_dest(me.engine, live, rows) == (None, None)
     # and what it changes: the finishing requests' transfer is in each layout's time, only theirs
     b = Batch.make([32, 64], [32, 32], [0, 1], ranks=2)
     th = theta_for("h200", 2, TINY)

@@ -8,7 +8,7 @@ Per layer, on rank r holding heads H_r (H/T of them):
 5. W_UV and o_proj columns of my heads -> partial [N, d] -> all-reduce.
 Row counts per owner come from the plan (no size exchange); a rank owning no rows still enters both
 all-to-alls. Bytes sent by the two exchanges, summed over ranks, are exactly Eq 4
-(`splash.core.costmodel.eq4_bytes`, which the cost model prices).
+(`splash.core.costmodel.eq4_bytes`; the cost model prices the busiest rank's share, `eq4_rank_bytes`).
 
 A chunk in MHA form (splash/attention/mha.py: prefill chunks) runs TP-style instead: every rank
 attends it for its own heads over the chunk's context latent - the new rows' latent, which every rank

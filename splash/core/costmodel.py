@@ -370,8 +370,9 @@ def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: 
         return float((N - rows_r.min()) * d * b)  # all-gather: every row but my own
     if layout is Layout.CP:
         return 2 * (T - 1) / T * N * H * (c.kv_lora_rank + 1) * b  # partial outputs + LSE merge
-    # DOP, Eq 4: rows to owners [N, H/T, d_q] and head slices back [N, H/T, d_z], plus O's all-reduce
-    return eq4_bytes(N, H, c.kv_lora_rank, c.qk_rope_head_dim, T, b) + allreduce
+    # DOP, Eq 4 as one rank receives it: its rows from every head shard, others' rows for its heads;
+    # plus O's all-reduce
+    return eq4_rank_bytes(rows_r, N, H, c.kv_lora_rank, c.qk_rope_head_dim, T, b) + allreduce
 
 
 def eq4_bytes(rows: int, heads: int, d_c: int, d_r: int, world: int, elem_bytes: float) -> float:
@@ -379,6 +380,17 @@ def eq4_bytes(rows: int, heads: int, d_c: int, d_r: int, world: int, elem_bytes:
     d_z = d_c (the group's total per layer; per rank it depends on how many rows each rank owns). The
     one definition: the cost model prices it, splash/attention/dop.py's exchange sends exactly it."""
     return (1 - 1 / world) * rows * heads * ((d_c + d_r) + d_c) * elem_bytes
+
+
+def eq4_rank_bytes(rows_r: np.ndarray, rows: int, heads: int, d_c: int, d_r: int, world: int,
+                   elem_bytes: float) -> float:
+    """Eq 4 at the busiest rank: owner r receives its N_r query rows for the other ranks' heads
+    [N_r, H (T-1)/T, d_q] before attention, and the other owners' outputs for its own heads
+    [N - N_r, H/T, d_z] after it. Summed over ranks this is `eq4_bytes`, the group's total; a rank's
+    link carries ~1/T of it, which is what Eq 10's R (per rank) must charge."""
+    n_r = np.asarray(rows_r, dtype=float)
+    per = (n_r * heads * (world - 1) / world * (d_c + d_r) + (rows - n_r) * heads / world * d_c) * elem_bytes
+    return float(per.max(initial=0.0))
 
 
 def step_costs(sizes: AttentionSizes, batch: Batch, theta: Theta,

@@ -281,9 +281,8 @@ class Position:
                        "indexer replicated), merging [rows, heads, d_c] partial outputs each layer; "
                        "SGLang's prefill CP splits the prompt's tokens over the ranks and gathers their KV")
         elif lab is Layout.DOP:
-            why.append("DOP does DP-attention's attention work plus Eq 4's exchange, which Eq 10 "
-                       "(costmodel._comm_bytes) charges one rank at the group's total, T x what a rank "
-                       "receives")
+            why.append("DOP does DP-attention's attention work plus Eq 4's exchange (a rank's share, "
+                       "1/T of the group's total); its sharded projections must win that back")
         elif lab is Layout.TP:
             why.append(f"Eq 10 has TP run the DSA indexer for every row on every rank ({theta.ranks}x, as "
                        "SGLang's TP does) beside an all-reduce, which DP-attention does not pay; what gives "

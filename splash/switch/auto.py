@@ -141,7 +141,7 @@ class AutoLayout:
         here = Layout.parse(cur)
         corr = {Layout.parse(lay): (e.factor, e.uncertainty) for lay, e in est.items()}
         priced = dataclasses.replace(self.policy_cfg, layouts=tuple(Layout.parse(lay) for lay in cands))
-        dest, finishing = self._pd_dest(live, rows)
+        dest, finishing = pd_dest(getattr(self, "engine", None), live, rows)
         evals = evaluate(self.sizes, self.theta, batch, here, priced, corr or None, pd=dest,
                          finishing=finishing)
         faster = [lay for lay in cands if lay != cur and lay not in blocked
@@ -179,20 +179,6 @@ class AutoLayout:
                                                   "B=%d rows=%d", plan.step, cur, chosen, reason, msg,
                                                   batch.size, batch.n_rows)
         return chosen if d.switch and chosen != cur else None
-
-    def _pd_dest(self, live: list[Any], rows: dict[Any, int]) -> tuple[PDDest | None, list[bool] | None]:
-        """A prefill server's decode group (the one it last sent to: its layout and size) and which live
-        requests finish their prompt this step (their KV crosses the link after it), so each layout is
-        priced for time to first token (issue 47). (None, None) on any other engine, or before the first
-        transfer, when the decode group is not known yet."""
-        pd = getattr(self.engine, "pd", None)
-        mode = getattr(getattr(self.engine, "config", None), "disaggregation_mode", "null")
-        if pd is None or mode != "prefill" or pd.last_dest is None:
-            return None, None
-        layout, ranks = pd.last_dest
-        n = [len(seq.prompt_token_ids) for seq in live]
-        finishing = [s.num_computed < p <= s.num_computed + rows.get(s.seq_id, 0) for s, p in zip(live, n)]
-        return PDDest(layout, int(ranks)), finishing
 
     def _due(self, step: int, key: tuple[Any, ...]) -> bool:
         """Whether to weigh the batch this step. The verdict only moves when the batch does: when the
@@ -234,3 +220,18 @@ class AutoLayout:
                            [back.src], kind, est)
         log.info("step %d: %s; observed %s", plan.step, rec.reason,
                  " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in rec.observed_s.items() if v is not None))
+
+
+def pd_dest(engine: Any, live: list[Any], rows: dict[Any, int]) -> tuple[PDDest | None, list[bool] | None]:
+    """A prefill server's decode group (the one it last sent to: its layout and size) and which live
+    requests finish their prompt this step (their KV crosses the link after it), so each layout is
+    priced for time to first token (issue 47). (None, None) on any other engine, or before the first
+    transfer, when the decode group is not known yet."""
+    pd = getattr(engine, "pd", None)
+    mode = getattr(getattr(engine, "config", None), "disaggregation_mode", "null")
+    if pd is None or mode != "prefill" or pd.last_dest is None:
+        return None, None
+    layout, ranks = pd.last_dest
+    n = [len(seq.prompt_token_ids) for seq in live]
+    finishing = [s.num_computed < p <= s.num_computed + rows.get(s.seq_id, 0) for s, p in zip(live, n)]
+    return PDDest(layout, int(ranks)), finishing
