@@ -125,6 +125,16 @@ def test_hits_partial_hits_and_misses_are_exact(kimi, off):
     assert st["prefix_snapshot_hits"] == 3 and st["prefix_cache_hits"] == 20 + 12 + 20
     assert st["prefix_snapshots_saved"] == 4  # at 20, 24, 12, 16 (none for [5, 6, 7], nor A's again)
     assert rows == off[0][2] - 52
+    # and on /metrics, as the server exports the engine's stats
+    from splash.server.metrics import ServerMetrics
+
+    m = ServerMetrics("kimi")
+    m.refresh(st)
+    text = m.render().decode()
+    assert 'splash:prefix_snapshot_hits_total{model_name="kimi"} 3.0' in text
+    assert 'splash:prefix_snapshots_saved_total{model_name="kimi"} 4.0' in text
+    assert f'splash:prefix_snapshots_used{{model_name="kimi"}} {float(st["prefix_snapshots_used"])}' in text
+    assert f'splash:prefix_snapshots_total{{model_name="kimi"}} {float(st["prefix_snapshots_total"])}' in text
 
 
 def test_all_at_once_and_a_control_without_the_loads(kimi, off, monkeypatch):

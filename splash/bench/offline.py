@@ -64,6 +64,13 @@ def register(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", default="random", choices=("random", "stdlib"),
                    help="--speculative-compare's prompts: random tokens, or windows of the Python standard "
                         "library's sources (real text, what `splash model train-mtp` learns)")
+    p.add_argument("--prefix-compare", action="store_true",
+                   help="the prefix cache off vs on: GRPO groups (--batch prompts x --n samples) and, with "
+                        "--turns, agent turns resending their history; prompt tokens computed and tok/s")
+    p.add_argument("--n", type=positive_int, default=8, help="--prefix-compare: samples per prompt")
+    p.add_argument("--turns", type=int, default=0, help="--prefix-compare: agent turns (0: none)")
+    p.add_argument("--turn-len", type=positive_int, default=32,
+                   help="--prefix-compare: new tokens a turn adds to the history")
     from splash.bench.offline_peer import add_peer_args
 
     add_peer_args(p)
@@ -166,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
         from splash.bench import speculative
 
         return speculative.run(args)
+    if args.prefix_compare:
+        from splash.bench import prefix
+
+        return prefix.run(args)
     try:
         offline_peer.check_args(args)
         res, prompts, tokens, eng = run_splash(args)

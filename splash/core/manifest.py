@@ -73,7 +73,7 @@ from splash.core.sizes import MIB, AttentionSizes, head_runs
 __all__ = [  # (the records and the holdings, importable from here as before they had modules of their own)
     "ALL_GATHER", "ALL_TO_ALL", "DISCARD", "KEEP", "BatchItem", "KVPages", "LayerManifest", "Manifest",
     "PageFree", "PageMove", "Request", "StateBlocks", "StateFree", "StateManifest", "StateMove",
-    "WeightFree", "WeightMove", "as_requests", "held_columns", "held_state",
+    "WeightFree", "WeightMove", "as_requests", "held_columns", "held_state", "state_block_arrays",
     "switch_manifest", "weights_report",
 ]
 
@@ -285,31 +285,10 @@ class Manifest:
     @cached_property
     def _state_arrays(self) -> tuple[StateBlocks, np.ndarray, np.ndarray, np.ndarray, bool]:
         """(moves and frees of (request, head) blocks, blocks each rank receives / sends / frees, and
-        whether every received block ends up on every rank): set differences of `held_state`."""
-        T, H = self.ranks, max(self.sizes.kda_heads, 1)
+        whether every received block ends up on every rank): `state_block_arrays` of its requests."""
         oa = np.array([r.owner_src for r in self.requests], dtype=np.int64)
         ob = np.array([r.dst_owner for r in self.requests], dtype=np.int64)
-        a, b = held_state(self.src, oa, T, H), held_state(self.dst, ob, T, H)
-        need, gone = b & ~a, a & ~b
-        moves = np.zeros((0, 4), dtype=np.int64)
-        send = np.zeros(T)
-        if need.any():
-            r, i, h = np.nonzero(need)
-            s = senders(holding(self.src.state_placement, oa, T), i, lambda: head_parts(H, T)[h], r)
-            order = np.lexsort((h, s, r, i))
-            moves = np.stack([i, h, s, r], axis=1)[order].astype(np.int64)
-            send = np.bincount(s, minlength=T).astype(np.float64)
-        frees = np.zeros((0, 3), dtype=np.int64)
-        if gone.any():
-            r, i, h = np.nonzero(gone)
-            order = np.lexsort((h, r, i))
-            frees = np.stack([i, h, r], axis=1)[order].astype(np.int64)
-        gathered = not (need.any(axis=0) & ~b.all(axis=0)).any()
-        recv = need.sum(axis=(1, 2)).astype(np.float64)
-        freed = gone.sum(axis=(1, 2)).astype(np.float64)
-        for x in (moves, frees):
-            x.setflags(write=False)
-        return StateBlocks(moves, frees), recv, send, freed, gathered
+        return state_block_arrays(self.src, self.dst, oa, ob, self.ranks, max(self.sizes.kda_heads, 1))
 
     def state_blocks(self) -> StateBlocks:
         """One KDA layer's state moves and frees as arrays, one row per (request, head) block (every
@@ -445,3 +424,33 @@ def weights_report(sizes: AttentionSizes, ranks: int) -> dict[str, Any]:
                    kda_receive_mib_per_rank=m.kda_weights.bytes_per_rank / MIB,
                    receive_mib_per_rank_all_layers=float(m.recv_bytes_per_rank().max(initial=0.0)) / MIB)
     return out
+
+
+def state_block_arrays(src: Layout, dst: Layout, oa: np.ndarray, ob: np.ndarray, T: int, H: int
+                       ) -> tuple[StateBlocks, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """Per-request state (a KDA layer's recurrent + conv, per head) from `src` to `dst` for requests
+    owned by `oa` before and `ob` after: (moves and frees of (request, head) blocks, blocks each rank
+    receives / sends / frees, whether every received block ends up on every rank). Set differences of
+    `held_state`; the one rule for live requests' state (`Manifest`) and a hybrid's prefix-cache
+    snapshots, which are placed as live state is (splash/kv/snapshots.py)."""
+    a, b = held_state(src, oa, T, H), held_state(dst, ob, T, H)
+    need, gone = b & ~a, a & ~b
+    moves = np.zeros((0, 4), dtype=np.int64)
+    send = np.zeros(T)
+    if need.any():
+        r, i, h = np.nonzero(need)
+        s = senders(holding(src.state_placement, oa, T), i, lambda: head_parts(H, T)[h], r)
+        order = np.lexsort((h, s, r, i))
+        moves = np.stack([i, h, s, r], axis=1)[order].astype(np.int64)
+        send = np.bincount(s, minlength=T).astype(np.float64)
+    frees = np.zeros((0, 3), dtype=np.int64)
+    if gone.any():
+        r, i, h = np.nonzero(gone)
+        order = np.lexsort((h, r, i))
+        frees = np.stack([i, h, r], axis=1)[order].astype(np.int64)
+    gathered = not (need.any(axis=0) & ~b.all(axis=0)).any()
+    recv = need.sum(axis=(1, 2)).astype(np.float64)
+    freed = gone.sum(axis=(1, 2)).astype(np.float64)
+    for x in (moves, frees):
+        x.setflags(write=False)
+    return StateBlocks(moves, frees), recv, send, freed, gathered

@@ -104,6 +104,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.step_no = 0
         self.num_preemptions = 0
+        self.prompt_tokens_computed = 0  # prompt positions run through the model (recomputes counted)
         # Sequences the scheduler itself ended (context full with nobody left to preempt); the engine
         # drains this to report them.
         self.finished_by_scheduler: list[Sequence] = []
@@ -541,6 +542,8 @@ class Scheduler:
 
     def _computed(self, seq: Sequence, start: int, end: int) -> None:
         seq.num_computed = end
+        n = len(seq.prompt_token_ids)
+        self.prompt_tokens_computed += max(0, min(end, n) - min(start, n))
         if self.alloc.cache is not None:
             P = self.alloc.page_size
             full = end // P

@@ -36,6 +36,7 @@ def engine_stats(eng: Any) -> dict[str, Any]:
         "max_num_seqs": sch.cfg.max_num_seqs,
         "max_num_batched_tokens": sch.cfg.max_num_batched_tokens,
         "num_preemptions": sch.num_preemptions,
+        "prompt_tokens_computed": sch.prompt_tokens_computed,  # (what the prefix cache saves shows here)
         "steps": eng.steps,
         # median bytes of the step message rank 0 sends (splash/step/wire.py) over forward steps with
         # no prefill rows; None before any such step

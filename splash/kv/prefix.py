@@ -27,7 +27,7 @@ Rules (the one place they are written):
   nobody holds is not worth a transfer on the switching step) and moves every held block once, with
   its holders (`moved`): keys, reference counts and readiness survive the switch;
 - KDA hybrids: a block may carry a snapshot of the state at its end (`snap`, splash/kv/snapshots.py),
-  freed with the block; an invalidation and a switch's commit drop every snapshot.
+  freed with the block; an invalidation drops every snapshot, a switch moves them with live state.
 """
 
 from __future__ import annotations
@@ -220,13 +220,15 @@ class PrefixCache:
         if lost is not None:
             raise RuntimeError(f"a switch lost the pages {lost.column} of a prefix block held by {lost.refs} "
                                f"table(s) (unreferenced blocks are flushed before a switch; bookkeeping bug)")
-        if self.snaps is not None:  # the switch re-heads live slots only: snapshot rows are not moved
-            self.snaps.drop(moving)
+        if self.snaps is not None:  # (a block's snapshot keeps its row: the switch moved the row as it
+            #                            moved live slots, splash/switch/planner.py `_snapshots`)
+            self.snaps.carried += sum(b.snap >= 0 for b in moving)
         for b in moving:
             new = columns[b.column]
-            indexed = b.indexed
+            indexed, snap = b.indexed, b.snap
+            b.snap = -1  # (its snapshot stays its own: `_forget` would free the row)
             self._forget(b)
-            b.column, b.indexed = new, indexed
+            b.column, b.indexed, b.snap = new, indexed, snap
             if indexed:
                 self.blocks[b.key] = b
                 if b.refs == 0:

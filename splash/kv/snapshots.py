@@ -29,9 +29,13 @@ m*P tokens, a request needs the state *at position m*P*. So:
   message (`runner.copy_state`). A save is queued when the step ending at b completes, so it copies the
   slot before any later step changes it, even if its request is preempted or aborted meanwhile.
 - **Events**: a weight update / flush / memory release drops every snapshot with the index
-  (`invalidate`); a live switch drops them all at its commit (`PrefixCache.moved`; the switch re-heads
-  only live slots, and the unreferenced blocks were already flushed): exact, counted in `dropped`.
-  Speculation's verify snapshot (`StatePool.arm_snapshot`) is separate and unaffected.
+  (`invalidate`, counted in `dropped`). A live switch first flushes the unreferenced blocks (their
+  snapshots go with them, as their pages do), then moves the rows of the held blocks' snapshots in the
+  same all-to-all as live slots, by the same rule (`core.manifest.state_block_arrays`: re-headed for
+  TP/DOP, gathered for CP, to the block's holder in DP, `holder`): the switch planner's `_snapshots`.
+  Copies queued before the switching step run before it (this stage precedes the switch's), so the
+  rows it moves hold what was saved. Speculation's verify snapshot (`StatePool.arm_snapshot`) is
+  separate and unaffected.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ class SnapshotPool:
         self.saved = 0  # snapshots taken
         self.loaded = 0  # requests that started from one (prefix hits of a hybrid)
         self.evicted = 0  # dropped for room (LRU) or with their block
-        self.dropped = 0  # dropped by a switch or an invalidation
+        self.dropped = 0  # dropped by an invalidation (weight update, flush of the index, release)
+        self.carried = 0  # carried through a layout switch (one per snapshot and switch)
 
     @property
     def num_used(self) -> int:
@@ -103,7 +108,7 @@ class SnapshotPool:
         self._free.append(row)
 
     def drop(self, blocks: Any) -> None:
-        """Every snapshot of `blocks` goes (a switch, an invalidation): counted as dropped."""
+        """Every snapshot of `blocks` goes (an invalidation): counted as dropped."""
         for b in blocks:
             if b.snap >= 0:
                 self.release(b)
@@ -142,7 +147,14 @@ class SnapshotPool:
     def stats(self) -> dict[str, int]:
         return {"prefix_snapshots_used": self.num_used, "prefix_snapshots_total": self.count,
                 "prefix_snapshots_saved": self.saved, "prefix_snapshot_hits": self.loaded,
-                "prefix_snapshots_evicted": self.evicted, "prefix_snapshots_dropped": self.dropped}
+                "prefix_snapshots_evicted": self.evicted, "prefix_snapshots_dropped": self.dropped,
+                "prefix_snapshots_moved": self.carried}
+
+
+def holder(column: Any) -> int:
+    """The rank a block's snapshot sits on where state is placed on the owner (DP-attention): the rank
+    holding the block's page there (one; 0 if none). Elsewhere state does not follow owners."""
+    return next((r for r, p in enumerate(column) if p >= 0), 0)
 
 
 # ---- the scheduler's three rules (splash/engine/scheduler.py asks them) -----------------------------------

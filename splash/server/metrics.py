@@ -86,6 +86,12 @@ class ServerMetrics:
         self.slots_total = Gauge("splash:state_slots_total",
                                  "KDA hybrids: request state slots per rank (0: no per-request state).", lbl,
                                  registry=r).labels(m)
+        self.snaps_used = Gauge("splash:prefix_snapshots_used",
+                                "KDA hybrids: prefix-cache state snapshots held (rows of the snapshot pool).",
+                                lbl, registry=r).labels(m)
+        self.snaps_total = Gauge("splash:prefix_snapshots_total",
+                                 "KDA hybrids: state snapshot rows per rank (--num-state-snapshots).", lbl,
+                                 registry=r).labels(m)
         self.spec_depth = Gauge("splash:spec_depth",
                                 "Drafts per decoding request the next step verifies (0: speculation off; "
                                 "the depth policy's choice under --speculative-policy auto).", lbl,
@@ -127,6 +133,8 @@ class ServerMetrics:
                             (self.ranks, ("ranks", "world", "tp")),
                             (self.slots_used, ("state_slots_used",)),
                             (self.slots_total, ("state_slots_total",)),
+                            (self.snaps_used, ("prefix_snapshots_used",)),
+                            (self.snaps_total, ("prefix_snapshots_total",)),
                             (self.spec_depth, ("speculative_depth",)),
                             (self.pd_waiting, ("pd_waiting_for_kv",)),
                             (self.pd_inflight, ("pd_prefill_inflight",)),
@@ -171,6 +179,17 @@ class _EngineCounters(Collector):
                "Prompt tokens looked up in the prefix cache (vLLM's name)."),
               ("splash:prefix_cache_hits", "prefix_cache_hits", "Of those, tokens found cached."),
               ("splash:num_preemptions", "num_preemptions", "Sequences preempted (KV dropped, recomputed)."),
+              # KDA hybrids' prefix cache (splash/kv/snapshots.py)
+              ("splash:prefix_snapshots_saved", "prefix_snapshots_saved",
+               "KDA hybrids: state snapshots taken at a prompt's cacheable end."),
+              ("splash:prefix_snapshot_hits", "prefix_snapshot_hits",
+               "KDA hybrids: requests that started from a cached prefix's state snapshot."),
+              ("splash:prefix_snapshots_evicted", "prefix_snapshots_evicted",
+               "KDA hybrids: snapshots dropped for room (LRU) or with their prefix block."),
+              ("splash:prefix_snapshots_dropped", "prefix_snapshots_dropped",
+               "KDA hybrids: snapshots dropped by a weight update (or a flush of the index)."),
+              ("splash:prefix_snapshots_moved", "prefix_snapshots_moved",
+               "KDA hybrids: snapshots carried through a live layout switch (one per snapshot and switch)."),
               ("splash:spec_verify", "spec_verify_ct",
                "Speculative verify slices run (one per request and step)."),
               ("splash:spec_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),

@@ -29,10 +29,11 @@ import numpy as np
 import numpy.ma  # noqa: F401  (np.unique's first call imports it: 10-40 ms, on a switching step's plan)
 
 from splash.core.layouts import Layout
-from splash.core.manifest import Manifest, held_state, switch_manifest
+from splash.core.manifest import Manifest, held_state, state_block_arrays, switch_manifest
 from splash.core.model_config import ModelConfig, dtype_name
 from splash.core.sizes import AttentionSizes
 from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks
+from splash.kv.snapshots import holder
 from splash.step.plan import LAYOUTS
 from splash.switch.columns import Columns, first_bad, request_error, request_scalars
 from splash.switch.manifest_check import kv_pairs, weight_op
@@ -196,11 +197,16 @@ class SwitchPlanner:
         Hk = self.cfg.linear_num_heads
         slots = np.array([req.slot for req in live], dtype=np.int64)
         mv = man.state_blocks().moves
+        oa = np.array([r.owner_src for r in man.requests], dtype=np.int64)
+        ob = np.array([r.dst_owner for r in man.requests], dtype=np.int64)
+        rows, sa, sb = self._snapshots(plan, live)
+        if len(rows):  # the prefix cache's state snapshots move as live state does, after the live slots
+            smv = state_block_arrays(Layout(src), Layout(dst), sa, sb, T, Hk)[0].moves
+            mv = np.concatenate([mv, smv + np.array([len(live), 0, 0, 0], dtype=np.int64)])
+            slots, oa, ob = np.concatenate([slots, rows]), np.concatenate([oa, sa]), np.concatenate([ob, sb])
         if len(mv):
             mv = np.stack([slots[mv[:, 0]], mv[:, 1], mv[:, 2], mv[:, 3]], axis=1)
             mv = mv[np.lexsort((mv[:, 1], mv[:, 0], mv[:, 3], mv[:, 2]))]
-        oa = np.array([r.owner_src for r in man.requests], dtype=np.int64)
-        ob = np.array([r.dst_owner for r in man.requests], dtype=np.int64)
         kept = held_state(Layout(src), oa, T, Hk) & held_state(Layout(dst), ob, T, Hk)
         keep = []
         for r in range(T):
@@ -211,6 +217,32 @@ class SwitchPlanner:
         plan.dst_kda_heads = [head_range(dst, r, T, Hk) for r in range(T)]
         plan.state_moves = mv.astype(np.int64)
         plan.state_keep = keep
+
+    def _snapshots(self, plan: SwitchPlan, live: Sequence[LiveRequest]) -> tuple[np.ndarray, ...]:
+        """A hybrid's prefix-cache snapshots that survive the switch (their blocks are held by live
+        tables; the others were flushed before it): (state rows, holder before, holder after). A
+        block's pages go where its holders' do (`KVAllocator.cache_moved`'s rule), and in DP-attention
+        its snapshot sits with them (`snapshots.holder`); elsewhere the holder is unused."""
+        cache = self.alloc.cache
+        snaps = None if cache is None else cache.snaps
+        empty = np.zeros(0, dtype=np.int64)
+        if snaps is None or not snaps.num_used:
+            return empty, empty, empty
+        moved: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for req in live:
+            new = plan.tables.get(req.req_id)
+            if new is None or not req.pages:
+                continue
+            for j in range(min(len(req.pages[0]), len(new[0]))):
+                moved[tuple(row[j] for row in req.pages)] = tuple(row[j] for row in new)
+        rows, sa, sb = [], [], []
+        for b in cache.live_blocks():
+            new = moved.get(tuple(b.column)) if b.snap >= 0 else None
+            if new is not None:  # (a held block the tables do not carry: cache.moved raises for it)
+                rows.append(b.snap)
+                sa.append(holder(b.column))
+                sb.append(holder(new))
+        return (np.array(rows, dtype=np.int64), np.array(sa, dtype=np.int64), np.array(sb, dtype=np.int64))
 
     def commit(self, plan: SwitchPlan, freed: Sequence[int] | None = None) -> None:
         """After the switching step: retire the source pages; `dst` becomes the running layout.
