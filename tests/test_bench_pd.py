@@ -94,6 +94,8 @@ def test_bench_serve_pd_smoke():
     t = doc["transfer"]
     assert t["transfers"] == 4 and t["failures"] == 0 and t["bytes"] > 0
     assert t["raw"]["bytes"] == pytest.approx(t["bytes"], rel=0.5) and t["ratio"] > 0
+    u = t["raw_under_load"]  # (raw writes of the load's mix during it: 8-token and 40-token prompts in turn)
+    assert u["transfers"] > 0 and u["bytes"] > 0 and t["ratio_under_load"] > 0
 
 
 def test_soak_pd_counts_each_5xx_cause_once():

@@ -36,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from splash.bench.pd_transfer import RawUnderLoad
+
 # (key in a summary, label, higher is better): the side-by-side rows
 METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean TTFT, ms", False),
            ("p99_ttft_ms", "P99 TTFT, ms", False), ("median_itl_ms", "P50 inter-token latency, ms", False),
@@ -158,17 +160,32 @@ def _measure_pd(a: argparse.Namespace, router: str, prefill: str | None, decode:
                 ) -> dict[str, Any]:
     card = _card(decode or router)
     _load(a, router, card, warmup=True)
+    if not prefill:
+        return _load(a, router, card)
+    info = httpx.get(prefill + "/get_server_info", timeout=30).json()
+    host = prefill.split("//", 1)[-1].rsplit(":", 1)[0]
+    layout = httpx.get(f"http://{host}:{int(info['disaggregation_bootstrap_port'])}/route",
+                       params={"engine_rank": 0, "target_dp_group": 0}, timeout=30).json()["layout"]
     before = _stats(prefill)  # (after the warm-up: its transfers are not the load's)
-    out = _load(a, router, card)
-    if prefill:
-        after = _stats(prefill)
-        out["transfer"] = {k: after[k] - before[k] for k in COUNTERS}
-        info = httpx.get(prefill + "/get_server_info", timeout=30).json()
-        host = prefill.split("//", 1)[-1].rsplit(":", 1)[0]
-        out["layout"] = httpx.get(f"http://{host}:{int(info['disaggregation_bootstrap_port'])}/route",
-                                  params={"engine_rank": 0, "target_dp_group": 0},
-                                  timeout=30).json()["layout"]
+    with RawUnderLoad(_raw_plans(a, layout)) as raw:  # (raw writes beside the load, processes of their own)
+        out = _load(a, router, card)
+        out["raw_under_load"] = raw.result()
+    after = _stats(prefill)
+    out["transfer"] = {k: after[k] - before[k] for k in COUNTERS}
+    out["layout"] = layout
     return out
+
+
+def _raw_plans(a: argparse.Namespace, layout: dict[str, Any]) -> list[list[int]]:
+    """The raw writes beside the load: a short prompt's pieces, and with a long fraction f, one long
+    prompt's after every (1 - f) / f short ones (the load's mix)."""
+    from splash.bench.pd_transfer import pieces_for_tokens
+
+    short = pieces_for_tokens(layout, a.input_len)
+    f = float(getattr(a, "long_fraction", 0) or 0)
+    if f <= 0 or not getattr(a, "long_input_len", None):
+        return [short]
+    return [short] * max(1, round((1 - f) / f)) + [pieces_for_tokens(layout, a.long_input_len)]
 
 
 def halves() -> list[list[int]] | None:
@@ -259,12 +276,15 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     if "colocated" in doc:
         doc["ratios"] = {k: (doc["pd"][k] / doc["colocated"][k] if doc["colocated"].get(k) else None)
                          for k, _, _ in METRICS}
-    doc["transfer"] = transfer_report(doc["pd"].pop("transfer", None), doc["pd"].pop("layout", None))
+    doc["transfer"] = transfer_report(doc["pd"].pop("transfer", None), doc["pd"].pop("layout", None),
+                                      doc["pd"].pop("raw_under_load", None))
     return doc
 
 
-def transfer_report(t: dict[str, float] | None, layout: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The engine's transfers over the load beside a raw Mooncake write of the same bytes and pieces."""
+def transfer_report(t: dict[str, float] | None, layout: dict[str, Any] | None,
+                    under_load: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The engine's transfers over the load beside a raw Mooncake write of the same bytes and pieces, on
+    the quiet machine after the load (and `under_load`: raw writes of the load's prompt mix during it)."""
     if not t or not layout or t["kv_transfers_total"] <= 0:
         return None
     from splash.bench.pd_transfer import pieces, raw_throughput
@@ -281,7 +301,9 @@ def transfer_report(t: dict[str, float] | None, layout: dict[str, Any] | None) -
             "engine_bytes_per_s": engine, "pieces_per_transfer": len(sizes),
             "piece_bytes": sorted(set(sizes)),
             "raw": raw, "raw_busy_thread": busy, "ratio": ratio, "goal": GOAL,
-            "meets_goal": ratio is not None and ratio >= GOAL}
+            "meets_goal": ratio is not None and ratio >= GOAL, "raw_under_load": under_load,
+            "ratio_under_load": engine / under_load["bytes_per_s"] if under_load and under_load["bytes_per_s"]
+            else None}
 
 
 def _cpu() -> str:
@@ -326,6 +348,11 @@ def table(doc: dict[str, Any]) -> str:
                   f"  raw Mooncake beside one busy Python thread (a server's event loop; the call gives up "
                   f"the GIL and waits to take it back): "
                   f"{t['raw_busy_thread']['bytes_per_s'] / 2**20:.1f} MiB/s"]
+        u = t.get("raw_under_load")
+        if u and t.get("ratio_under_load") is not None:
+            lines.append(f"  raw Mooncake during the load (the load's prompt mix, {u['transfers']} writes "
+                         f"from processes of their own): {u['bytes_per_s'] / 2**20:.1f} MiB/s; engine / "
+                         f"that: {t['ratio_under_load']:.2f}x")
     return "\n".join(lines)
 
 

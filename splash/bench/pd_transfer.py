@@ -11,12 +11,14 @@ it registers N bytes, prints one JSON line (its session and address) and waits f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -56,26 +58,12 @@ def receive(nbytes: int) -> None:
     eng.unregister_memory(buf.data_ptr())
 
 
-def raw_throughput(sizes: list[int], transfers: int, warmup: int = 2, busy_thread: bool = False
-                   ) -> dict[str, Any]:
-    """`transfers` batch writes of `sizes` (one piece each) to a receiver process; bytes/s of the calls.
-
-    `busy_thread`: while another Python thread of this process runs (as a server's event loop does beside
-    its engine thread). The call releases the GIL; taking it back waits for that thread to give it up, up
-    to `sys.getswitchinterval()` (5 ms) per call, which small transfers feel."""
-    import threading
-
+@contextlib.contextmanager
+def _pair(total: int) -> Iterator[tuple[Any, str, int, int]]:
+    """A receiver process holding `total` bytes and this process's engine with a registered send buffer
+    of as many: (engine, peer session, send base, receive base)."""
     import torch
 
-    stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            pass
-
-    spinner = threading.Thread(target=spin, daemon=True) if busy_thread else None
-
-    total = sum(sizes)
     proc = subprocess.Popen([sys.executable, "-m", "splash.bench.pd_transfer", "receive", str(total)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
@@ -88,25 +76,11 @@ def raw_throughput(sizes: list[int], transfers: int, warmup: int = 2, busy_threa
         src = torch.randint(0, 255, (total,), dtype=torch.uint8)
         if eng.register_memory(src.data_ptr(), total) != 0:
             raise RuntimeError("registering the send buffer failed")
-        offs = [sum(sizes[:i]) for i in range(len(sizes))]
-        srcs = [src.data_ptr() + o for o in offs]
-        dsts = [int(peer["base"]) + o for o in offs]
-        seconds = 0.0
-        if spinner is not None:
-            spinner.start()
-        for i in range(warmup + transfers):
-            t0 = time.perf_counter()
-            rc = eng.batch_transfer_sync_write(peer["session_id"], srcs, dsts, list(sizes))
-            dt = time.perf_counter() - t0
-            if rc != 0:
-                raise RuntimeError(f"the raw Mooncake write failed (code {rc})")
-            if i >= warmup:
-                seconds += dt
-        eng.unregister_memory(src.data_ptr())
+        try:
+            yield eng, peer["session_id"], src.data_ptr(), int(peer["base"])
+        finally:
+            eng.unregister_memory(src.data_ptr())
     finally:
-        stop.set()
-        if spinner is not None and spinner.is_alive():
-            spinner.join()
         if proc.stdin:
             proc.stdin.close()
         try:
@@ -114,11 +88,123 @@ def raw_throughput(sizes: list[int], transfers: int, warmup: int = 2, busy_threa
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def _write(eng: Any, session: str, src: int, dst: int, sizes: list[int]) -> float:
+    """One batch write of `sizes` (pieces laid end to end from both bases); its seconds."""
+    offs = [sum(sizes[:i]) for i in range(len(sizes))]
+    t0 = time.perf_counter()
+    rc = eng.batch_transfer_sync_write(session, [src + o for o in offs], [dst + o for o in offs], list(sizes))
+    dt = time.perf_counter() - t0
+    if rc != 0:
+        raise RuntimeError(f"the raw Mooncake write failed (code {rc})")
+    return dt
+
+
+def raw_throughput(sizes: list[int], transfers: int, warmup: int = 2, busy_thread: bool = False
+                   ) -> dict[str, Any]:
+    """`transfers` batch writes of `sizes` (one piece each) to a receiver process; bytes/s of the calls.
+
+    `busy_thread`: while another Python thread of this process runs (as a server's event loop does beside
+    its engine thread). The call releases the GIL; taking it back waits for that thread to give it up, up
+    to `sys.getswitchinterval()` (5 ms) per call, which small transfers feel."""
+    import threading
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin, daemon=True) if busy_thread else None
+    total = sum(sizes)
+    seconds = 0.0
+    try:
+        with _pair(total) as (eng, session, src, dst):
+            if spinner is not None:
+                spinner.start()
+            for i in range(warmup + transfers):
+                dt = _write(eng, session, src, dst, sizes)
+                if i >= warmup:
+                    seconds += dt
+    finally:
+        stop.set()
+        if spinner is not None and spinner.is_alive():
+            spinner.join()
     return {"bytes": total * transfers, "transfers": transfers, "seconds": seconds,
             "bytes_per_s": total * transfers / seconds if seconds > 0 else 0.0}
 
 
-if __name__ == "__main__":  # the receiving process
-    if len(sys.argv) != 3 or sys.argv[1] != "receive":
-        sys.exit("usage: python -m splash.bench.pd_transfer receive NBYTES")
-    receive(int(sys.argv[2]))
+def pieces_for_tokens(layout: dict[str, Any], tokens: int) -> list[int]:
+    """The piece sizes of one transfer of a `tokens`-token prompt (its pages: ceil(tokens / page tokens))."""
+    page_tokens = int(layout["stores"][0]["shape"][2])
+    per_page = sum(int(s["shape"][0]) * math.prod(int(x) for x in s["shape"][2:]) * int(s["elem"])
+                   for s in layout["stores"])
+    return pieces(layout, -(-tokens // page_tokens) * per_page)
+
+
+def _under_load(plans: list[list[int]], gap_s: float) -> None:
+    """The sending process of `RawUnderLoad`: the plans' transfers in turn, one each `gap_s`, until
+    stdin closes; then one JSON line of what they moved and took."""
+    import threading
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    moved = n = 0
+    seconds = 0.0
+    with _pair(max(sum(p) for p in plans)) as (eng, session, src, dst):
+        for p in plans:  # (warm-up: each plan once, untimed)
+            _write(eng, session, src, dst, p)
+        print("ready", flush=True)
+        while not done.wait(gap_s):
+            sizes = plans[n % len(plans)]
+            seconds += _write(eng, session, src, dst, sizes)
+            moved += sum(sizes)
+            n += 1
+    print(json.dumps({"bytes": moved, "transfers": n, "seconds": seconds,
+                      "bytes_per_s": moved / seconds if seconds > 0 else 0.0}), flush=True)
+
+
+class RawUnderLoad:
+    """Raw Mooncake writes in two processes of their own *while* a load runs (the baseline under the same
+    CPU contention as the engine's transfers: on 2 cores the receiving thread waits for a core as the
+    decode's does). `plans`: the piece sizes of each transfer, taken in turn, one every `gap_s`. No Python
+    thread of the sender competes for its GIL (unlike a server's engine thread)."""
+
+    def __init__(self, plans: list[list[int]], gap_s: float = 0.05) -> None:
+        self.plans, self.gap_s = plans, gap_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> RawUnderLoad:
+        self.proc = subprocess.Popen([sys.executable, "-m", "splash.bench.pd_transfer", "load",
+                                      json.dumps({"plans": self.plans, "gap_s": self.gap_s})],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if line.strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"the raw Mooncake sender under load exited with {self.proc.wait(10)}")
+        return self
+
+    def result(self) -> dict[str, Any]:
+        """Stop sending; what was sent meanwhile."""
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        out = self.proc.stdout.readline()
+        self.proc.wait(30)
+        return json.loads(out)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+if __name__ == "__main__":  # the receiving process, or the sender under load
+    if len(sys.argv) == 3 and sys.argv[1] == "receive":
+        receive(int(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "load":
+        job = json.loads(sys.argv[2])
+        _under_load(job["plans"], float(job["gap_s"]))
+    else:
+        sys.exit("usage: python -m splash.bench.pd_transfer receive NBYTES | load JOB_JSON")
