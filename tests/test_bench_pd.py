@@ -36,6 +36,8 @@ def _args(*argv: str):
     (["--pd", "--model", "tiny", "--tp", "4"], "--tp 1"),
     (["--pd", "--prefill-url", "http://x"], "go with --router-url"),
     (["--router-url", "http://x"], "go with --pd"),
+    (["--model", "tiny", "--theta", "t.json"], "--theta goes with --pd"),
+    (["--pd", "--model", "tiny", "--theta", "/nonexistent/t.json"], "no such file"),
 ])
 def test_pd_flags_are_checked(argv, msg):
     problem = check_args(_args(*argv))

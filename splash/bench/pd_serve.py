@@ -71,6 +71,8 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
                    help="with --prefill-layouts: decode ranks (default 1)")
     p.add_argument("--decode-layout", default=None,
                    help="with --prefill-layouts: the decode's fixed layout, tp|dp|cp|dop (default dp)")
+    p.add_argument("--theta", default=None, metavar="FILE",
+                   help="with --pd: the servers' --theta (the layout policy's rates, `splash calibrate`)")
 
 
 def check_args(a: argparse.Namespace) -> str | None:
@@ -79,12 +81,16 @@ def check_args(a: argparse.Namespace) -> str | None:
     urls = (a.router_url, a.prefill_url, a.decode_url, a.colocated_url)
     study = (a.prefill_tp, a.decode_tp, a.decode_layout)
     if not a.pd:
+        if a.theta:
+            return "--theta goes with --pd (the servers it starts)"
         if a.prefill_layouts or any(x is not None for x in study):
             return "--prefill-layouts, --prefill-tp, --decode-tp and --decode-layout go with --pd"
         return ("--router-url, --prefill-url, --decode-url and --colocated-url go with --pd" if any(urls)
                 else None)
     if not a.prefill_layouts and any(x is not None for x in study):
         return "--prefill-tp, --decode-tp and --decode-layout go with --prefill-layouts"
+    if a.theta and not os.path.isfile(a.theta):
+        return f"--theta {a.theta}: no such file (write one with `splash calibrate --out FILE`)"
     if a.peer or a.base_url:
         return "--pd starts (or takes with --router-url) its own servers; drop --peer / --base-url"
     if a.router_url is None and any(urls):
@@ -108,6 +114,8 @@ def _serve(a: argparse.Namespace, port: int, *extra: str) -> list[str]:
            "127.0.0.1", "--port", str(port), "--served-model-name", a.served, "--log-level", "warning"]
     if (a.max_concurrency or a.num_prompts) > 64:
         cmd += ["--max-num-seqs", str(a.max_concurrency or a.num_prompts)]
+    if getattr(a, "theta", None):
+        cmd += ["--theta", os.path.abspath(a.theta)]
     return cmd + list(extra)
 
 
