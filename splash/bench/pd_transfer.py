@@ -186,13 +186,13 @@ class RawUnderLoad:
             raise RuntimeError(f"the raw Mooncake sender under load exited with {self.proc.wait(10)}")
         return self
 
-    def result(self) -> dict[str, Any]:
-        """Stop sending; what was sent meanwhile."""
+    def result(self) -> dict[str, Any] | None:
+        """Stop sending; what was sent meanwhile (None if the sender died: a failed write)."""
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.close()
         out = self.proc.stdout.readline()
         self.proc.wait(30)
-        return json.loads(out)
+        return json.loads(out) if out.strip() else None
 
     def __exit__(self, *exc: Any) -> None:
         if self.proc is not None and self.proc.poll() is None:
