@@ -196,6 +196,49 @@ def test_a_switch_that_leaves_state_behind_is_caught(monkeypatch):
     assert any("the layout says" in e for e in eng.runner.state_errors), eng.runner.state_errors
 
 
+def test_a_switch_over_prefix_pages_shared_out_of_order_is_refused_not_failed():
+    """Found by the machine below: a hybrid's match is cut back to the block with a snapshot, so a
+    request computes the blocks past it privately while another request registered them; a third that
+    matches the whole chain then holds pages of two requests, in an order the switch planner cannot lay
+    out. The switch is refused (reason "shared"), nothing fails, and the requests finish right."""
+    eng = hybrid_engine(2, pages=20)
+    n, want, done = 0, {}, {}
+
+    def step() -> None:
+        done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+
+    def wave(picks: list[int], k: int) -> None:
+        nonlocal n
+        for i in picks:
+            want[f"r{n}"] = rule_ref(PROMPTS[i], 6)
+            eng.add_request(f"r{n}", prompt_token_ids=PROMPTS[i], params=SamplingParams(
+                temperature=0.0, ignore_eos=True, max_tokens=6))
+            n += 1
+        for _ in range(k):
+            step()
+
+    wave([0, 0, 0, 0], 1)
+    for rid in ("r0", "r1", "r2"):
+        eng.abort(rid)
+        want.pop(rid)
+    wave([0, 0, 0], 1)
+    eng.abort("r3")
+    want.pop("r3")
+    for picks, k in (([0, 0], 1), ([0, 5], 1)):
+        wave(picks, k)
+    eng.switcher.request("dp")
+    step()
+    wave([0, 0], 2)
+    wave([0, 5], 1)
+    eng.switcher.request("tp")
+    step()
+    refused = [e for e in eng.switcher.events if e.refused is not None]
+    assert [(e.dst, e.refused) for e in refused] == [("tp", "shared")], eng.switcher.events
+    while eng.has_unfinished():
+        step()
+    assert done == want and eng.runner.state_errors == [] and eng.scheduler.book_errors() == []
+
+
 class HybridBooks(Books):
     """Books' events on the hybrid engine; the state check after every rule besides."""
 

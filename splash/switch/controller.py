@@ -36,6 +36,7 @@ from splash.step.plan import LAYOUTS, StepPlan
 from splash.switch import LiveRequest, SwitchPlanner, SwitchRefusal
 from splash.switch.auto import AutoLayout, LayoutDecision
 from splash.switch.plan import MODES
+from splash.switch.planner import SharedOutOfOrder
 from splash.switch.replicas import ReplicaPages
 from splash.switch.step import SwitchTiming
 
@@ -191,7 +192,10 @@ class SwitchController(AutoLayout):
         if not dsts:
             return []
         reqs = self._live_requests(live, rows)
-        cols = self.planner.columns(reqs)
+        try:
+            cols = self.planner.columns(reqs)
+        except SharedOutOfOrder:  # (no layout fits until those requests finish)
+            return []
         return [dst for dst in dsts if self._plan_reqs(dst, reqs, self.mode, dry_run=True, cols=cols) is None]
 
     def roomy(self, dsts: Sequence[str], live: list[Any], rows: dict[int, int] | None = None) -> list[str]:
@@ -310,6 +314,8 @@ class SwitchController(AutoLayout):
         try:
             return (self.planner.check(dst, reqs, mode, cols) if dry_run
                     else self.planner.plan(dst, reqs, mode))
+        except SharedOutOfOrder as e:
+            return SwitchRefusal(self.alloc.layout, dst, "shared", str(e))
         finally:
             self.planner.reserve, self.planner.returned = [0] * self.world, [0] * self.world
 

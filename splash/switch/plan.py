@@ -111,7 +111,8 @@ class SwitchRefusal:
 
     src: str
     dst: str
-    reason: str  # "eq5" | "eq6" | "weights" | "owners" | "request" (the engine: it would strand one)
+    reason: str  # "eq5" | "eq6" | "weights" | "owners" | "request" (the engine: it would strand one) |
+    #              "shared" (prefix pages shared out of order: planner.SharedOutOfOrder)
     message: str
     headroom: Headroom | None = None
 

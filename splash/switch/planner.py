@@ -48,6 +48,13 @@ def head_range(layout: str, rank: int, world: int, heads: int) -> tuple[int, int
     return held.start, held.stop
 
 
+
+class SharedOutOfOrder(ValueError):
+    """Live tables share prefix pages in an order a switch cannot lay out (an aliased page after a
+    request's own pages: two requests registered parts of one prefix chain, e.g. a KDA hybrid's match
+    cut back to its snapshot while another request registered the blocks past it). Not a bookkeeping
+    bug: the switch is refused until those requests finish (`SwitchController`)."""
+
 class SwitchPlanner:
     """Plans switches over the real page allocators (one per rank) and keeps them balanced."""
 
@@ -284,7 +291,7 @@ class SwitchPlanner:
             raise ValueError(request_error(live[ok], {req.req_id for req in live[:ok]}, T, P))
         why = cols.shared_error()
         if why is not None:
-            raise ValueError(why)
+            raise SharedOutOfOrder(why)
         held = (cols.mine & ~cols.alias).sum(axis=1).tolist()
         if held != self.alloc.num_used:
             raise ValueError(f"the live requests hold {held} pages per rank, the allocators have "
