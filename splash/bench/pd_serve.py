@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from splash.bench.pd_transfer import RawUnderLoad
+from splash.bench.pd_transfer import RawUnderLoad, pieces_for_tokens
 
 # (key in a summary, label, higher is better): the side-by-side rows
 METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean TTFT, ms", False),
@@ -114,7 +114,7 @@ def _serve(a: argparse.Namespace, port: int, *extra: str) -> list[str]:
            "127.0.0.1", "--port", str(port), "--served-model-name", a.served, "--log-level", "warning"]
     if (a.max_concurrency or a.num_prompts) > 64:
         cmd += ["--max-num-seqs", str(a.max_concurrency or a.num_prompts)]
-    if getattr(a, "theta", None):
+    if a.theta:
         cmd += ["--theta", os.path.abspath(a.theta)]
     return cmd + list(extra)
 
@@ -192,11 +192,9 @@ def _measure_pd(a: argparse.Namespace, router: str, prefill: str | None, decode:
 def _raw_plans(a: argparse.Namespace, layout: dict[str, Any]) -> list[list[int]]:
     """The raw writes beside the load: a short prompt's pieces, and with a long fraction f, one long
     prompt's after every (1 - f) / f short ones (the load's mix)."""
-    from splash.bench.pd_transfer import pieces_for_tokens
-
     short = pieces_for_tokens(layout, a.input_len)
-    f = float(getattr(a, "long_fraction", 0) or 0)
-    if f <= 0 or not getattr(a, "long_input_len", None):
+    f = float(a.long_fraction or 0)
+    if f <= 0 or not a.long_input_len:
         return [short]
     return [short] * max(1, round((1 - f) / f)) + [pieces_for_tokens(layout, a.long_input_len)]
 

@@ -22,14 +22,21 @@ from collections.abc import Iterator
 from typing import Any
 
 
-def pieces(layout: dict[str, Any], bytes_per_transfer: float) -> list[int]:
-    """The piece sizes of one transfer of `bytes_per_transfer` (the mean of the engine's), from the
-    decode's published layout (`stores`: per store [layers, pages, page tokens, row...] and elem bytes)."""
+def _stores(layout: dict[str, Any]) -> tuple[list[tuple[int, int]], int]:
+    """The decode's published layout (`stores`: per store [layers, pages, page tokens, row...] and elem
+    bytes) as (layers, bytes of one page of one layer) per store, and the bytes of one page in all."""
     stores = [(int(s["shape"][0]), math.prod(int(x) for x in s["shape"][2:]) * int(s["elem"]))
               for s in layout["stores"]]
     per_page = sum(n_layers * page for n_layers, page in stores)
     if per_page <= 0:
         raise ValueError("the layout lists no KV stores")
+    return stores, per_page
+
+
+def pieces(layout: dict[str, Any], bytes_per_transfer: float) -> list[int]:
+    """The piece sizes of one transfer of `bytes_per_transfer` (the mean of the engine's): one run of
+    pages per store and layer."""
+    stores, per_page = _stores(layout)
     pages = max(1, round(bytes_per_transfer / per_page))
     return [pages * page for n_layers, page in stores for _ in range(n_layers)]
 
@@ -138,9 +145,7 @@ def raw_throughput(sizes: list[int], transfers: int, warmup: int = 2, busy_threa
 def pieces_for_tokens(layout: dict[str, Any], tokens: int) -> list[int]:
     """The piece sizes of one transfer of a `tokens`-token prompt (its pages: ceil(tokens / page tokens))."""
     page_tokens = int(layout["stores"][0]["shape"][2])
-    per_page = sum(int(s["shape"][0]) * math.prod(int(x) for x in s["shape"][2:]) * int(s["elem"])
-                   for s in layout["stores"])
-    return pieces(layout, -(-tokens // page_tokens) * per_page)
+    return pieces(layout, -(-tokens // page_tokens) * _stores(layout)[1])
 
 
 def _under_load(plans: list[list[int]], gap_s: float) -> None:

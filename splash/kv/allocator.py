@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from splash.core.layouts import Layout
-from splash.kv.prefix import PrefixCache
+from splash.kv.prefix import PrefixCache, moved_columns
 from splash.kv.slots import SlotAllocator
 
 
@@ -225,14 +225,7 @@ class KVAllocator:
         cache's blocks follow their holders' pages."""
         if self.cache is None:
             return
-        cols: dict[tuple[int, ...], tuple[int, ...]] = {}
-        for rid, old in before.items():
-            new = after.get(rid)
-            if new is None or not old:
-                continue
-            for j in range(min(len(old[0]), len(new[0]))):
-                cols[tuple(row[j] for row in old)] = tuple(row[j] for row in new)
-        self.cache.moved(cols)
+        self.cache.moved(moved_columns((old, after.get(rid)) for rid, old in before.items()))
 
     def invalidate_cache(self) -> None:
         """Forget the cache (a weight update): nothing cached is matched again."""

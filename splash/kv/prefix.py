@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -225,10 +225,9 @@ class PrefixCache:
             self.snaps.carried += sum(b.snap >= 0 for b in moving)
         for b in moving:
             new = columns[b.column]
-            indexed, snap = b.indexed, b.snap
-            b.snap = -1  # (its snapshot stays its own: `_forget` would free the row)
-            self._forget(b)
-            b.column, b.indexed, b.snap = new, indexed, snap
+            indexed = b.indexed
+            self._unindex(b)  # (its snapshot stays its own: the switch moved the row)
+            b.column, b.indexed = new, indexed
             if indexed:
                 self.blocks[b.key] = b
                 if b.refs == 0:
@@ -240,10 +239,15 @@ class PrefixCache:
                     self._page[r][p] = b
 
     def _forget(self, b: Block) -> None:
-        self._unlist(b)
+        """`b` leaves the cache: its snapshot (a hybrid's) is freed with it."""
         if self.snaps is not None and b.snap >= 0:
             self.snaps.release(b)
             self.snaps.evicted += 1
+        self._unindex(b)
+
+    def _unindex(self, b: Block) -> None:
+        """`b` leaves the LRU, the index and the page map (`moved` lists it again at its new pages)."""
+        self._unlist(b)
         if self.blocks.get(b.key) is b:
             del self.blocks[b.key]
         for r, p in enumerate(b.column):
@@ -259,3 +263,17 @@ class PrefixCache:
         out = {"prefix_cache_blocks": len(self.blocks), "prefix_cache_evictable_blocks": len(self._lru),
                "prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits}
         return out if self.snaps is None else {**out, **self.snaps.stats()}
+
+
+def moved_columns(pairs: Iterable[tuple[Sequence[Sequence[int]], Sequence[Sequence[int]] | None]]
+                  ) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Where a switch puts each page column: old column -> new column at every page index both tables
+    of a (before, after) pair hold ([T][pages] each; a missing after or an empty before: skipped). The
+    rule a block follows (`PrefixCache.moved`), and its snapshot with it (the switch planner)."""
+    cols: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for old, new in pairs:
+        if new is None or not old:
+            continue
+        for j in range(min(len(old[0]), len(new[0]))):
+            cols[tuple(row[j] for row in old)] = tuple(row[j] for row in new)
+    return cols

@@ -33,6 +33,7 @@ from splash.core.manifest import Manifest, held_state, state_block_arrays, switc
 from splash.core.model_config import ModelConfig, dtype_name
 from splash.core.sizes import AttentionSizes
 from splash.kv.allocator import KVAllocator, balanced_owners, page_ranks
+from splash.kv.prefix import moved_columns
 from splash.kv.snapshots import holder
 from splash.step.plan import LAYOUTS
 from splash.switch.columns import Columns, first_bad, request_error, request_scalars
@@ -48,12 +49,12 @@ def head_range(layout: str, rank: int, world: int, heads: int) -> tuple[int, int
     return held.start, held.stop
 
 
-
 class SharedOutOfOrder(ValueError):
     """Live tables share prefix pages in an order a switch cannot lay out (an aliased page after a
     request's own pages: two requests registered parts of one prefix chain, e.g. a KDA hybrid's match
     cut back to its snapshot while another request registered the blocks past it). Not a bookkeeping
     bug: the switch is refused until those requests finish (`SwitchController`)."""
+
 
 class SwitchPlanner:
     """Plans switches over the real page allocators (one per rank) and keeps them balanced."""
@@ -228,20 +229,15 @@ class SwitchPlanner:
     def _snapshots(self, plan: SwitchPlan, live: Sequence[LiveRequest]) -> tuple[np.ndarray, ...]:
         """A hybrid's prefix-cache snapshots that survive the switch (their blocks are held by live
         tables; the others were flushed before it): (state rows, holder before, holder after). A
-        block's pages go where its holders' do (`KVAllocator.cache_moved`'s rule), and in DP-attention
-        its snapshot sits with them (`snapshots.holder`); elsewhere the holder is unused."""
+        block's pages go where its holders' do (`prefix.moved_columns`, the map the cache's blocks
+        follow at the commit), and in DP-attention its snapshot sits with them (`snapshots.holder`);
+        elsewhere the holder is unused."""
         cache = self.alloc.cache
         snaps = None if cache is None else cache.snaps
         empty = np.zeros(0, dtype=np.int64)
         if snaps is None or not snaps.num_used:
             return empty, empty, empty
-        moved: dict[tuple[int, ...], tuple[int, ...]] = {}
-        for req in live:
-            new = plan.tables.get(req.req_id)
-            if new is None or not req.pages:
-                continue
-            for j in range(min(len(req.pages[0]), len(new[0]))):
-                moved[tuple(row[j] for row in req.pages)] = tuple(row[j] for row in new)
+        moved = moved_columns((req.pages, plan.tables.get(req.req_id)) for req in live)
         rows, sa, sb = [], [], []
         for b in cache.live_blocks():
             new = moved.get(tuple(b.column)) if b.snap >= 0 else None
