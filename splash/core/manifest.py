@@ -42,6 +42,7 @@ from splash.core.holdings import (
     holding,
     page_parts,
     senders,
+    state_block_arrays,
 )
 from splash.core.layouts import DEFAULT_PAGE_SIZE, Layout
 from splash.core.model_config import ConfigError, ModelConfig
@@ -424,33 +425,3 @@ def weights_report(sizes: AttentionSizes, ranks: int) -> dict[str, Any]:
                    kda_receive_mib_per_rank=m.kda_weights.bytes_per_rank / MIB,
                    receive_mib_per_rank_all_layers=float(m.recv_bytes_per_rank().max(initial=0.0)) / MIB)
     return out
-
-
-def state_block_arrays(src: Layout, dst: Layout, oa: np.ndarray, ob: np.ndarray, T: int, H: int
-                       ) -> tuple[StateBlocks, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """Per-request state (a KDA layer's recurrent + conv, per head) from `src` to `dst` for requests
-    owned by `oa` before and `ob` after: (moves and frees of (request, head) blocks, blocks each rank
-    receives / sends / frees, whether every received block ends up on every rank). Set differences of
-    `held_state`; the one rule for live requests' state (`Manifest`) and a hybrid's prefix-cache
-    snapshots, which are placed as live state is (splash/kv/snapshots.py)."""
-    a, b = held_state(src, oa, T, H), held_state(dst, ob, T, H)
-    need, gone = b & ~a, a & ~b
-    moves = np.zeros((0, 4), dtype=np.int64)
-    send = np.zeros(T)
-    if need.any():
-        r, i, h = np.nonzero(need)
-        s = senders(holding(src.state_placement, oa, T), i, lambda: head_parts(H, T)[h], r)
-        order = np.lexsort((h, s, r, i))
-        moves = np.stack([i, h, s, r], axis=1)[order].astype(np.int64)
-        send = np.bincount(s, minlength=T).astype(np.float64)
-    frees = np.zeros((0, 3), dtype=np.int64)
-    if gone.any():
-        r, i, h = np.nonzero(gone)
-        order = np.lexsort((h, r, i))
-        frees = np.stack([i, h, r], axis=1)[order].astype(np.int64)
-    gathered = not (need.any(axis=0) & ~b.all(axis=0)).any()
-    recv = need.sum(axis=(1, 2)).astype(np.float64)
-    freed = gone.sum(axis=(1, 2)).astype(np.float64)
-    for x in (moves, frees):
-        x.setflags(write=False)
-    return StateBlocks(moves, frees), recv, send, freed, gathered

@@ -31,7 +31,7 @@ m*P tokens, a request needs the state *at position m*P*. So:
 - **Events**: a weight update / flush / memory release drops every snapshot with the index
   (`invalidate`, counted in `dropped`). A live switch first flushes the unreferenced blocks (their
   snapshots go with them, as their pages do), then moves the rows of the held blocks' snapshots in the
-  same all-to-all as live slots, by the same rule (`core.manifest.state_block_arrays`: re-headed for
+  same all-to-all as live slots, by the same rule (`core.holdings.state_block_arrays`: re-headed for
   TP/DOP, gathered for CP, to the block's holder in DP, `holder`): the switch planner's `_snapshots`.
   Copies queued before the switching step run before it (this stage precedes the switch's), so the
   rows it moves hold what was saved. Speculation's verify snapshot (`StatePool.arm_snapshot`) is
