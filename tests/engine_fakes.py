@@ -14,10 +14,10 @@ VOCAB = 138
 EOS = 1
 
 
-def fake_spec(**options) -> RuntimeSpec:
-    """The spec of a model-free engine: the `tiny` shape with the fakes' vocabulary; `options` as
-    `RuntimeSpec.for_tests` takes them (EngineConfig keywords, `world`, `dtype`, `eos_token_ids`, ...)."""
-    return RuntimeSpec.for_tests(PRESETS["tiny"].replace(vocab_size=VOCAB), **options)
+def fake_spec(model=None, **options) -> RuntimeSpec:
+    """The spec of a model-free engine: `model` (default the `tiny` shape) with the fakes' vocabulary;
+    `options` as `RuntimeSpec.for_tests` takes them (EngineConfig keywords, `world`, `dtype`, ...)."""
+    return RuntimeSpec.for_tests((model or PRESETS["tiny"]).replace(vocab_size=VOCAB), **options)
 
 
 def next_token(history: list[int]) -> int:

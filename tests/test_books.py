@@ -157,13 +157,23 @@ class FakeRL(LLMEngine):
 
 
 def fake_engine(world: int, pages: int = 20, max_num_seqs: int = 6, budget: int = 12,
-                weight_pages: int = 0) -> FakeRL:
-    alloc = KVAllocator(pages, P, world=world, layout="tp")
-    alloc.enable_prefix_cache()
-    spec = fake_spec(world=world, layout="tp", dtype=torch.float64, max_num_seqs=max_num_seqs,
+                weight_pages: int = 0, layout: str = "tp", model=None, runner=None,
+                snapshots: int | None = None) -> FakeRL:
+    """A fake engine on a paged store with the prefix cache, the books check and memory release on.
+    `model`: its shape (default tiny); `runner`: default a PagedFakeRunner; `snapshots`: a KDA
+    hybrid's state slots (one per sequence) and that many prefix snapshot rows."""
+    alloc = KVAllocator(pages, P, world=world, layout=layout)
+    cache = alloc.enable_prefix_cache()
+    if snapshots is not None:
+        from splash.kv.slots import SlotAllocator
+        from splash.kv.snapshots import SnapshotPool
+
+        alloc.slots = SlotAllocator(max_num_seqs)
+        cache.snaps = SnapshotPool(max_num_seqs, snapshots)
+    spec = fake_spec(model, world=world, layout=layout, dtype=torch.float64, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=budget, max_model_len=64, page_size=P)
     # (T > 1: the engine builds its switch controller, the replicas' pages withheld as given)
-    eng = FakeRL(spec, PagedFakeRunner(world, P), alloc, weight_pages=[weight_pages] * world)
+    eng = FakeRL(spec, runner or PagedFakeRunner(world, P), alloc, weight_pages=[weight_pages] * world)
     eng.check_books = True
     eng.memory_saver = True
     return eng

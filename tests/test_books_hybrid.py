@@ -16,24 +16,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from engine_fakes import VOCAB, PagedFakeRunner
+from engine_fakes import PagedFakeRunner
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-from test_books import FAST, PROMPTS, Books, FakeRL, P
+from test_books import FAST, PROMPTS, Books, FakeRL, P, fake_engine
 from test_books import ref as rule_ref
 
 from splash.core.holdings import held_state
 from splash.core.layouts import Layout
 from splash.core.presets import PRESETS
 from splash.engine.sampling import SamplingParams
-from splash.kv.allocator import KVAllocator
-from splash.kv.slots import SlotAllocator
-from splash.kv.snapshots import SnapshotPool
-from splash.runtime_spec import RuntimeSpec
 
-MODEL = PRESETS["tiny-hybrid"].replace(vocab_size=VOCAB)
+MODEL = PRESETS["tiny-hybrid"]
 HEADS = MODEL.linear_num_heads
 
 
@@ -104,21 +99,11 @@ class StatefulFakeRunner(PagedFakeRunner):
         return tuple(self._read(table, p) for p in range(n))
 
 
-def hybrid_engine(world: int, pages: int = 20, max_num_seqs: int = 6, budget: int = 12, weight_pages: int = 0,
-                  snapshots: int = 3) -> FakeRL:
-    """fake_engine's engine on the hybrid preset: a state slot per sequence, `snapshots` snapshot rows
-    (few: the LRU evicts)."""
-    alloc = KVAllocator(pages, P, world=world, layout="tp")
-    cache = alloc.enable_prefix_cache()
-    alloc.slots = SlotAllocator(max_num_seqs)
-    cache.snaps = SnapshotPool(max_num_seqs, snapshots)
-    spec = RuntimeSpec.for_tests(MODEL, world=world, layout="tp", dtype=torch.float64,
-                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
-                                 page_size=P)
-    eng = FakeRL(spec, StatefulFakeRunner(world, P, "tp"), alloc, weight_pages=[weight_pages] * world)
-    eng.check_books = True
-    eng.memory_saver = True
-    return eng
+def hybrid_engine(world: int, pages: int = 20, weight_pages: int = 0, snapshots: int = 3) -> FakeRL:
+    """fake_engine's engine on the hybrid preset over the stateful runner: a state slot per sequence,
+    `snapshots` snapshot rows (few: the LRU evicts)."""
+    return fake_engine(world, pages=pages, weight_pages=weight_pages, model=MODEL,
+                       runner=StatefulFakeRunner(world, P, "tp"), snapshots=snapshots)
 
 
 def _run(eng, prompts: list[list[int]], max_tokens: int = 4) -> dict[str, list[int]]:

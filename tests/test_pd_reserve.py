@@ -8,23 +8,15 @@ which DP-attention refuses by name."""
 from __future__ import annotations
 
 import pytest
-import torch
-from engine_fakes import PagedFakeRunner, fake_spec
-from test_books import FakeRL, P
+from test_books import FakeRL, fake_engine
 
 from splash.engine.sampling import SamplingParams
-from splash.kv.allocator import KVAllocator
 
 PAGES, WEIGHT_PAGES = 12, 2  # per rank; DP withholds 2 for its projection replicas
 
 
 def decode(layout: str) -> FakeRL:
-    alloc = KVAllocator(PAGES, P, world=2, layout=layout)
-    spec = fake_spec(world=2, layout=layout, dtype=torch.float64, max_num_seqs=16, max_num_batched_tokens=16,
-                     max_model_len=128, page_size=P)
-    eng = FakeRL(spec, PagedFakeRunner(2, P), alloc, weight_pages=[WEIGHT_PAGES] * 2)
-    eng.check_books = True
-    return eng
+    return fake_engine(2, pages=PAGES, max_num_seqs=16, budget=16, weight_pages=WEIGHT_PAGES, layout=layout)
 
 
 def parked(eng: FakeRL, tokens: int) -> int:
