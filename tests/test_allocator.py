@@ -17,6 +17,53 @@ def test_page_allocator_alloc_free_and_double_free():
         a.free([got[0]])
 
 
+def _runs(pages):
+    return 1 + sum(1 for a, b in zip(pages, pages[1:]) if b != a + 1)
+
+
+def test_pages_come_out_in_runs_best_fit():
+    """A PD transfer moves one piece per run of pages: `alloc(n)` takes the shortest free run holding n
+    (holes of 2 and 5 pages: 2 pages come from the first, 4 from the second, 6 from the tail), one at a
+    time fills the shortest hole, and freed neighbours join again."""
+    a = PageAllocator(32)
+    held = [a.alloc(n) for n in (3, 2, 4, 5, 6)]  # pages 0-2, 3-4, 5-8, 9-13, 14-19
+    assert [_runs(h) for h in held] == [1] * 5 and held[1] == [3, 4]
+    a.free(held[1])  # hole 3-4
+    a.free(held[3])  # hole 9-13
+    assert a.alloc(2) == [3, 4] and a.alloc(4) == [9, 10, 11, 12] and a.alloc(6) == list(range(20, 26))
+    assert a.alloc(1) == [13]  # (the shortest run: the hole's last page, not the tail)
+    a.free(list(range(20, 26)))
+    a.free([13, 9, 11, 10, 12])
+    assert a.alloc(5) == list(range(9, 14))  # the hole joined back into one run
+    # no run long enough: the longest runs in turn, as few pieces as there can be
+    b = PageAllocator(10)
+    x = b.alloc(10)
+    b.free(x[0:3] + x[5:7] + x[8:10])
+    assert _runs(b.alloc(6)) == 3 and b.num_free == 1
+
+
+def test_churn_keeps_the_books_and_grow_takes_a_run():
+    import random
+
+    rng = random.Random(0)
+    a = PageAllocator(500)
+    held: list[list[int]] = []
+    for _ in range(3000):
+        if held and rng.random() < 0.5:
+            a.free(held.pop(rng.randrange(len(held))))
+        elif (n := rng.choice([1, 1, 4, 12, 64])) <= a.num_free:
+            held.append(a.alloc(n))
+        free = a._free
+        assert len(free) == len(set(free)) == a.num_free == 500 - sum(map(len, held))
+        assert not any(a._used[p] for p in free) and sum(a._used) == 500 - a.num_free
+    # a growing table takes its new pages of each rank in one run
+    k = KVAllocator(40, 4, world=2, layout="tp")
+    t = k.empty_table()
+    k.grow(t, 4, 0)
+    k.grow(t, 40, 0)
+    assert all(_runs(row[1:]) == 1 for row in t)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_placement_rule(world):
     for j in range(9):

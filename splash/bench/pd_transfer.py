@@ -65,13 +65,18 @@ def receive(nbytes: int) -> None:
     eng.unregister_memory(buf.data_ptr())
 
 
+def _taskset(cmd: list[str], cores: list[int] | None) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cores)), *cmd] if cores else cmd
+
+
 @contextlib.contextmanager
-def _pair(total: int) -> Iterator[tuple[Any, str, int, int]]:
-    """A receiver process holding `total` bytes and this process's engine with a registered send buffer
-    of as many: (engine, peer session, send base, receive base)."""
+def _pair(total: int, receiver_cores: list[int] | None = None) -> Iterator[tuple[Any, str, int, int]]:
+    """A receiver process holding `total` bytes (on `receiver_cores`, or floating) and this process's
+    engine with a registered send buffer of as many: (engine, peer session, send base, receive base)."""
     import torch
 
-    proc = subprocess.Popen([sys.executable, "-m", "splash.bench.pd_transfer", "receive", str(total)],
+    cmd = [sys.executable, "-m", "splash.bench.pd_transfer", "receive", str(total)]
+    proc = subprocess.Popen(_taskset(cmd, receiver_cores),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
     try:
@@ -148,7 +153,7 @@ def pieces_for_tokens(layout: dict[str, Any], tokens: int) -> list[int]:
     return pieces(layout, -(-tokens // page_tokens) * _stores(layout)[1])
 
 
-def _under_load(plans: list[list[int]], gap_s: float) -> None:
+def _under_load(plans: list[list[int]], gap_s: float, receiver_cores: list[int] | None = None) -> None:
     """The sending process of `RawUnderLoad`: the plans' transfers in turn, one each `gap_s`, until
     stdin closes; then one JSON line of what they moved and took."""
     import threading
@@ -157,7 +162,7 @@ def _under_load(plans: list[list[int]], gap_s: float) -> None:
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
     moved = n = 0
     seconds = 0.0
-    with _pair(max(sum(p) for p in plans)) as (eng, session, src, dst):
+    with _pair(max(sum(p) for p in plans), receiver_cores) as (eng, session, src, dst):
         for p in plans:  # (warm-up: each plan once, untimed)
             _write(eng, session, src, dst, p)
         print("ready", flush=True)
@@ -173,16 +178,20 @@ def _under_load(plans: list[list[int]], gap_s: float) -> None:
 class RawUnderLoad:
     """Raw Mooncake writes in two processes of their own *while* a load runs (the baseline under the same
     CPU contention as the engine's transfers: on 2 cores the receiving thread waits for a core as the
-    decode's does). `plans`: the piece sizes of each transfer, taken in turn, one every `gap_s`. No Python
-    thread of the sender competes for its GIL (unlike a server's engine thread)."""
+    decode's does). `plans`: the piece sizes of each transfer, taken in turn, one every `gap_s`; `cores`:
+    the sender's and the receiver's (the prefill's and the decode's, as the servers are pinned), or
+    floating. No Python thread of the sender competes for its GIL (unlike a server's engine thread)."""
 
-    def __init__(self, plans: list[list[int]], gap_s: float = 0.05) -> None:
-        self.plans, self.gap_s = plans, gap_s
+    def __init__(self, plans: list[list[int]], gap_s: float = 0.05,
+                 cores: tuple[list[int], list[int]] | None = None) -> None:
+        self.plans, self.gap_s, self.cores = plans, gap_s, cores
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> RawUnderLoad:
-        self.proc = subprocess.Popen([sys.executable, "-m", "splash.bench.pd_transfer", "load",
-                                      json.dumps({"plans": self.plans, "gap_s": self.gap_s})],
+        job = {"plans": self.plans, "gap_s": self.gap_s,
+               "receiver_cores": self.cores[1] if self.cores else None}
+        self.proc = subprocess.Popen(_taskset([sys.executable, "-m", "splash.bench.pd_transfer", "load",
+                                               json.dumps(job)], self.cores[0] if self.cores else None),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
@@ -210,6 +219,6 @@ if __name__ == "__main__":  # the receiving process, or the sender under load
         receive(int(sys.argv[2]))
     elif len(sys.argv) == 3 and sys.argv[1] == "load":
         job = json.loads(sys.argv[2])
-        _under_load(job["plans"], float(job["gap_s"]))
+        _under_load(job["plans"], float(job["gap_s"]), job.get("receiver_cores"))
     else:
         sys.exit("usage: python -m splash.bench.pd_transfer receive NBYTES | load JOB_JSON")

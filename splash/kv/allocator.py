@@ -72,30 +72,78 @@ def balanced_owners(final: Sequence[int], lacks: Sequence[Sequence[int]], avail:
 
 
 class PageAllocator:
-    """Free list of one rank's local pages (LIFO so recently freed, cache-warm pages are reused)."""
+    """Free pages of one rank, kept as runs of consecutive pages, handed out best fit.
+
+    Not a LIFO list, so that a request's pages come out in runs: `alloc(n)` takes the first n pages of
+    the shortest free run that holds n (the long runs stay for long prompts; a page at a time comes from
+    the shortest run, filling holes first), and from the longest runs in turn when no run is that long.
+    A prefill/decode transfer moves one piece per run of pages (splash/disagg/transfer.py); a LIFO list
+    scattered a decode's reservation over as many pieces as it had pages. Every operation is O(1) in the
+    pool's size (O(distinct run lengths) for the best fit)."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         self.num_pages = num_pages  # pages requests may hold (the pool less what is withheld)
-        self._free = list(range(num_pages - 1, -1, -1))
         self._used = [False] * num_pages
+        self._start: dict[int, int] = {}  # free run: first page -> length
+        self._end: dict[int, int] = {}  # free run: one past its last page -> first page
+        self._by_len: dict[int, dict[int, None]] = {}  # length -> first pages of the runs that long
+        self._num_free = num_pages
+        if num_pages:
+            self._add(0, num_pages)
         self.withheld: list[int] = []  # pages lent to something other than requests (projection replicas)
+
+    def _add(self, start: int, n: int) -> None:
+        self._start[start] = n
+        self._end[start + n] = start
+        self._by_len.setdefault(n, {})[start] = None
+
+    def _remove(self, start: int) -> int:
+        n = self._start.pop(start)
+        del self._end[start + n]
+        runs = self._by_len[n]
+        del runs[start]
+        if not runs:
+            del self._by_len[n]
+        return n
+
+    @property
+    def _free(self) -> list[int]:
+        """Every free page, highest first (what the books and tests read; O(free pages))."""
+        return sorted((p for s, n in self._start.items() for p in range(s, s + n)), reverse=True)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._num_free
+
+    def _take(self, start: int, k: int) -> list[int]:
+        """The first k pages of the free run at `start` (the rest stays a run)."""
+        n = self._remove(start)
+        if n > k:
+            self._add(start + k, n - k)
+        return list(range(start, start + k))
 
     def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free of {self.num_pages}")
-        out = [self._free.pop() for _ in range(n)]
+        if n > self._num_free:
+            raise OutOfPages(f"asked for {n} pages, {self._num_free} free of {self.num_pages}")
+        out: list[int] = []
+        while len(out) < n:
+            need = n - len(out)
+            fits = [k for k in self._by_len if k >= need]
+            if fits:
+                k = min(fits)
+                out += self._take(next(iter(self._by_len[k])), need)
+            else:  # (no run is long enough: the longest, then the next)
+                k = max(self._by_len)
+                out += self._take(next(iter(self._by_len[k])), k)
         for p in out:
             self._used[p] = True
+        self._num_free -= n
         return out
 
     def free(self, pages: Sequence[int]) -> None:
@@ -105,7 +153,14 @@ class PageAllocator:
             if not self._used[p]:
                 raise RuntimeError(f"page {p} freed twice (allocator bookkeeping bug)")
             self._used[p] = False
-            self._free.append(p)
+            self._num_free += 1
+            start, n = p, 1
+            if p in self._end:  # (a run ends just below p: join it)
+                start = self._end[p]
+                n += self._remove(start)
+            if p + 1 in self._start:  # (a run starts just above p: join it)
+                n += self._remove(p + 1)
+            self._add(start, n)
 
     def withhold(self, n: int) -> list[int]:
         """Take `n` pages out of the pool for something else (replica weights live there now): they stay
@@ -244,11 +299,11 @@ class KVAllocator:
             table.extend([] for _ in range(self.world))
         if not self.can_grow(table, tokens, owner):
             raise OutOfPages(f"no room to grow a request to {tokens} tokens (free per rank: {self.num_free})")
-        have = len(table[0])
-        for j in range(have, pages_for(tokens, self.page_size)):
-            holders = self._row.page_ranks(j, owner, self.world)
-            for r in range(self.world):
-                table[r].append(self.take(r, 1)[0] if r in holders else -1)
+        new = range(len(table[0]), pages_for(tokens, self.page_size))
+        held = [self._row.page_ranks(j, owner, self.world) for j in new]
+        for r in range(self.world):  # (each rank's new pages in one take: they come out as a run)
+            got = iter(self.take(r, sum(r in h for h in held)))
+            table[r].extend(next(got) if r in h else -1 for h in held)
 
     def shrink(self, table: list[list[int]], tokens: int) -> None:
         """Return the pages of `table` past those `tokens` positions need (a speculative step's rejected

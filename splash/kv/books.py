@@ -91,6 +91,8 @@ def _rank_errors(r: int, a: Any, alloc: KVAllocator, holders: Mapping[int, Holde
     if len(free_set) != len(free):
         dup = [p for p, n in Counter(free).items() if n > 1]
         errs.append(f"rank {r}: pages {dup[:4]} are on the free list twice")
+    if a.num_free != len(free):
+        errs.append(f"rank {r}: {a.num_free} pages counted free, {len(free)} on the free list")
     bad = [p for p in free_set if not 0 <= p < total or a._used[p]]
     if bad:
         errs.append(f"rank {r}: free pages {sorted(bad)[:4]} are marked used or out of range")
