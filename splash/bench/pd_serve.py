@@ -46,7 +46,7 @@ METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean T
            ("p99_itl_ms", "P99 inter-token latency, ms", False),
            ("max_itl_ms", "max inter-token latency, ms", False))
 COUNTERS = ("kv_transfer_bytes_total", "kv_transfer_seconds_total", "kv_transfers_total",
-            "kv_transfer_failures_total")
+            "kv_transfer_failures_total", "kv_transfer_pieces_total")
 GOAL = 0.8  # engine / raw transfer throughput
 
 
@@ -319,6 +319,7 @@ def transfer_report(t: dict[str, float] | None, layout: dict[str, Any] | None,
     return {"transfers": n, "failures": int(t["kv_transfer_failures_total"]),
             "bytes": int(t["kv_transfer_bytes_total"]), "seconds": t["kv_transfer_seconds_total"],
             "engine_bytes_per_s": engine, "pieces_per_transfer": len(sizes),
+            "engine_pieces_per_transfer": t.get("kv_transfer_pieces_total", 0.0) / n,
             "piece_bytes": sorted(set(sizes)),
             "raw": raw, "raw_busy_thread": busy, "ratio": ratio, "goal": GOAL,
             "raw_under_load": under_load, "ratio_under_load": loaded,
@@ -360,8 +361,9 @@ def table(doc: dict[str, Any]) -> str:
     if t:
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
         lines += ["", f"KV transfer: {t['transfers']} transfers, {t['bytes'] / 2**20:.2f} MiB, "
-                      f"{t['pieces_per_transfer']} pieces of "
-                      f"{', '.join(str(b) for b in t['piece_bytes'])} bytes each",
+                      f"raw: {t['pieces_per_transfer']} pieces of "
+                      f"{', '.join(str(b) for b in t['piece_bytes'])} bytes each; the engine's: "
+                      f"{t.get('engine_pieces_per_transfer') or 0:.1f} pieces a transfer",
                   f"  engine {t['engine_bytes_per_s'] / 2**20:.1f} MiB/s, raw Mooncake on the quiet "
                   f"machine after the load {t['raw']['bytes_per_s'] / 2**20:.1f} MiB/s: {ratio}",
                   f"  raw Mooncake beside one busy Python thread (a server's event loop; the call gives up "

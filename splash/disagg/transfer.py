@@ -139,12 +139,14 @@ class KVTransfer:
 
     def write(self, peer: dict[str, Any], src_pages: Sequence[int], dst_pages: Sequence[int],
               src_slot: int = -1, dst_slot: int = -1,
-              heads: Sequence[tuple[str, int, int, int]] | None = None) -> tuple[int, float]:
+              heads: Sequence[tuple[str, int, int, int]] | None = None) -> tuple[int, float, int]:
         """Write `src_pages` (this side's page ids) into the peer's `dst_pages`, and the state of
         `src_slot` into `dst_slot`, in one batch call. `heads`: which heads of the slot move, as
         (store, first local head here, first local head there, heads) with store "kda_state" (the
         recurrent tensors) or "kda_conv" (the conv windows) of every KDA layer; None: every head of both
-        (the two sides hold the same heads). -> (bytes, seconds); TransferError on failure."""
+        (the two sides hold the same heads). -> (bytes, seconds, pieces: the batch's (address, length)
+        entries, one per run of pages per store and layer, and per slot's head range); TransferError on
+        failure."""
         if len(src_pages) != len(dst_pages):
             raise TransferError(f"{len(src_pages)} pages to send but {len(dst_pages)} to receive them")
         far_pages, far_slots = int(peer["num_pages"]), int(peer.get("num_slots", 0))
@@ -180,7 +182,7 @@ class KVTransfer:
                 heads = [("kda_state", 0, 0, h), ("kda_conv", 0, 0, h)]
             self._state_pieces(st, peer["state"], src_slot, dst_slot, heads, srcs, dsts, lens)
         if not srcs:
-            return 0, 0.0
+            return 0, 0.0, 0
         # The binding gives up the GIL for the write; taking it back waits for the server's other Python
         # threads (event loop, HTTP) to yield it, up to the switch interval (5 ms): ~20x the write itself
         # on loopback (docs/performance.md). A short interval while the write is in flight caps that wait.
@@ -195,7 +197,7 @@ class KVTransfer:
         if rc != 0:
             raise TransferError(f"the KV write to {peer['session_id']} failed (Mooncake code {rc}): the "
                                 "decode side is gone or refused it")
-        return sum(lens), dt
+        return sum(lens), dt, len(lens)
 
     @staticmethod
     def _state_pieces(st: list[torch.Tensor], far: list[dict[str, Any]], src_slot: int, dst_slot: int,

@@ -121,13 +121,15 @@ class PDRanks:
             out[s].append(e)
         return out
 
-    def send(self, writes: list[list[dict[str, Any]]]) -> tuple[int, float, str | None]:
-        """Run the writes on every rank; -> (bytes moved, the slowest rank's seconds, first error)."""
+    def send(self, writes: list[list[dict[str, Any]]]) -> tuple[int, float, int, str | None]:
+        """Run the writes on every rank; -> (bytes moved, the slowest rank's seconds, pieces written over
+        every rank, first error)."""
         if not any(writes):
-            return 0, 0.0, None
+            return 0, 0.0, 0, None
         replies = self.run(PDOp("write", self.identity, writes))
         nbytes = sum(sum(r.get("bytes", ())) for r in replies)
         secs = max((float(r.get("seconds", 0.0)) for r in replies), default=0.0)
         errs = [e for r in replies for e in ([r["error"]] if isinstance(r.get("error"), str)
                                              else r.get("error") or ()) if e]
-        return nbytes, secs, errs[0] if errs else None
+        pieces = sum(int(r.get("pieces", 0)) for r in replies)
+        return nbytes, secs, pieces, errs[0] if errs else None

@@ -206,6 +206,9 @@ class _EngineCounters(Collector):
                "PD decode: KV bytes copied inside this group to complete the replicas its layout keeps "
                "(each block crosses the link once; splash plan pd's fill)."),
               ("splash:kv_transfers", "kv_transfers_total", "PD: KV transfers (one per request)."),
+              ("splash:kv_transfer_pieces", "kv_transfer_pieces_total",
+               "PD prefill: pieces its KV writes moved (one per run of pages per store and layer, per "
+               "state head range): pages in runs make few pieces."),
               ("splash:kv_transfer_failures", "kv_transfer_failures_total",
                "PD: requests whose KV transfer or handshake failed."))
 

@@ -6,7 +6,7 @@ turns the core's transfer manifest into per-rank writes and sends them as one "p
 rank runs its share (`rank_pd`) and the replies are gathered. T = 1 calls `rank_pd` directly.
 
 Ops (`PDOp.kind`): "info" -> this rank's `layout_info` (what the handshake publishes); "write" -> its
-writes run, {"bytes", "seconds", "error"}; "close" -> its transfer engine stopped (memory release).
+writes run, {"bytes", "seconds", "pieces", "error"}; "close" -> its transfer engine stopped (memory release).
 """
 
 from __future__ import annotations
@@ -55,19 +55,20 @@ def rank_pd(runner: Any, rank: int, op: PDOp) -> dict[str, Any]:
     if op.kind != "write":
         return {"error": f"rank {rank}: unknown PD op {op.kind!r}"}
     mine = op.writes[rank] if rank < len(op.writes) else []
-    out: dict[str, Any] = {"bytes": [], "seconds": 0.0, "error": [None] * len(mine)}
+    out: dict[str, Any] = {"bytes": [], "seconds": 0.0, "pieces": 0, "error": [None] * len(mine)}
     for i, w in enumerate(mine):
         try:
-            n, secs = xfer.write(w["peer"], w["src"], w["dst"], int(w.get("src_slot", -1)),
-                                 int(w.get("dst_slot", -1)), w.get("heads"))
+            n, secs, pieces = xfer.write(w["peer"], w["src"], w["dst"], int(w.get("src_slot", -1)),
+                                         int(w.get("dst_slot", -1)), w.get("heads"))
         except TransferError as e:
             out["error"][i] = f"rank {rank}: {e}"
-            n, secs = 0, 0.0
+            n, secs, pieces = 0, 0.0, 0
         except Exception as e:  # noqa: BLE001 - a malformed write fails its request only
             out["error"][i] = f"rank {rank}: the KV write failed: {type(e).__name__}: {e}"
-            n, secs = 0, 0.0
+            n, secs, pieces = 0, 0.0, 0
         out["bytes"].append(n)
         out["seconds"] += secs
+        out["pieces"] += pieces
     return out
 
 

@@ -89,6 +89,7 @@ class PD:
         self.bytes_total = 0  # sent (prefill side) and received (decode side), over the link
         self.fill_bytes_total = 0  # moved inside this (decode) group to complete replicas
         self.seconds_total = 0.0
+        self.pieces_total = 0  # (prefill side) the (address, length) entries of its batch writes
         self.transfers = 0
         self.failures = 0
         engine.scheduler.drain_s = DRAIN_S
@@ -104,9 +105,10 @@ class PD:
         """Raise ValueError naming the first difference between this engine and the peer's `info`."""
         self.ranks.local().check_peer(info)
 
-    def sent(self, nbytes: int, secs: float) -> None:
+    def sent(self, nbytes: int, secs: float, pieces: int = 0) -> None:
         self.bytes_total += nbytes
         self.seconds_total += secs
+        self.pieces_total += pieces
         self.transfers += 1
 
     # ---- decode side ----------------------------------------------------------------------------
@@ -222,7 +224,7 @@ class PD:
             states = tuple(StateMove(str(st), int(h0), int(h1), int(a), int(b))
                            for st, h0, h1, a, b in f.get("states", ()))
             writes = self.ranks.writes(pages, states, me, seq.pages, seq.slot, me, seq.pages, seq.slot, peers)
-            nbytes, _, err = self.ranks.send(writes)
+            nbytes, _, _, err = self.ranks.send(writes)
             if err is not None:
                 self.fail(request_id, f"completing the KV replicas in this group failed: {err}")
                 raise RuntimeError(f"request {request_id}: completing the KV replicas failed: {err}")
@@ -292,7 +294,7 @@ class PD:
 
     def stats(self) -> dict[str, Any]:
         return {"kv_transfer_bytes_total": self.bytes_total, "kv_transfer_seconds_total": self.seconds_total,
-                "kv_fill_bytes_total": self.fill_bytes_total,
+                "kv_fill_bytes_total": self.fill_bytes_total, "kv_transfer_pieces_total": self.pieces_total,
                 "kv_transfers_total": self.transfers, "kv_transfer_failures_total": self.failures,
                 "pd_waiting_for_kv": len(self.decode.parked), "pd_prefill_inflight": len(self.prefill.jobs),
                 "pd_draining": len(self.engine.scheduler.draining)}

@@ -126,15 +126,15 @@ class PDPrefill(Stage):
             writes = pd.ranks.writes(man.pages, man.states, src, [row[:pages] for row in seq.pages],
                                      seq.slot, dst, [list(row[:pages]) for row in table],
                                      int(target.get("slot", -1)), peers)
-            nbytes, secs, err = pd.ranks.send(writes)
+            nbytes, secs, pieces, err = pd.ranks.send(writes)
         except Exception as e:  # (a malformed destination: this request only)
             log.exception("the KV write of %s failed", seq.group.request_id)
-            nbytes, secs, err = 0, 0.0, f"the KV write failed: {type(e).__name__}: {e}"
+            nbytes, secs, pieces, err = 0, 0.0, 0, f"the KV write failed: {type(e).__name__}: {e}"
         if err is not None:
             seq.finish("abort")
             self.end(job, seq, err)
             return
-        pd.sent(nbytes, secs)
+        pd.sent(nbytes, secs, pieces)
         job.nbytes += nbytes
         job.secs += secs
         job.fill[seq.index] = {"pages": [[m.page, m.src, m.dst] for m in man.fill_pages],
