@@ -22,6 +22,7 @@ import math
 import time
 from typing import Any
 
+from splash.bench.report import save_figure
 from splash.core.layouts import LAYOUT_NAMES
 from splash.model.gemm import cpu_isa
 
@@ -233,9 +234,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
             ax.set_ylabel("KV tokens per rank")
             ax.set_title(f"admission at {doc['memory_per_rank']} per rank, T={doc['ranks']}")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

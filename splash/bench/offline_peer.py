@@ -18,6 +18,8 @@ import tempfile
 import time
 from typing import Any
 
+from splash.bench.report import save_figure
+
 DEFAULT_SHAPES = "1x32x64,16x32x64,64x128x128"
 Shape = tuple[int, int, int]  # batch, input_len, output_len
 
@@ -232,9 +234,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"{doc['model']} {doc['dtype']}, {doc['tp']} rank(s)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from splash.bench.report import save_figure
+
 FIXED = ("tp", "dp", "cp", "dop")
 MIB = 2**20
 # (key in a run, label, higher is better): what auto is compared on
@@ -265,9 +267,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     fig.suptitle(f"{doc['model']} {doc['dtype']}: prefill T={doc['prefill_tp']} per layout, decode "
                  f"{doc['decode_layout'].upper()} T={doc['decode_tp']}; prompts {doc['input_len']} / "
                  f"{doc['long_input_len']} tokens", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(a: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from splash.bench.pd_transfer import RawUnderLoad, pieces_for_tokens
+from splash.bench.report import save_figure
 
 # (key in a summary, label, higher is better): the side-by-side rows
 METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean TTFT, ms", False),
@@ -400,9 +401,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     fig.suptitle(f"{doc['model']}: long prompts ({doc['long_input_len']} tokens) arriving while others "
                  "decode",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(a: argparse.Namespace) -> int:

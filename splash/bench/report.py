@@ -31,3 +31,12 @@ def report(name: str, args: argparse.Namespace, measure: Callable[[argparse.Name
         if path:
             print(f"plot: {path}")
     return 0
+
+
+def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
+    """Lay out, write and close a benchmark's matplotlib figure (every `--plot`)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)

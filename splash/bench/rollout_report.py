@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from splash.bench.report import save_figure
 from splash.step.plan import LAYOUTS
 
 
@@ -112,6 +113,4 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ratio = doc.get("auto_vs_best_fixed")
     extra = f"; auto = {ratio:.2f}x best fixed ({doc['best_fixed']})" if ratio else ""
     axes[0].set_title(f"rollout timeline, T={c['tp']}{extra}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

@@ -17,6 +17,8 @@ import statistics
 import sys
 from typing import Any
 
+from splash.bench.report import save_figure
+
 # (key in a summary, label, higher is better): the side-by-side rows
 METRICS = (("output_throughput", "output tok/s", True), ("mean_ttft_ms", "mean TTFT, ms", False),
            ("mean_tpot_ms", "mean TPOT, ms", False), ("p99_itl_ms", "P99 inter-token latency, ms", False),
@@ -257,9 +259,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     fig.suptitle(f"{doc['model']} {doc['dtype']}, {doc['tp']} rank(s){lay}: {doc['num_prompts']} x "
                  f"({doc['input_len']} + {doc['output_len']}){mix} at concurrency {doc['max_concurrency']}",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(a: argparse.Namespace) -> int:

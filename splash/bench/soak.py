@@ -32,6 +32,8 @@ import tempfile
 import time
 from typing import Any
 
+from splash.bench.report import save_figure
+
 
 def register(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("soak", help="churn a server (RL + agent traffic, weight updates, pauses) and check "
@@ -257,9 +259,7 @@ def plot(r: dict[str, Any], path: str) -> None:
     ax.set_xlabel("seconds")
     ax.set_ylabel("KV in use (%)")
     ax.set_title(f"soak T={r['tp']} {r['layout']}: {r['requests']} requests, updates dashed")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def run(a: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import tempfile
 import time
 from typing import Any
 
+from splash.bench.report import save_figure
 from splash.model.gemm import cpu_isa
 
 
@@ -126,9 +127,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"{doc['model']}: decode, batch {doc['batch']} ({doc['isa']})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+from splash.bench.report import save_figure
+
 MODES = ("off", "auto", "always")
 
 
@@ -170,6 +172,4 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_ylabel("output tok/s")
     ax.set_title(f"speculative decoding ({doc['algorithm']}): off / depth policy / always")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

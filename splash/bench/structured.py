@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any
 
+from splash.bench.report import save_figure
+
 BUILTIN_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -172,6 +174,4 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_ylabel("decode tok/s")
     ax.set_title(f"structured outputs: {doc['model']} {doc['dtype']}", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -16,7 +16,7 @@ import random
 import time
 from typing import Any
 
-from splash.bench.report import report
+from splash.bench.report import report, save_figure
 from splash.step.plan import LAYOUTS
 
 
@@ -208,9 +208,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     axes[0][0].legend()
     e = doc["engine"]
     fig.suptitle(f"{e['model']} on T={doc['tp']} ({e['device']}, {e['dtype']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from splash.bench.report import report
+from splash.bench.report import report, save_figure
 from splash.step.plan import LAYOUTS
 
 DIRECTIONS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
@@ -287,9 +287,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     c = doc["config"]
     ax.set_title(f"live switch overhead, T={c['tp']} B={c['batch']} S={c['context']} ({c['dtype']})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
