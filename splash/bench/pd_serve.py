@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from splash.bench.pd_transfer import RawUnderLoad, pieces_for_tokens
+from splash.bench.pd_transfer import RawUnderLoad, pieces_for_tokens, taskset
 from splash.bench.report import save_figure
 
 # (key in a summary, label, higher is better): the side-by-side rows
@@ -183,7 +183,7 @@ def _measure_pd(a: argparse.Namespace, router: str, prefill: str | None, decode:
     with contextlib.ExitStack() as stack:  # (raw writes beside the load, processes of their own)
         try:
             raw: RawUnderLoad | None = stack.enter_context(
-                RawUnderLoad(_raw_plans(a, layout), cores=(cores[0], cores[1]) if cores else None))
+                RawUnderLoad(_raw_plans(a, layout), cores=cores))
         except RuntimeError as e:  # (no local transfer engine: the load's figures still count)
             print(f"splash bench serve --pd: no raw writes during the load: {e}", file=sys.stderr)
             raw = None
@@ -217,9 +217,8 @@ def halves() -> list[list[int]] | None:
 
 
 def _pinned(cmd: list[str], cores: list[int] | None) -> list[str]:
-    if not cores:
-        return cmd
-    return ["taskset", "-c", ",".join(map(str, cores)), *cmd, "--threads", str(len(cores))]
+    """A server's command bound to `cores`, its torch threads one per core."""
+    return taskset([*cmd, "--threads", str(len(cores))], cores) if cores else cmd
 
 
 @contextlib.contextmanager
@@ -320,7 +319,7 @@ def transfer_report(t: dict[str, float] | None, layout: dict[str, Any] | None,
     return {"transfers": n, "failures": int(t["kv_transfer_failures_total"]),
             "bytes": int(t["kv_transfer_bytes_total"]), "seconds": t["kv_transfer_seconds_total"],
             "engine_bytes_per_s": engine, "pieces_per_transfer": len(sizes),
-            "engine_pieces_per_transfer": t.get("kv_transfer_pieces_total", 0.0) / n,
+            "engine_pieces_per_transfer": t["kv_transfer_pieces_total"] / n,
             "piece_bytes": sorted(set(sizes)),
             "raw": raw, "raw_busy_thread": busy, "ratio": ratio, "goal": GOAL,
             "raw_under_load": under_load, "ratio_under_load": loaded,
@@ -364,7 +363,7 @@ def table(doc: dict[str, Any]) -> str:
         lines += ["", f"KV transfer: {t['transfers']} transfers, {t['bytes'] / 2**20:.2f} MiB, "
                       f"raw: {t['pieces_per_transfer']} pieces of "
                       f"{', '.join(str(b) for b in t['piece_bytes'])} bytes each; the engine's: "
-                      f"{t.get('engine_pieces_per_transfer') or 0:.1f} pieces a transfer",
+                      f"{t['engine_pieces_per_transfer']:.1f} pieces a transfer",
                   f"  engine {t['engine_bytes_per_s'] / 2**20:.1f} MiB/s, raw Mooncake on the quiet "
                   f"machine after the load {t['raw']['bytes_per_s'] / 2**20:.1f} MiB/s: {ratio}",
                   f"  raw Mooncake beside one busy Python thread (a server's event loop; the call gives up "

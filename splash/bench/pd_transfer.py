@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 
@@ -65,7 +65,8 @@ def receive(nbytes: int) -> None:
     eng.unregister_memory(buf.data_ptr())
 
 
-def _taskset(cmd: list[str], cores: list[int] | None) -> list[str]:
+def taskset(cmd: list[str], cores: Sequence[int] | None) -> list[str]:
+    """`cmd` bound to `cores` (or as it is, floating)."""
     return ["taskset", "-c", ",".join(map(str, cores)), *cmd] if cores else cmd
 
 
@@ -76,7 +77,7 @@ def _pair(total: int, receiver_cores: list[int] | None = None) -> Iterator[tuple
     import torch
 
     cmd = [sys.executable, "-m", "splash.bench.pd_transfer", "receive", str(total)]
-    proc = subprocess.Popen(_taskset(cmd, receiver_cores),
+    proc = subprocess.Popen(taskset(cmd, receiver_cores),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
     try:
@@ -183,14 +184,14 @@ class RawUnderLoad:
     floating. No Python thread of the sender competes for its GIL (unlike a server's engine thread)."""
 
     def __init__(self, plans: list[list[int]], gap_s: float = 0.05,
-                 cores: tuple[list[int], list[int]] | None = None) -> None:
+                 cores: Sequence[list[int]] | None = None) -> None:
         self.plans, self.gap_s, self.cores = plans, gap_s, cores
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> RawUnderLoad:
         job = {"plans": self.plans, "gap_s": self.gap_s,
                "receiver_cores": self.cores[1] if self.cores else None}
-        self.proc = subprocess.Popen(_taskset([sys.executable, "-m", "splash.bench.pd_transfer", "load",
+        self.proc = subprocess.Popen(taskset([sys.executable, "-m", "splash.bench.pd_transfer", "load",
                                                json.dumps(job)], self.cores[0] if self.cores else None),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True)
