@@ -150,6 +150,44 @@ def test_drafts_are_the_mtp_layers_and_tokens_the_targets(ckpt):
     assert check_chains(ReferenceMTP(hf, path), chains[:12]) == 12
 
 
+def drafting_every(eng, every: int) -> list[int]:
+    """Let requests draft only after every `every`-th step: the steps between have no draft phase, so the
+    ranks write their rows' draft KV at the start of the next step (ModelRunner.extend_lagged). -> the
+    steps after which a draft phase ran (filled while serving)."""
+    d, ran, at = eng.mtp, [], [0]
+    can, after, call = d.can_speculate, d.after_step, d.runner.draft
+
+    def after_step(st):
+        at[0] = st.plan.step
+        after(st)
+
+    def draft(plan):
+        ran.append(at[0])
+        return call(plan)
+
+    d.can_speculate = lambda seq: can(seq) if at[0] % every == 0 else 0
+    d.after_step, d.runner.draft = after_step, draft
+    return ran
+
+
+def test_draft_kv_written_a_step_late_where_no_draft_phase_ran(ckpt):
+    """Steps with no request drafting next run no draft phase: the rows they made final get their draft
+    KV at the start of the next step instead. Chains after such steps read those rows, so they equal the
+    teacher-forced reference only if every lagged row was written, at the right place, with the right
+    token (a decode row, a verify's accepted rows, a prefill chunk)."""
+    path, hf, ref = ckpt
+    eng = build_engine(model=path, num_kv_pages=96, speculative_num_steps=2, **ENGINE)
+    try:
+        ran = drafting_every(eng, 3)
+        got, chains = serve(eng, PROMPTS, greedy())
+        steps = eng.stats()["steps"]
+    finally:
+        eng.shutdown()
+    assert [o.token_ids for o in got.values()] == ref
+    assert ran and len(ran) < steps / 2  # (most steps ran no draft phase)
+    assert check_chains(ReferenceMTP(hf, path), chains[:10]) == 10
+
+
 def test_mtp_through_preemption_abort_and_prefix_cache(ckpt):
     path, hf, ref = ckpt
     prompts = PROMPTS + [PROMPTS[0] + [40, 41], PROMPTS[2][:14]]
@@ -195,6 +233,32 @@ def test_mtp_switches_in_all_12_directions(group, ckpt):
     assert [o.token_ids for o in got.values()] == ref
     assert chains == one_chains
     assert [o.token_ids for o in two_sampled.values()] == [o.token_ids for o in one_sampled.values()]
+
+
+def test_lagged_draft_kv_through_switches(group, ckpt):
+    """T = 2, drafting after every third step only, switches landing on steps whose last step ran no draft
+    phase (the lagged rows are written under the old layout, then move with the rest): the chains are
+    T = 1's under the same drafting, the tokens transformers'."""
+    if group.world != 2:
+        pytest.skip("T = 2 only")
+    path, hf, ref = ckpt
+    one = build_engine(model=path, num_kv_pages=96, speculative_num_steps=2, **ENGINE)
+    try:
+        drafting_every(one, 3)
+        _, one_chains = serve(one, PROMPTS, greedy())
+    finally:
+        one.shutdown()
+    eng = build_engine(model=path, num_kv_pages=96, layout="tp", rank_group=group, speculative_num_steps=2,
+                       switch_schedule="2:dp,5:dop,8:cp,11:tp,14:cp,17:dp", **ENGINE)
+    try:
+        drafting_every(eng, 3)
+        got, chains = serve(eng, PROMPTS, greedy())
+        stats = eng.stats()
+    finally:
+        eng.shutdown()
+    assert stats["num_switches"] == 6
+    assert [o.token_ids for o in got.values()] == ref
+    assert chains == one_chains
 
 
 def test_mtp_at_four_ranks(group, ckpt):

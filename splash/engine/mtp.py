@@ -47,24 +47,32 @@ class MtpDrafter:
         return self.drafts.pop(seq, [])[:room]
 
     def after_step(self, st: Any) -> None:
-        """Run the draft phase for the step `st` just completed (its acceptance already counted)."""
+        """Run the draft phase for the step `st` just completed (its acceptance already counted). When no
+        request chains drafts next and none is kept, there is no phase: the ranks write these rows'
+        draft KV at the start of the next step (ModelRunner.extend_lagged), saving a call to every rank."""
         alloc = self.scheduler.alloc
-        slices: list[SeqSlice] = []
-        ids: list[int] = []
-        src: list[int] = []
-        chain: list[int] = []
-        chained: list[Any] = []  # the sequences with a chain, in slice order
+        todo: list[tuple[Any, Any, int, int, Any, int]] = []  # (seq, slice, first row, end, kept, k)
         row = 0
         for seq, sl in zip(st.seqs, st.plan.seqs):
             first, row = row, row + sl.num_new
             self.drafts.pop(seq, None)
             end, kept = seq.num_computed, self.keep.get(seq)
-            pages, slot = (seq.pages, seq.slot) if kept is None else kept[:2]
+            pages = seq.pages if kept is None else kept[0]
             if (seq.status is not SeqStatus.RUNNING and kept is None) or not pages or end <= sl.start \
                     or seq.num_tokens <= end:
                 continue  # finished, preempted, or nothing final (the next token is not known yet)
             k = (self.can_speculate(seq) if kept is None else kept[2]) if seq.num_tokens == end + 1 else 0
             k = min(k, self.scheduler.cfg.max_model_len - seq.num_tokens)
+            todo.append((seq, sl, first, end, kept, k))
+        if not any(k > 0 or kept is not None for *_, kept, k in todo):
+            return
+        slices: list[SeqSlice] = []
+        ids: list[int] = []
+        src: list[int] = []
+        chain: list[int] = []
+        chained: list[Any] = []  # the sequences with a chain, in slice order
+        for seq, sl, first, end, kept, k in todo:
+            pages, slot = (seq.pages, seq.slot) if kept is None else kept[:2]
             while k > 1 and not alloc.can_grow(pages, end + k - 1, seq.owner):
                 k -= 1  # (its chain writes the draft KV of positions end .. end + k - 2)
             if k > 1:
@@ -75,8 +83,6 @@ class MtpDrafter:
             chain.append(max(k, 0))
             if k > 0:
                 chained.append(seq)
-        if not slices:
-            return
         plan = StepPlan(step=st.plan.step, layout=self.scheduler.layout, input_ids=ids, seqs=slices,
                         kind="draft", payload=DraftWork(src, chain))
         out = self.runner.draft(plan)

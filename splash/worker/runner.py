@@ -56,6 +56,10 @@ class ModelRunner:
         # speculative decoding with MTP layers: the last step's hidden states [N, d], which the draft
         # phase after it reads (None while the model serves no MTP layer)
         self.last_hidden: torch.Tensor | None = None
+        # ... and that step's slices, input ids and whether its plan carried its own page tables: the rows
+        # it made final get their draft KV at the start of the next step when no draft phase ran between
+        # (extend_lagged)
+        self._last_rows: tuple[list[Any], np.ndarray, bool] | None = None
         self.graphs: Any = None  # CUDA graphs of decode steps (splash/worker/cuda_graph.py), CUDA only
         # (CUDA graphs skip KDA hybrids for now: for_runner returns None for them)
         if self.device.type == "cuda":
@@ -73,6 +77,9 @@ class ModelRunner:
         self.step_rows[plan.step] = plan.num_rows
         while len(self.step_rows) > 64:
             self.step_rows.popitem(last=False)
+        mtp = bool(getattr(self.model, "mtp", None))
+        if mtp:
+            self.extend_lagged(plan)  # (before this step's tables and layout replace the last step's)
         if plan.delta is not None:
             plan.delta.apply(self.tables, self.rank)
         if self.state is not None:
@@ -89,9 +96,56 @@ class ModelRunner:
             out = self.graphs.run(ids, ctx) if self.graphs is not None else None
             if out is None:
                 out = self.model(ids, ctx.positions, ctx)
-        if getattr(self.model, "mtp", None):
+        if mtp:
             self.last_hidden = out
+            self._last_rows = (plan.seqs, np.asarray(plan.input_ids, dtype=np.int64), plan.delta is None)
         return out
+
+    def extend_lagged(self, plan: StepPlan) -> None:
+        """The MTP layer's draft KV of the rows the last step made final, where no draft phase followed
+        it (rank 0 runs none when no request drafts next: splash/engine/mtp.py). It is the extend that
+        phase would have run, one step late: this step's slices say how far each request got (its
+        `start`: rows last.start .. start - 1 are final) and carry the token after the last of them (its
+        first input). Every rank decides alike from the same plans; a request absent from this step
+        (finished, preempted) gets none, as it would from the phase. Runs under the last step's tables
+        and layout, so a switch in this step moves these rows with the rest."""
+        last, self._last_rows = self._last_rows, None
+        hidden = self.last_hidden
+        if last is None or hidden is None or not plan.seqs:
+            return
+        from splash.model.context import to_device
+        from splash.step.plan import SeqSlice
+        from splash.worker.context import build_context
+
+        prev, prev_ids, own = last
+        cur = np.asarray(plan.input_ids, dtype=np.int64)
+        now: dict[int, tuple[int, int]] = {}
+        row = 0
+        for s in plan.seqs:
+            now[s.req_id] = (s.start, row)
+            row += s.num_new
+        sel: list[SeqSlice] = []
+        src: list[np.ndarray] = []
+        ids: list[np.ndarray] = []
+        first = 0
+        for s in prev:
+            start, at = now.get(s.req_id, (s.start, 0))
+            n = start - s.start
+            if 0 < n <= s.num_new:
+                sel.append(SeqSlice(s.req_id, s.start, n, s.owner, s.pages, False, s.slot))
+                src.append(np.arange(first, first + n))
+                ids.append(prev_ids[first + 1:first + n])
+                ids.append(cur[at:at + 1])
+            first += s.num_new
+        if not sel:
+            return
+        dev, m = self.device, self.model
+        ctx = build_context(sel, kv=self.pool, layout=self.layout, comm=self.comm, rank=self.rank,
+                            world=self.world, device=dev, stats=self.stats,
+                            tables=None if own else self.tables)
+        rows = to_device(torch.from_numpy(np.concatenate(src)), dev)
+        h = m.norm(hidden.index_select(0, rows))
+        m.draft_extend(to_device(torch.from_numpy(np.concatenate(ids)), dev), h, ctx)
 
     @torch.inference_mode()
     def draft(self, plan: StepPlan) -> torch.Tensor | None:
