@@ -115,7 +115,6 @@ class ModelRunner:
             return
         from splash.model.context import to_device
         from splash.step.plan import SeqSlice
-        from splash.worker.context import build_context
 
         prev, prev_ids, own = last
         cur = np.asarray(plan.input_ids, dtype=np.int64)
@@ -139,13 +138,19 @@ class ModelRunner:
             first += s.num_new
         if not sel:
             return
-        dev, m = self.device, self.model
-        ctx = build_context(sel, kv=self.pool, layout=self.layout, comm=self.comm, rank=self.rank,
-                            world=self.world, device=dev, stats=self.stats,
-                            tables=None if own else self.tables)
-        rows = to_device(torch.from_numpy(np.concatenate(src)), dev)
-        h = m.norm(hidden.index_select(0, rows))
-        m.draft_extend(to_device(torch.from_numpy(np.concatenate(ids)), dev), h, ctx)
+        # (no state pool: a lagged slice starting at 0 must not zero a KDA slot the last step advanced)
+        ctx = self.context_of(sel, self.layout, own=own, state=False)
+        nxt = to_device(torch.from_numpy(np.concatenate(ids)), self.device)
+        self._extend(hidden, np.concatenate(src), nxt, ctx)
+
+    def _extend(self, hidden: torch.Tensor, src: np.ndarray, ids: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """The MTP extend over rows `src` of `hidden` (the target's, before the final norm) with their next
+        tokens `ids`: writes their draft KV -> their block inputs (the draft phase's and the lagged one)."""
+        from splash.model.context import to_device
+
+        m = self.model
+        h = m.norm(hidden.index_select(0, to_device(torch.from_numpy(src), self.device)))
+        return m.draft_extend(ids, h, ctx)
 
     @torch.inference_mode()
     def draft(self, plan: StepPlan) -> torch.Tensor | None:
@@ -167,9 +172,8 @@ class ModelRunner:
 
         work, m, dev = plan.payload, self.model, self.device
         src = np.concatenate([np.arange(a, a + s.num_new) for a, s in zip(work.src, plan.seqs)])
-        h = m.norm(hidden.index_select(0, to_device(torch.from_numpy(src), dev)))
         # every row's draft KV (cheap: no attention), then the whole block where a chain starts
-        x = m.draft_extend(self.input_ids(plan), h, self.context(plan, self.layout))
+        x = self._extend(hidden, src, self.input_ids(plan), self.context(plan, self.layout))
         chain = [(i, n) for i, n in enumerate(work.chain) if n > 0]
         if not chain:
             return None
@@ -209,13 +213,14 @@ class ModelRunner:
         """The step's ForwardContext under `layout`, from this rank's tables (or the plan's own)."""
         return self.context_of(plan.seqs, layout, own=plan.delta is None)
 
-    def context_of(self, seqs: Any, layout: Any, own: bool = False) -> Any:
-        """A ForwardContext of `seqs` under `layout`: from this rank's tables, or (`own`) the slices'."""
+    def context_of(self, seqs: Any, layout: Any, own: bool = False, state: bool = True) -> Any:
+        """A ForwardContext of `seqs` under `layout`: from this rank's tables, or (`own`) the slices';
+        with this rank's state pool unless `state` is False."""
         from splash.worker.context import build_context
 
         return build_context(seqs, kv=self.pool, layout=layout, comm=self.comm, rank=self.rank,
                              world=self.world, device=self.device, stats=self.stats,
-                             tables=None if own else self.tables, state=self.state)
+                             tables=None if own else self.tables, state=self.state if state else None)
 
     def input_ids(self, plan: StepPlan) -> torch.Tensor:
         from splash.model.context import to_device
