@@ -65,7 +65,7 @@ def test_margin_and_dwell():
 
 
 def seqs(n: int, accepted: int = 0, rejected: int = 0, ctx: int = 300):
-    return [SimpleNamespace(num_computed=ctx, spec_accepted=accepted, spec_rejected=rejected)
+    return [SimpleNamespace(num_computed=ctx, recent_accepted=accepted, recent_rejected=rejected)
             for _ in range(n)]
 
 
@@ -134,3 +134,59 @@ def test_engine_turns_speculation_off_when_it_loses():
     assert stats["speculative_policy"] == "auto"
     assert stats["spec_accepted_tokens"] == 0 < stats["spec_draft_tokens"]
     assert stats["speculative_depth"] == 0 and stats["spec_depth_changes"] >= 1
+
+
+def test_speculation_must_beat_depth_zero_by_the_gain():
+    """A depth that merely ties with no speculation is left (after the dwell), even inside the margin."""
+    cfg = DepthConfig(3, margin=0.05, min_dwell=2, gain=0.1)
+    assert choose_depth({0: 1.0, 1: 0.97, 2: 0.95, 3: 0.93}, 3, 10, cfg) == 0
+    assert choose_depth({0: 1.0, 1: 0.97, 2: 0.95, 3: 0.93}, 3, 1, cfg) == 3  # (the dwell first)
+    assert choose_depth({0: 1.0, 1: 0.97, 2: 0.95, 3: 0.8}, 0, 10, cfg) == 3
+
+
+def test_acceptance_follows_the_recent_verifies():
+    """A request drafted badly at first and well after: its estimate follows its last verifies, and the
+    engine-wide rate a new request starts from forgets a warm-up's rejections."""
+    pol = DepthPolicy(SIZES, theta(), DepthConfig(3))
+    rec = SimpleNamespace(spec_rejected=0, recent_accepted=0.0, recent_rejected=0.0)
+    for _ in range(10):
+        pol.verified(rec, 3, 0)
+    early = acceptance_rate(rec.recent_accepted, rec.recent_rejected, pol.prior)
+    for _ in range(15):
+        pol.verified(rec, 3, 3)
+    late = acceptance_rate(rec.recent_accepted, rec.recent_rejected, pol.prior)
+    assert early < 0.2 and late > 0.85 and rec.spec_rejected == 10  # (lifetime: 45 / 55, 0.82)
+    for _ in range(100):
+        pol.verified(SimpleNamespace(spec_rejected=0, recent_accepted=0.0, recent_rejected=0.0), 3, 3)
+    assert pol.rejected < 2  # the first ten rejections weigh 0.98^100 each
+
+
+def test_own_step_times_price_the_depths_whatever_theta_says():
+    """The prior thinks a row nearly free; the machine's steps cost 1 ms + 0.5 ms a row (row-bound at 64
+    requests). Once a bucket has steps at two depths its line prices it (and the nearest depth with other
+    rows is run to get one), depth 0 is probed, and the policy settles at 0: its own times decide."""
+    th = theta(t0=0.02, t_experts=0.02, t_row=1e-7)
+    pol = DepthPolicy(SIZES, th, DepthConfig(3, margin=0.05, min_dwell=2))
+    wide = seqs(64, accepted=8, rejected=2)
+    run = []
+    for _ in range(80):
+        k = pol.decide(wide, 0, "tp")
+        run.append(k)
+        pol.observe([300 + k + 1] * 64, [k + 1] * 64, 0.001 + 0.0005 * 64 * (k + 1), "tp")
+    fixed, per_row = pol.line(6)
+    assert fixed == pytest.approx(0.001, rel=1e-6) and per_row == pytest.approx(0.0005, rel=1e-6)
+    assert 0 in run[:40] and set(run[-20:]) == {0}
+
+
+def test_a_mixed_step_is_priced_as_the_batch_it_builds():
+    """Four requests decode while sixty prefill: their verify rows would take the place of prefill rows of
+    a batch that decodes at depth 0, so the depth is the wide batch's, not the four's."""
+    th = theta(t0=0.02, t_experts=0.02, t_row=1e-6)
+    pol = DepthPolicy(SIZES, th, DepthConfig(3, margin=0.05, min_dwell=2))
+    for B in (4, 64):  # the machine: 20 ms + 1 ms a row
+        for k in (0, 3):
+            for _ in range(3):
+                pol.observe([300 + k + 1] * B, [k + 1] * B, 0.02 + 0.001 * B * (k + 1), "tp")
+    few = seqs(4, accepted=8, rejected=2)
+    assert [pol.decide(few, 0, "tp") for _ in range(12)][-1] == 3
+    assert [pol.decide(few, 60, "tp") for _ in range(12)][-1] == 0

@@ -14,7 +14,9 @@ depth, drafting included (the engine's own step times; 1 until measured). Wide b
 compute-bound, T grows with the rows and depth 0 wins; a tail of a few long requests is bound by
 reading the weights, T barely moves and depth K wins. The choice keeps the layout policy's rules: a
 new depth is adopted only when it is `margin` cheaper per token than the current one and the current
-depth has run `min_dwell` steps. Pure Python over the cost model: the runtime supplies the batch and rates.
+depth has run `min_dwell` steps, and a depth above 0 only when it is `gain` cheaper than depth 0
+(speculation that merely ties loses in practice: see DepthConfig.gain). Pure Python over the cost
+model: the runtime supplies the batch and rates.
 """
 
 from __future__ import annotations
@@ -35,14 +37,18 @@ from splash.core.theta import Theta
 class DepthConfig:
     max_depth: int  # K: the most drafts a request verifies per step
     margin: float = 0.05  # a new depth must be this much cheaper per token
+    # speculating must promise tokens this much cheaper than not: the measured ratios move by about as
+    # much from step to step, and drafts spread a batch's progress (its requests finish at different
+    # steps, so its tail runs narrower than the same batch without them, which no step's price sees)
+    gain: float = 0.1
     min_dwell: int = 8  # steps at a depth before a voluntary change
     draft_layers: int = 0  # MTP layers the drafts run through (0: n-gram drafts, free on the ranks)
 
     def __post_init__(self) -> None:
         if self.max_depth < 1:
             raise ConfigError(f"speculation depth policy needs max_depth >= 1, got {self.max_depth}")
-        if not 0 <= self.margin < 1 or self.min_dwell < 0:
-            raise ConfigError("speculation depth policy: margin in [0, 1) and min_dwell >= 0")
+        if not 0 <= self.margin < 1 or not 0 <= self.gain < 1 or self.min_dwell < 0:
+            raise ConfigError("speculation depth policy: margin and gain in [0, 1), min_dwell >= 0")
 
 
 def expected_tokens(a: float | np.ndarray, k: int) -> float | np.ndarray:
@@ -50,7 +56,7 @@ def expected_tokens(a: float | np.ndarray, k: int) -> float | np.ndarray:
     return sum(np.power(a, j) for j in range(k + 1))
 
 
-def acceptance_rate(accepted: int, rejected: int, prior: float, weight: float = 4.0) -> float:
+def acceptance_rate(accepted: float, rejected: float, prior: float, weight: float = 4.0) -> float:
     """Per-draft acceptance of one request: the geometric model's estimate accepted / (accepted +
     rejections), shrunk towards `prior` (the engine-wide rate) with the weight of `weight` drafts."""
     return (accepted + weight * prior) / (accepted + rejected + weight)
@@ -105,10 +111,16 @@ def prices(times: Mapping[int, float], accept: Sequence[float],
 
 
 def choose_depth(prices: Mapping[int, float], current: int, steps_at_current: int, cfg: DepthConfig) -> int:
-    """The depth to run: the cheapest per token, adopted only with the margin and after the dwell."""
-    best = min(prices, key=lambda k: (prices[k], k))
-    if best == current or current not in prices:
-        return best if current not in prices else current
-    if steps_at_current < cfg.min_dwell:
+    """The depth to run: the cheapest per token among no speculation and the depths that beat it by
+    `gain`, adopted only with the margin (or at once when the current depth no longer beats depth 0 by
+    `gain`) and after the dwell."""
+    none = prices.get(0)
+    paying = {k: p for k, p in prices.items() if k == 0 or none is None or p < (1.0 - cfg.gain) * none}
+    best = min(paying, key=lambda k: (paying[k], k))
+    if current not in prices:
+        return best
+    if best == current or steps_at_current < cfg.min_dwell:
         return current
+    if current not in paying:
+        return best
     return best if prices[best] < (1.0 - cfg.margin) * prices[current] else current

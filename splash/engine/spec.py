@@ -120,28 +120,44 @@ class DepthPolicy:
     prices it, from the live decoding batch, each request's measured acceptance and the engine's own
     step times.
 
-    Acceptance: per request, accepted drafts and rejections (a verify that stopped short), shrunk towards
-    the engine-wide rate (starting at 0.5). Step times: per batch-size bucket and depth, the ratio of
-    measured to predicted time of the pure-decode steps run there (median of the last KEEP); a depth not
-    yet run in a bucket borrows another bucket's or the nearest depth's ratio and is priced `explore`
-    times lower, so the policy tries a depth the prior misjudges once instead of never (then its own
-    measurements decide). Re-priced every EVERY steps. Rank 0 only."""
+    Acceptance: per request, accepted drafts and rejections (a verify that stopped short), each verify's
+    counts weighing DECAY times the next one's, shrunk towards the engine-wide rate (starting at 0.5,
+    its verifies decayed by PRIOR_DECAY). A request's acceptance moves as it generates (the first
+    tokens after a prompt are drafted worst: on the trained MTP checkpoint ~0.3 for the first dozen
+    tokens, ~0.75 after), and a lifetime count lagged it by tens of steps at the wrong depth; the
+    engine-wide rate is what a new request starts from, so a warm-up's few verifies fade.
+
+    Step times: per batch-size bucket, the pure-decode steps run there at each depth (the last KEEP).
+    Once a bucket has steps at two depths whose rows differ by SPREAD, its line through them (seconds
+    = fixed + per_row x rows, through each depth's medians: a slow step does not bend it) prices it: a
+    depth run there at its own median time, moved along the line to this batch's rows, a depth not
+    run there on the line. These are the engine's own rates whatever theta says (the built-in CPU prior
+    put a row at a quarter of its cost on an AMD host, and its ratios then favoured drafts at wide
+    batches). Depth 0 is run once in each bucket (a probe of one dwell): a draft phase has a fixed cost
+    that depth 0 skips, so a line through depths >= 1 overprices depth 0, the baseline. Before a bucket
+    has a line, the prior's time at each depth is scaled by the measured/predicted ratio of the depths
+    run there (else of other buckets, else of the nearest depth), a depth not run here priced `explore`
+    times lower, and once the current depth has dwelt, the nearest depth whose rows differ by SPREAD
+    is run so that the line exists. A sample not refreshed for STALE decisions is forgotten, so a depth
+    turned off is tried again later. Re-priced every EVERY steps. Rank 0 only."""
 
     KEEP = 7
     STALE = 256
     EVERY = 4  # steps between decisions
+    SPREAD = 1.5  # rows at two depths of a bucket that differ this much give its line
+    DECAY = 0.8  # a request's acceptance: about its last 5 verifies
+    PRIOR_DECAY = 0.98  # the engine-wide rate: about the last 50 verifies
 
     def __init__(self, sizes: Any, theta: Any, cfg: Any, explore: float = 0.8) -> None:
         self.sizes, self.theta, self.cfg = sizes, theta, cfg
         self.explore = explore
         self.k = cfg.max_depth  # start speculating: acceptance is measured only by trying
         self.steps_at = 0
-        self.accepted = 0  # engine-wide drafts accepted / verifies that stopped at a rejection
-        self.rejected = 0
-        # (bucket, depth) -> the last few measured / predicted ratios and the decision they were last
-        # fed at: the median rules (one slow warm-up step does not condemn a depth), and a ratio not
-        # refreshed for STALE decisions is forgotten, so a depth turned off is tried again later
-        self.samples: dict[tuple[int, int], tuple[deque[float], int]] = {}
+        self.accepted = 0.0  # engine-wide drafts accepted / verifies that stopped at a rejection (decayed)
+        self.rejected = 0.0
+        # (bucket, depth) -> the last few steps' (rows, seconds, measured / predicted) and the decision
+        # they were last fed at
+        self.samples: dict[tuple[int, int], tuple[deque[tuple[int, float, float]], int]] = {}
         self.decisions = 0
         self.changes = 0
         self._memo: dict[tuple[Any, ...], dict[int, float]] = {}
@@ -151,23 +167,63 @@ class DepthPolicy:
         return (self.accepted + 2.0) / (self.accepted + self.rejected + 4.0)
 
     def verified(self, rec: Any, drafts: int, accepted: int) -> None:
-        """Count one verify of a request (`rec`: its record, whose `spec_rejected` it counts too): `accepted`
-        of `drafts` drafts."""
-        self.accepted += accepted
-        self.rejected += int(accepted < drafts)
-        rec.spec_rejected += int(accepted < drafts)
+        """Count one verify of a request (`rec`: its record, whose `spec_rejected` and recent counts it
+        keeps too): `accepted` of `drafts` drafts."""
+        rejected = int(accepted < drafts)
+        self.accepted = self.accepted * self.PRIOR_DECAY + accepted
+        self.rejected = self.rejected * self.PRIOR_DECAY + rejected
+        rec.spec_rejected += rejected
+        rec.recent_accepted = rec.recent_accepted * self.DECAY + accepted
+        rec.recent_rejected = rec.recent_rejected * self.DECAY + rejected
+
+    def _fresh(self) -> dict[tuple[int, int], deque[tuple[int, float, float]]]:
+        return {key: rs for key, (rs, at) in self.samples.items() if self.decisions - at <= self.STALE}
 
     @property
     def ratio(self) -> dict[tuple[int, int], float]:
-        """The ratio in force per (bucket, depth): the median of its recent samples, if fresh."""
-        return {key: float(np.median(rs)) for key, (rs, at) in self.samples.items()
-                if self.decisions - at <= self.STALE}
+        """The measured / predicted ratio in force per (bucket, depth): the median of its recent steps."""
+        return {key: float(np.median([r for _, _, r in rs])) for key, rs in self._fresh().items()}
+
+    def medians(self, b: int) -> dict[int, tuple[float, float]]:
+        """Depth -> (rows, seconds): the medians of the steps measured at that depth in bucket `b`."""
+        return {k: (float(np.median([r for r, _, _ in rs])), float(np.median([t for _, t, _ in rs])))
+                for (bb, k), rs in self._fresh().items() if bb == b}
+
+    def line(self, b: int) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per row) of bucket `b`'s steps: least squares through each measured
+        depth's median (rows, seconds); None until two depths' rows differ by SPREAD."""
+        pts = list(self.medians(b).values())
+        rows = [r for r, _ in pts]
+        if len(pts) < 2 or max(rows) < self.SPREAD * min(rows):
+            return None
+        per_row, fixed = np.polyfit(rows, [t for _, t in pts], 1)
+        per_row = max(float(per_row), 0.0)
+        fixed = max(float(np.mean([t - per_row * r for r, t in pts])), 0.0)
+        return fixed, per_row
+
+    def measured_times(self, b: int, batch: int) -> dict[int, float] | None:
+        """Step seconds at each depth for `batch` decoding requests, from bucket `b`'s own steps (see the
+        class docstring); None before it has a line."""
+        line = self.line(b)
+        if line is None:
+            return None
+        fixed, per_row = line
+        at = self.medians(b)
+        out = {}
+        for k in range(self.cfg.max_depth + 1):
+            t = fixed + per_row * batch * (k + 1)
+            if k in at:
+                rows, secs = at[k]
+                t = secs * t / max(fixed + per_row * rows, 1e-12)
+            out[k] = t
+        return out
 
     def _ratios(self, b: int) -> dict[int, float]:
-        """The ratio to apply at each depth in bucket `b`: its own where measured; else the depth's ratio
-        in the other buckets, scaled by how this bucket's measured depths compare with theirs (the
-        shape carries over as the batch narrows), else the nearest measured depth's; both `explore`
-        lower, so a depth not yet run in this bucket is tried once rather than judged by others."""
+        """The ratio to apply at each depth in bucket `b` before it has a line: its own where measured;
+        else the depth's ratio in the other buckets, scaled by how this bucket's measured depths compare
+        with theirs (the shape carries over as the batch narrows), else the nearest measured depth's;
+        both `explore` lower, so a depth not yet run in this bucket is tried once rather than judged by
+        others."""
         fresh = self.ratio
         here = {k: r for (bb, k), r in fresh.items() if bb == b}
         pooled: dict[int, list[float]] = {}
@@ -189,9 +245,28 @@ class DepthPolicy:
                 out[k] = 1.0 if k == self.k else self.explore
         return out
 
-    def decide(self, decoding: list[Any], other_rows: int, layout: str) -> int:
-        """The depth of the next step for these decoding requests (their records: `spec_accepted`,
-        `spec_rejected`, `num_computed`) and `other_rows` prefill rows."""
+    def _probe(self, b: int, lined: bool) -> int | None:
+        """The depth to run next in bucket `b` to learn it: 0 where it has a line but no depth-0 steps;
+        else, so that it gets a line, the nearest depth to the current one (the lower on a tie) whose
+        rows differ from those of every depth measured there by SPREAD; None when the current depth
+        has no steps there yet, or nothing is to learn."""
+        here = [k for (bb, k) in self._fresh() if bb == b]
+        if self.k not in here:
+            return None
+        if lined:
+            return 0 if 0 not in here else None
+        far = [j for j in range(self.cfg.max_depth + 1)
+               if all(max(j, k) + 1 >= self.SPREAD * (min(j, k) + 1) for k in here)]
+        return min(far, key=lambda j: (abs(j - self.k), j)) if far else None
+
+    def decide(self, decoding: list[Any], joining: int, layout: str) -> int:
+        """The depth of the next step for these decoding requests (their records: `recent_accepted`,
+        `recent_rejected`, `num_computed`) and `joining` more still prefilling. A step that mixes in
+        prefill rows is priced as the pure decode step of the whole batch (joining included, at the
+        engine-wide acceptance): its token budget is fixed, so verify rows take the place of prefill
+        rows, which then take a later step, and the drafts' price is what they cost the batch being
+        built (on a CPU VM, 64 requests speculating at depth 3 while the others prefilled stretched
+        that phase from 17 steps of 85 ms to 22 of 100 ms, for nothing when the batch decodes at 0)."""
         from splash.core.correction import bucket
         from splash.core.spec_depth import acceptance_rate, choose_depth, prices
 
@@ -201,44 +276,51 @@ class DepthPolicy:
         if self.steps_at % self.EVERY and self.steps_at > 1:
             return self.k  # (re-priced every EVERY steps: a batch changes slowly; pricing is host time)
         prior = self.prior
-        acc = [acceptance_rate(s.spec_accepted, s.spec_rejected, prior) for s in decoding]
-        b = bucket(len(decoding))
-        ctx = sum(s.num_computed for s in decoding) // len(decoding)
-        times = self._times(layout, len(decoding), ctx, other_rows)
-        k = choose_depth(prices(times, acc, self._ratios(b)), self.k, self.steps_at, self.cfg)
+        acc = [acceptance_rate(s.recent_accepted, s.recent_rejected, prior) for s in decoding]
+        acc += [prior] * joining
+        B = len(acc)
+        b = bucket(B)
+        times = self.measured_times(b, B)
+        if times is not None:
+            k = choose_depth(prices(times, acc), self.k, self.steps_at, self.cfg)
+        else:
+            ctx = sum(s.num_computed for s in decoding) // len(decoding)
+            k = choose_depth(prices(self._times(layout, B, ctx), acc, self._ratios(b)), self.k, self.steps_at,
+                             self.cfg)
+        probe = self._probe(b, times is not None) if self.steps_at >= self.cfg.min_dwell else None
+        k = k if probe is None or k != self.k else probe
         self.decisions += 1
         if k != self.k:
             self.k, self.steps_at = k, 0
             self.changes += 1
         return self.k
 
-    def _times(self, layout: str, batch: int, ctx: int, others: int = 0) -> dict[int, float]:
+    def _times(self, layout: str, batch: int, ctx: int) -> dict[int, float]:
         """Predicted step seconds at each depth for `batch` decoding requests of context ~`ctx` (a
         uniform batch, rounded to 64 tokens; memoised: the cost model is host time every step)."""
         from splash.core.layouts import Layout
         from splash.core.spec_depth import depth_times
 
-        key = (layout, batch, (ctx + 63) // 64, (others + 63) // 64)
+        key = (layout, batch, (ctx + 63) // 64)
         got = self._memo.get(key)
         if got is None:
             if len(self._memo) > 4096:
                 self._memo.clear()
-            got = self._memo[key] = depth_times(self.sizes, self.theta, Layout(layout),
-                                                [64 * key[2]] * batch, self.cfg, others=64 * key[3])
+            got = self._memo[key] = depth_times(self.sizes, self.theta, Layout(layout), [64 * key[2]] * batch,
+                                                self.cfg)
         return got
 
     def observe(self, contexts: list[int], rows: list[int], measured_s: float, layout: str) -> None:
         """A pure decode step ran: `rows[i]` rows (1 + its drafts) of a request reaching `contexts[i]`
-        tokens, in `measured_s` seconds (drafting included); the ratio to its prediction goes to its
-        (bucket, depth)."""
+        tokens, in `measured_s` seconds (drafting included); it joins its (bucket, depth)."""
         from splash.core.correction import bucket
 
         if not contexts or measured_s <= 0:
             return
-        B = len(contexts)
-        d = min(self.cfg.max_depth, max(0, round(sum(rows) / B) - 1))
+        B, n = len(contexts), sum(rows)
+        d = min(self.cfg.max_depth, max(0, round(n / B) - 1))
         t = self._times(layout, B, sum(contexts) // B - d - 1)[d]
         key = (bucket(B), d)
         rs = self.samples.get(key, (deque(maxlen=self.KEEP), 0))[0]
-        rs.append(measured_s / t)
+        rs.append((n, measured_s, measured_s / t))
         self.samples[key] = (rs, self.decisions)

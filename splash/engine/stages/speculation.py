@@ -31,15 +31,19 @@ from splash.engine.stages.base import Stage
 
 class SpecState:
     """One sequence's verify record: what its output reports (SGLang's `spec_verify_ct`) and what the
-    depth policy estimates its acceptance from (it reads `spec_accepted`, `spec_rejected`, `num_computed`)."""
+    depth policy estimates its acceptance from (it reads `recent_accepted`, `recent_rejected`,
+    `num_computed`)."""
 
-    __slots__ = ("seq", "spec_verify_ct", "spec_accepted", "spec_rejected")
+    __slots__ = ("seq", "spec_verify_ct", "spec_accepted", "spec_rejected", "recent_accepted",
+                 "recent_rejected")
 
     def __init__(self, seq: Seq) -> None:
         self.seq = seq
         self.spec_verify_ct = 0  # verify steps it took part in
         self.spec_accepted = 0  # drafts accepted in them
         self.spec_rejected = 0  # verifies that stopped at a rejected draft
+        self.recent_accepted = 0.0  # the same two counts with older verifies decayed (DepthPolicy.verified)
+        self.recent_rejected = 0.0
 
     @property
     def num_computed(self) -> int:
@@ -149,11 +153,10 @@ class Speculation(Stage):
         assert self.depth is not None
         sch = self.engine.scheduler
         decoding = [s for s in sch.running if s.num_tokens - s.num_computed == 1]
-        pending = sum(s.num_tokens - s.num_computed for s in sch.running if s.num_tokens - s.num_computed > 1)
-        pending += sum(s.num_tokens for s in sch.waiting)
-        others = min(pending, max(0, sch.cfg.max_num_batched_tokens - len(decoding)))
+        joining = len(sch.running) - len(decoding) + len(sch.waiting)  # (prefilling: the batch being built)
+        joining = min(joining, max(0, sch.cfg.max_num_seqs - len(decoding)))
         records = [self.per_seq.get(s) or SpecState(s) for s in decoding]
-        self.depth.decide(records, others, self.engine.allocator.layout)
+        self.depth.decide(records, joining, self.engine.allocator.layout)
 
     def output(self, seq: Seq, fields: dict[str, Any]) -> None:
         st = self.per_seq.get(seq)
