@@ -25,6 +25,13 @@ V3_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa", "kimi_linea
 _GROUPED = hasattr(torch, "_grouped_mm")
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_MAX = 1 << 14  # rows x held experts up to which CUDA runs every expert on every row (`MoE._dense`)
+# ... and a CPU: routing a few rows costs ~20 small ops and two host reads (argsort, bincount, gathers,
+# grouped GEMMs), more than reading every held expert once when there are few of them. Per MoE layer,
+# rows 1/2/4/8, routed against every expert (gate and shared expert included in both), measured on an
+# AMD EPYC (AVX-512 BF16), 2 threads: the trained MTP checkpoint (8 experts of 128 x 64, float32) 168/211/
+# 247/273 us against ~106/128/138/160; `small` (8 experts of 512 x 256, bf16) 502/705/742/822 against
+# ~503/512/566/670 (one bf16 row keeps `_one_row`: the same time, and its own measurements).
+DENSE_MAX_CPU = 64
 
 
 # Fewest rows a router GEMM runs on: MKL's float32 GEMM sums in another order below ~4 rows on AVX2 and
@@ -180,12 +187,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d] -> [N, d]: routed + shared experts (this rank's partial sum on T ranks)."""
         w, idx = self._modules["gate"].forward(x)
-        if x.device.type == "cuda" and x.shape[0] * len(self.experts) <= DENSE_MAX:
-            out = self._dense(x, w, idx)  # no host sync: CUDA decode steps, CUDA graphs
-            shared = self._modules.get("shared")
-            return out.add_(shared.forward(x)) if shared is not None else out
+        cuda = x.device.type == "cuda"
+        if cuda and x.shape[0] * len(self.experts) <= DENSE_MAX:
+            return self._dense_shared(x, w, idx)  # no host sync: CUDA decode steps, CUDA graphs
         if x.shape[0] == 1 and gemm.gemv(x):
             return self._one_row(x, w, idx)
+        if not cuda and x.shape[0] * len(self.experts) <= DENSE_MAX_CPU:
+            return self._dense_shared(x, w, idx)  # a few decode rows (verify slices, MTP chains)
         k = idx.shape[1]
         flat = idx.reshape(-1)
         ne = len(self.experts)
@@ -229,6 +237,11 @@ class MoE(nn.Module):
                 y = torch.mv(b["down"][e], F.silu(g).mul_(u))
                 out.add_(y.to(torch.float32).mul_(w[0, j]).to(x.dtype))
         out = out.unsqueeze(0)
+        shared = self._modules.get("shared")
+        return out.add_(shared.forward(x)) if shared is not None else out
+
+    def _dense_shared(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        out = self._dense(x, w, idx)
         shared = self._modules.get("shared")
         return out.add_(shared.forward(x)) if shared is not None else out
 
