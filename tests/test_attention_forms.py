@@ -18,6 +18,7 @@ from helpers_ckpt import build_checkpoint, hf_greedy, hf_reference
 
 from splash.attention import mha
 from splash.config import EngineConfig
+from splash.core.forms import chunk_costs
 from splash.engine.build import build_engine
 from splash.engine.group import RankGroup
 from splash.engine.sampling import SamplingParams
@@ -35,7 +36,7 @@ def test_cost_rule_picks_mha_for_prefill_and_absorbed_for_decode():
     # One crossover in rows for a given context, and the formula's terms as written in the issue.
     flips = [mha.prefers_mha(r, 4096, V3) for r in range(1, 1024)]
     assert flips == sorted(flips) and flips[0] is False and flips[-1] is True
-    a, m = mha.chunk_costs(3, 10, 2, 512, 64, 128, 128)
+    a, m = chunk_costs(3, 10, 2, 512, 64, 128, 128)
     assert a == 3 * 10 * 2 * (512 + 64 + 512) + 3 * 2 * 2 * 128 * 512
     assert m == 10 * 2 * (128 + 128) * 512 + 3 * 10 * 2 * (128 + 64 + 128)
     assert not mha.prefers_mha(512, 512, V3, form="absorbed")
@@ -118,7 +119,7 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
-def run(eng, prompts, key_share: int = 1):
+def run(eng, prompts):
     """Greedy tokens, {(prompt, position): logits row}, and per prompt the forms its slices took
     ("mha"/"absorbed" per chunk, decode rows included) by the rule the layouts apply."""
     logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -127,7 +128,7 @@ def run(eng, prompts, key_share: int = 1):
 
     def hook(plan, seqs, rows):
         for seq, sl in zip(seqs, plan.seqs):
-            use = sl.num_new > 1 and mha.prefers_mha(sl.num_new, -(-sl.end // key_share), dims)
+            use = sl.num_new > 1 and mha.prefers_mha(sl.num_new, sl.end, dims)
             forms.setdefault(int(seq.group.request_id), []).append((sl.num_new, "mha" if use else "absorbed"))
         for seq, row in zip([s for s, sl in zip(seqs, plan.seqs) if sl.sample], rows):
             logits[(int(seq.group.request_id), len(seq.output_token_ids))] = row.clone()
@@ -190,7 +191,7 @@ def test_prefill_in_mha_form_matches_in_every_layout_and_through_switches(ckpt):
             eng = build_engine(model=path, layout=layout, rank_group=g, attention_form="auto",
                                switch_schedule=schedule, **ENGINE)
             try:
-                toks, logits, forms = run(eng, PROMPTS, key_share=2 if layout == "cp" else 1)
+                toks, logits, forms = run(eng, PROMPTS)
                 switches = eng.stats()["num_switches"]
             finally:
                 eng.shutdown()

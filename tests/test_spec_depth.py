@@ -190,3 +190,13 @@ def test_a_mixed_step_is_priced_as_the_batch_it_builds():
     few = seqs(4, accepted=8, rejected=2)
     assert [pol.decide(few, 0, "tp") for _ in range(12)][-1] == 3
     assert [pol.decide(few, 60, "tp") for _ in range(12)][-1] == 0
+
+
+def test_no_probe_where_no_depth_could_pay():
+    """At a batch acceptance where even free drafts could not beat depth 0 by the gain, no depth is
+    worth running to learn its step time; above it, it is."""
+    from splash.core.spec_depth import could_pay
+
+    assert not could_pay([0.0, 0.05], 3, 0.1)  # 1 + a + a^2 + a^3 <= 1.06 < 1 / 0.9
+    assert could_pay([0.3, 0.2], 3, 0.1)
+    assert not could_pay([], 3, 0.1)

@@ -87,6 +87,11 @@ class AttentionLayout(ABC):
         """A DSA model's step state: index rows and top-k selections (splash/attention/sparse.py)."""
         return sparse.SparseStep(topk, ctx, self.kernels)
 
+    def index_rows(self, mla: MLA, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, positions) whose DSA indexer queries this rank scores; None: every row of the step
+        (each layout but CP, which splits a prefill chunk's rows)."""
+        return None
+
     # Helpers every layout uses -----------------------------------------------------------------------
     @staticmethod
     def write_kv(layer_idx: int, latent_new: torch.Tensor, ctx: ForwardContext) -> None:
@@ -150,8 +155,7 @@ class AttentionLayout(ABC):
         assert sp.rows is not None
         return sparse.subset_candidates(layer_idx, idx, sp.rows, ctx, sp.k)[2]
 
-    def forms(self, ctx: ForwardContext, key: str, idx: list[int] | None, mla: MLA, key_share: int = 1
-              ) -> mha.FormSplit | None:
+    def forms(self, ctx: ForwardContext, key: str, idx: list[int] | None, mla: MLA) -> mha.FormSplit | None:
         """The slices `idx` (None: all) split by attention form, cached per step under `key`; None when
         all take the absorbed form. Depends on the plan alone, so every rank splits alike. A sparse DSA
         step takes the absorbed form throughout (each row reads its own selected keys)."""
@@ -160,7 +164,7 @@ class AttentionLayout(ABC):
         cache = self.__dict__.get("_forms")
         if cache is None:
             cache = self.__dict__["_forms"] = mha.FormCache()
-        return cache.get(ctx, key, idx, mla, key_share, self.kernels.config.attention_form)
+        return cache.get(ctx, key, idx, mla, self.kernels.config.attention_form)
 
     def attend_v(self, layer_idx: int, mla: MLA, q_in: torch.Tensor, positions: torch.Tensor,
                  split: mha.FormSplit, key: str, ctx: ForwardContext, lse: bool = False,

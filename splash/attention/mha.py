@@ -6,9 +6,10 @@ decompresses the chunk's context keys once per held head instead - k_nope = c_kv
 k_pe shared over heads - and then runs ordinary attention with head dim d_nope + d_r and value dim d_v,
 its output going straight to o_proj. With DeepSeek's dims (d_c 512, d_r 64, d_nope = d_v = 128) that
 is 320 instead of 1088 multiply-adds per (row, key, head), paid for by a decompression per key: worth
-it for prefill chunks (rows ~ keys), never for decode rows (one row per context). `prefers_mha` is the
-one place that decides, per chunk (`chunk_costs`); `SPLASH_ATTN_FORM=absorbed|mha` (or the engine's
-`attention_form`) pins either form everywhere, for tests and before/after measurements.
+it for prefill chunks (rows ~ keys), never for decode rows (one row per context). `prefers_mha` decides
+per chunk by the one rule (`splash.core.forms`, which the cost model asks too); `SPLASH_ATTN_FORM=
+absorbed|mha` (or the engine's `attention_form`) pins either form everywhere, for tests and
+before/after measurements.
 
 Attention is matmul, softmax, matmul in blocks of `_BLOCK` query rows (`attend_blocked`), each block
 against only the keys up to its last position: causal chunks skip about half the work, and a block's
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splash.attention.kernel import acc_dtype
+from splash.core.forms import mha_cheaper
 from splash.model import gemm
 
 if TYPE_CHECKING:
@@ -37,24 +39,12 @@ if TYPE_CHECKING:
 _BLOCK = 128  # query rows per block of `attend_blocked` on CPU
 
 
-def chunk_costs(rows: int, ctx: int, heads: int, d_c: int, d_r: int, d_nope: int, d_v: int
-                ) -> tuple[int, int]:
-    """(absorbed, mha) multiply-adds of attending `rows` query rows over `ctx` keys for `heads` heads.
-
-    absorbed: scores and values over the latent, plus absorbing W_UK into q and W_UV into the output;
-    mha: decompressing the keys and values for every head, plus scores and values in head space."""
-    absorbed = rows * ctx * heads * (d_c + d_r + d_c) + rows * heads * 2 * d_nope * d_c
-    mha = ctx * heads * (d_nope + d_v) * d_c + rows * ctx * heads * (d_nope + d_r + d_v)
-    return absorbed, mha
-
-
 def prefers_mha(rows: int, ctx: int, mla: MLA, form: str = "auto") -> bool:
     """Whether a chunk of `rows` query rows over `ctx` keys (on this rank) takes the MHA form; `form`
     (the layout's `KernelConfig.attention_form`) pins one."""
     if form != "auto":
         return form == "mha"
-    absorbed, mha = chunk_costs(rows, ctx, 1, mla.d_c, mla.d_rope, mla.d_nope, mla.d_v)
-    return mha < absorbed
+    return bool(mha_cheaper(rows, ctx, mla.d_c, mla.d_rope, mla.d_nope, mla.d_v))
 
 
 @dataclass
@@ -67,17 +57,16 @@ class FormSplit:
     abs_rows: torch.Tensor      # ... and their rows (all of them, in order)
 
     @classmethod
-    def of(cls, ctx: ForwardContext, idx: list[int] | None, mla: MLA, key_share: int = 1,
-           form: str = "auto") -> FormSplit:
-        """`key_share`: the context is spread over that many ranks (CP), so a rank decompresses 1/share
-        of each chunk's keys."""
+    def of(cls, ctx: ForwardContext, idx: list[int] | None, mla: MLA, form: str = "auto") -> FormSplit:
+        """Each chunk by its rows and whole context (CP too: a rank attends its share of a split chunk's
+        rows over the gathered context)."""
         seqs = ctx.seqs
         ks = range(len(seqs)) if idx is None else idx
         mha, mha_rows, absorbed, abs_rows = [], [], [], []
         at = 0
         for k in ks:
             s = seqs[k]
-            if form == "mha" or (s.num_new > 1 and prefers_mha(s.num_new, -(-s.end // key_share), mla, form)):
+            if form == "mha" or (s.num_new > 1 and prefers_mha(s.num_new, s.end, mla, form)):
                 mha.append(k)
                 mha_rows.append(slice(at, at + s.num_new))
             else:
@@ -97,11 +86,11 @@ class FormCache:
         self._made: dict[str, FormSplit | None] = {}
 
     def get(self, ctx: ForwardContext, key: str, idx: list[int] | None, mla: MLA,
-            key_share: int = 1, form: str = "auto") -> FormSplit | None:
+            form: str = "auto") -> FormSplit | None:
         if self._ctx is not ctx:
             self._ctx, self._made = ctx, {}
         if key not in self._made:
-            split = FormSplit.of(ctx, idx, mla, key_share, form)
+            split = FormSplit.of(ctx, idx, mla, form)
             self._made[key] = split if split.mha else None
         return self._made[key]
 

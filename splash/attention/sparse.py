@@ -28,6 +28,7 @@ selection); the torch path (gather, matmuls, a stable sort) is the reference and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -207,6 +208,17 @@ def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: KVPool, layer: 
                                 kv.kernel_format(layer))
         if got is not None:
             return got
+    # only the selected rows decoded
+    return attend_rows(q_lat, q_pe, slots, lambda sl: kv.decode(layer, flat[sl]), scale, lse)
+
+
+def attend_rows(q_lat: torch.Tensor, q_pe: torch.Tensor, slots: torch.Tensor,
+                fetch: Callable[[torch.Tensor], torch.Tensor], scale: float, lse: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Absorbed MLA of each row over its own keys: slots [n, k] (-1: none), `fetch(slots)` -> their
+    latent values [*slots.shape, D] (a pool's, or CP's gathered context) -> (out [n, h, d_c], lse [n, h]
+    or None), a block of rows at a time; a row with no key gets 0 and lse -inf."""
+    n, h, d_c = q_lat.shape
     acc = acc_dtype(q_lat.dtype)
     out = q_lat.new_zeros(n, h, d_c)
     total = torch.full((n, h), float("-inf"), dtype=acc, device=q_lat.device) if lse else None
@@ -214,12 +226,12 @@ def attend_selected(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: KVPool, layer: 
     if n == 0 or k == 0:
         return out, total
     q = torch.cat([q_lat, q_pe], dim=-1)  # [n, h, D]
-    step = max(1, _CHUNK // max(1, k * kv.dim))
+    step = max(1, _CHUNK // max(1, k * q.shape[-1]))
     for a in range(0, n, step):
         b = min(n, a + step)
         sl = slots[a:b]
         miss = sl < 0
-        keys = kv.decode(layer, flat[sl.clamp(min=0)])  # [r, k, D] (only the selected rows decoded)
+        keys = fetch(sl.clamp(min=0))  # [r, k, D]
         s = torch.matmul(q[a:b], keys.transpose(1, 2)).to(acc)  # [r, h, k]
         s.mul_(scale)
         s.masked_fill_(miss[:, None, :], float("-inf"))

@@ -10,8 +10,8 @@ calibration fits) in `splash/core/features.py`; Eq 7, a switch's exposed time, i
 
 Sparse attention (DSA, SPEC §9): a query's main attention reads at most `index_topk` keys whatever the
 context, while each indexer layer scores every visible key (H_I * d_I MACs and d_I values per key) and
-runs its own projections on the rows (replicated in every layout: rows are placed as the KV is, all of
-them in TP and CP, each owner's under DP and DOP). The indexer is a second roofline inside t_att. GLM-5's
+runs its own projections on the rows it scores (all of them in TP, each owner's under DP and DOP, in CP
+every whole row and its share of a split chunk's). The indexer is a second roofline inside t_att. GLM-5's
 shared layers reuse the previous indexer's selection: sparse main attention, no indexer. Layers of one
 kind cost alike, so a step is the sum over the kinds (`layer_kinds`) of count x one layer's cost.
 
@@ -20,6 +20,11 @@ projections (t_proj) and the state update (t_att: ~8 d^2 FLOPs per row and head,
 of the state per request with rows), no context-dependent term. The share a rank computes follows the
 state placement: TP/DOP each rank its heads of every row (one all-reduce after o), DP the owner's rows
 (one all-gather), CP every row whole on every rank (redundant, no collective).
+
+CP runs a step's rows two ways (splash/attention/cp.py): the rows of chunks taking the MHA form
+(`splash.core.forms`: prefill) are split over the ranks by tokens, 1/T each against the whole context,
+whose earlier keys are all-gathered (`cp_split`); the others every rank computes whole against its
+position share, merged by head slice.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from splash.core.forms import mha_cheaper
 from splash.core.holdings import position_tokens_matrix
 from splash.core.layouts import LAYOUTS, Layout, Ownership, StatePlacement, round_robin_owners
 from splash.core.model_config import ConfigError
@@ -206,32 +212,42 @@ def layer_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: int,
     share = None
     if layout.ownership is Ownership.POSITION:
         share = position_tokens_matrix(s.astype(np.int64), T, page_size) / np.maximum(s, 1)[None, :]
+    split = cp_split(layout, sizes, batch, T)
+    whole = np.where(split, 0.0, q)  # rows every rank computes (CP) or their owner does
     if layout.ownership is Ownership.OWNER:
         rows_r = np.bincount(o, weights=q, minlength=T)
         slices_r = np.bincount(o, weights=active, minlength=T)
     else:
-        rows_r = np.full(T, q.sum())
+        rows_r = np.full(T, whole.sum() + (q.sum() - whole.sum()) / T)  # CP: split rows 1/T each
         slices_r = np.full(T, active.sum())  # CP: every rank visits every slice (its keys may be few)
     w_rank = sizes.w_layer / T if layout.sharded else sizes.w_layer
-    f_proj = rows_r * heads * _proj_flops_per_row_head(sizes)
-    w_read = np.where(rows_r > 0, w_rank, 0.0)
+    # Head-sharded projections (TP, DOP) run every row of the step for the rank's H/T heads (DOP's
+    # exchange then brings each owner its rows); replicated ones the rows the rank attends.
+    proj_rows = np.full(T, q.sum()) if layout.sharded else rows_r
+    f_proj = proj_rows * heads * _proj_flops_per_row_head(sizes)
+    w_read = np.where(proj_rows > 0, w_rank, 0.0)
     f_index = index_read = None
     if c.is_sparse if indexer is None else indexer:
-        # Replicated projections on the rows this rank's KV serves (all in TP/CP, its own in DP/DOP);
-        # scoring every visible key it holds.
-        idx_rows = np.bincount(o, weights=q, minlength=T) if layout.owned else np.full(T, q.sum())
+        # Projections on the rows this rank scores (all in TP, its own in DP/DOP, CP's share of a split
+        # chunk's and every whole row); scoring every visible key it holds.
+        idx_rows = np.bincount(o, weights=q, minlength=T) if layout.owned else rows_r  # CP: split too
         f_proj = f_proj + idx_rows * _index_proj_flops_per_row(sizes)
         w_read = w_read + np.where(idx_rows > 0, sizes.indexer_layer_bytes, 0.0)
         scored = q * attended_keys(s, q, None)
-        f_index = _spread(layout, o, scored, share, T) * _index_flops_per_key(sizes)
-        index_read = _spread(layout, o, s, share, T) * sizes.store_bytes("index_k")
+        f_index = (_spread(layout, o, np.where(split, 0.0, scored), share, T)
+                   + np.where(split, scored, 0.0).sum() / T) * _index_flops_per_key(sizes)
+        index_read = (_spread(layout, o, np.where(split, 0.0, s), share, T)
+                      + np.where(split, s, 0.0).sum()) * sizes.store_bytes("index_k")
+    # A split chunk: each rank its 1/T of the rows (causal work even) over the whole gathered context
+    f_att = _spread(layout, o, whole * keys, share, T) + np.where(split, q * keys, 0.0).sum() / T
+    kv_read = _spread(layout, o, np.where(split, 0.0, read), share, T) + np.where(split, read, 0.0).sum()
     return LayerLoads(
         f_proj=f_proj,
         w_read=w_read,
-        f_att=_spread(layout, o, q * keys, share, T) * att_heads * _att_flops_per_key_head(sizes),
-        kv_read=_spread(layout, o, read, share, T) * sizes.store_bytes("latent"),
+        f_att=f_att * att_heads * _att_flops_per_key_head(sizes),
+        kv_read=kv_read * sizes.store_bytes("latent"),
         slices=slices_r,
-        comm_bytes=_comm_bytes(layout, sizes, batch, T, act_bytes, rows_r),
+        comm_bytes=_comm_bytes(layout, sizes, batch, T, act_bytes, rows_r, split, f_index is not None),
         collectives=float(collectives) if T > 1 else 0.0,
         f_index=f_index,
         index_read=index_read,
@@ -356,8 +372,18 @@ def outside_attention(theta: Theta, batch: Batch) -> float:
     return theta.t0 + theta.t_row * rows + theta.t_experts * touched + theta.t_req * active_requests(batch)
 
 
+def cp_split(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int) -> np.ndarray:
+    """Which requests' rows CP splits over its ranks by tokens (splash/attention/cp.py): the chunks
+    taking the MHA form by the one rule (`splash.core.forms`, over the whole context; a sparse DSA step
+    splits the same chunks and attends their selected keys absorbed). All False in other layouts."""
+    c, q, s = sizes.cfg, batch.rows, batch.contexts
+    if layout is not Layout.CP or T == 1:
+        return np.zeros(len(q), dtype=bool)
+    return mha_cheaper(q, s, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim)
+
+
 def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: float,
-                rows_r: np.ndarray) -> float:
+                rows_r: np.ndarray, split: np.ndarray, indexer: bool = False) -> float:
     """R of Eq 10 in bytes one rank receives per layer (busiest rank)."""
     if T == 1:
         return 0.0
@@ -369,7 +395,14 @@ def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: 
     if layout is Layout.DP:
         return float((N - rows_r.min()) * d * b)  # all-gather: every row but my own
     if layout is Layout.CP:
-        return 2 * (T - 1) / T * N * H * (c.kv_lora_rank + 1) * b  # partial outputs + LSE merge
+        # the whole rows' partial outputs + LSE merge; a split chunk's earlier context latent (and on an
+        # indexer layer its index keys), as stored, and its rows' outputs all-gathered
+        q, s = batch.rows, batch.contexts
+        n_whole = float(np.where(split, 0, q).sum())
+        merge = 2 * (T - 1) / T * n_whole * H * (c.kv_lora_rank + 1) * b
+        per_key = sizes.store_bytes("latent") + (sizes.store_bytes("index_k") if indexer else 0.0)
+        gather = (T - 1) / T * float(np.where(split, s - q, 0).sum()) * per_key  # new rows: every rank's
+        return merge + gather + (T - 1) / T * float(np.where(split, q, 0).sum()) * d * b
     # DOP, Eq 4 as one rank receives it: its rows from every head shard, others' rows for its heads;
     # plus O's all-reduce
     return eq4_rank_bytes(rows_r, N, H, c.kv_lora_rank, c.qk_rope_head_dim, T, b) + allreduce

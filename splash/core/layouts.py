@@ -157,6 +157,15 @@ def round_robin_owners(n: int, ranks: int) -> list[int]:
     return [i % ranks for i in range(n)]
 
 
+def token_split(rows: int, ranks: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """CP's split of a prefill chunk's query rows over the ranks (as SGLang's prefill CP splits a
+    prompt): 2T contiguous pieces, rank j computing the j-th and the (2T-1-j)-th, so an early (cheap,
+    few keys) piece goes with a late (costly) one and causal work is even. -> per rank its two
+    [lo, hi) row ranges within the chunk."""
+    b = [rows * i // (2 * ranks) for i in range(2 * ranks + 1)]
+    return [((b[j], b[j + 1]), (b[2 * ranks - 1 - j], b[2 * ranks - j])) for j in range(ranks)]
+
+
 def check_batch(contexts: Sequence[int], owners: Sequence[int] | None,
            ranks: int) -> tuple[np.ndarray, np.ndarray]:
     if ranks < 1:

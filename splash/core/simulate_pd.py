@@ -276,19 +276,26 @@ class Position:
         if self.paper_lead < 0.03:
             why.append(f"the paper's {self.label} leads by only {self.paper_lead:.1%}, a tie (decode, the "
                        "same for every prefill layout, is a large share of its end-to-end time)")
-        if lab is Layout.CP:
-            why.append("splash's CP is decode-style: every rank computes every prompt row (projections and "
-                       "indexer replicated), merging [rows, heads, d_c] partial outputs each layer; "
-                       "SGLang's prefill CP splits the prompt's tokens over the ranks and gathers their KV")
+        if lab is Layout.DOP and sim is Layout.CP:
+            why.append("Eq 10 gives CP's token-split prefill and DOP the same projection and attention work "
+                       "per rank (1/T of the rows at all heads, all rows at H/T heads); DOP pays Eq 4's "
+                       "exchange where CP gathers its earlier keys and outputs, so DOP leads only where its "
+                       "larger KV pool changes admission, which it does not at this position")
         elif lab is Layout.DOP:
             why.append("DOP does DP-attention's attention work plus Eq 4's exchange (a rank's share, "
                        "1/T of the group's total); its sharded projections must win that back")
         elif lab is Layout.TP:
             why.append(f"Eq 10 has TP run the DSA indexer for every row on every rank ({theta.ranks}x, as "
-                       "SGLang's TP does) beside an all-reduce, which DP-attention does not pay; what gives "
-                       "TP the paper's lead at this position is outside Eq 10")
+                       "SGLang's TP does) beside an all-reduce, which CP's token split and DP-attention do "
+                       "not pay; what gives TP the paper's lead at this position is outside Eq 10")
+        elif lab is Layout.DP and sim is Layout.CP:
+            why.append("Eq 10 gives CP's token-split prefill DP-attention's work per rank with its exchange "
+                       "partly hidden under attention (the profile's eta), DP-attention's all-gather not: "
+                       f"CP {self.sim_gap:.1%} ahead")
         elif lab is Layout.DP and sim is Layout.DOP:
-            why.append(f"Eq 10 prices DOP's sharded projections {self.sim_gap:.1%} ahead of DP-attention's")
+            why.append(f"Eq 10 prices DOP {self.sim_gap:.1%} ahead of DP-attention")
+        elif lab is Layout.CP:
+            why.append(f"Eq 10 prices {self.simulated} {self.sim_gap:.1%} ahead of CP's token-split prefill")
         if not why:
             why.append(f"Eq 10 prices {self.simulated} {self.sim_gap:.1%} ahead of {self.label}")
         return "; ".join(why)

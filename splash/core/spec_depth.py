@@ -56,6 +56,14 @@ def expected_tokens(a: float | np.ndarray, k: int) -> float | np.ndarray:
     return sum(np.power(a, j) for j in range(k + 1))
 
 
+def could_pay(accept: Sequence[float], k: int, gain: float) -> bool:
+    """Whether depth k could beat depth 0 by `gain` even if its drafts and verify rows cost nothing:
+    the batch's mean tokens a verify emits at acceptance `accept` above 1 / (1 - gain). Where none
+    could, running a depth to learn its step time teaches nothing worth its drafts."""
+    a = np.clip(np.asarray(accept, dtype=np.float64), 0.0, 1.0)
+    return bool(a.size) and float(np.mean(expected_tokens(a, k))) * (1.0 - gain) > 1.0
+
+
 def acceptance_rate(accepted: float, rejected: float, prior: float, weight: float = 4.0) -> float:
     """Per-draft acceptance of one request: the geometric model's estimate accepted / (accepted +
     rejections), shrunk towards `prior` (the engine-wide rate) with the weight of `weight` drafts."""

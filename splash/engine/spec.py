@@ -268,7 +268,7 @@ class DepthPolicy:
         built (on a CPU VM, 64 requests speculating at depth 3 while the others prefilled stretched
         that phase from 17 steps of 85 ms to 22 of 100 ms, for nothing when the batch decodes at 0)."""
         from splash.core.correction import bucket
-        from splash.core.spec_depth import acceptance_rate, choose_depth, prices
+        from splash.core.spec_depth import acceptance_rate, choose_depth, could_pay, prices
 
         self.steps_at += 1
         if not decoding:
@@ -288,6 +288,8 @@ class DepthPolicy:
             k = choose_depth(prices(self._times(layout, B, ctx), acc, self._ratios(b)), self.k, self.steps_at,
                              self.cfg)
         probe = self._probe(b, times is not None) if self.steps_at >= self.cfg.min_dwell else None
+        if probe and not could_pay(acc, self.cfg.max_depth, self.cfg.gain):
+            probe = None  # (no depth could pay at this acceptance: its step time is not worth drafts)
         k = k if probe is None or k != self.k else probe
         self.decisions += 1
         if k != self.k:

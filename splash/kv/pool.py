@@ -193,10 +193,12 @@ class KVPool:
             return rows
         return self.codecs["latent"].decode(rows, self.tensor_scale.get(i, 1.0))
 
-    def as_stored(self, i: int, rows: torch.Tensor) -> torch.Tensor:
-        """Latent rows [k, D] as layer i would give them back once written (an FP8 cache's round trip;
-        the rows themselves for the model's dtype): for a path that attends new rows without reading
-        the pool, so that it sees what every other layout reads."""
+    def as_stored(self, i: int, rows: torch.Tensor, name: str = "latent") -> torch.Tensor:
+        """Rows [k, width] of store `name` as layer i would give them back once written (an FP8 cache's
+        round trip; the rows themselves for the model's dtype): for a path that attends new rows
+        without reading the pool, so that it sees what every other layout reads."""
+        if name != "latent":
+            return self.codecs[name].decode(self._encode(name, i, rows))
         if not self.packed and self.storage == self.dtype:
             return rows
         return self.decode(i, self._encode("latent", i, rows))

@@ -46,6 +46,10 @@ class StepLayout(Protocol):
     def sparse_step(self, topk: int, ctx: ForwardContext) -> StepSparse:
         """A DSA model's per-step selection state (made once per step, before the first layer)."""
 
+    def index_rows(self, mla: torch.nn.Module, ctx: ForwardContext
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, positions) whose DSA indexer queries this rank scores this step; None: every row."""
+
 
 class SliceCtx:
     """One request's rows in this step, with tensors on the model's device.

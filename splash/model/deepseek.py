@@ -100,7 +100,9 @@ class DecoderLayer(nn.Module):
         q_in, latent_new = attn.prepare(xn, ctx.positions)
         if ctx.sparse is not None:  # DSA: this layer's index rows (None: shared) before its attention
             ix = m.get("indexer")
-            ctx.sparse.begin(self.idx, None if ix is None else ix.prepare(xn, q_in, ctx.positions), ctx)
+            rows = None if ix is None else ix.prepare(xn, q_in, ctx.positions,
+                                                      ctx.layout.index_rows(attn, ctx))
+            ctx.sparse.begin(self.idx, rows, ctx)
         x = x + ctx.layout.attention(self.idx, attn, q_in, latent_new, ctx)
         return self._mlp(x, ctx)
 

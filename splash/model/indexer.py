@@ -67,15 +67,30 @@ class Indexer(nn.Module):
         self.k_norm_b = reader.get(f"{prefix}.k_norm.bias", dt, dev)
         self.weights_proj = reader.get(f"{prefix}.weights_proj.weight", self.weights_proj.dtype, dev)
 
-    def prepare(self, x: torch.Tensor, q_in: torch.Tensor, positions: torch.Tensor) -> IndexRows:
-        """x [N, d] (the layer's normed input), q_in [N, q_lora] (the normed query latent) -> IndexRows."""
+    def prepare(self, x: torch.Tensor, q_in: torch.Tensor, positions: torch.Tensor,
+                scoring: tuple[torch.Tensor, torch.Tensor] | None = None) -> IndexRows:
+        """x [N, d] (the layer's normed input), q_in [N, q_lora] (the normed query latent) -> IndexRows.
+        `scoring`: (rows, their positions) whose queries this rank scores (the layout's
+        `index_rows`: CP's share of a split chunk); the other rows' q and w are left unset. None: all."""
         b, rot, r = self._buffers, self.rotary, self.d_rope
         tables = rot.tables(positions)
-        n = x.shape[0]
-        q = gemm.linear(q_in, b["wq_b"]).view(n, self.n_heads, self.head_dim)
-        q = torch.cat([rot.apply(q[..., :r], tables, self.style), q[..., r:]], dim=-1)
         k = F.layer_norm(gemm.linear(x, b["wk"]), (self.head_dim,), b["k_norm_w"], b["k_norm_b"], 1e-6)
         k = torch.cat([rot.apply(k[:, :r], tables, self.style), k[:, r:]], dim=-1)
         sd = score_dtype(x.dtype)
-        w = F.linear(x.to(sd), b["weights_proj"]) * self.w_scale
-        return IndexRows(q=q.to(sd), w=w, k_new=k)
+        if scoring is None:
+            q, w = self._queries(x, q_in, tables, sd)
+            return IndexRows(q=q, w=w, k_new=k)
+        rows, pos = scoring
+        q_s, w_s = self._queries(x[rows], q_in[rows], rot.tables(pos), sd)
+        q = q_s.new_empty(x.shape[0], *q_s.shape[1:])
+        w = w_s.new_empty(x.shape[0], *w_s.shape[1:])
+        q[rows], w[rows] = q_s, w_s
+        return IndexRows(q=q, w=w, k_new=k)
+
+    def _queries(self, x: torch.Tensor, q_in: torch.Tensor, tables: object, sd: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roped queries [n, H_I, d_I] and head weights [n, H_I] of rows x / q_in, in the score dtype."""
+        b, rot, r = self._buffers, self.rotary, self.d_rope
+        q = gemm.linear(q_in, b["wq_b"]).view(x.shape[0], self.n_heads, self.head_dim)
+        q = torch.cat([rot.apply(q[..., :r], tables, self.style), q[..., r:]], dim=-1)
+        return q.to(sd), F.linear(x.to(sd), b["weights_proj"]) * self.w_scale
