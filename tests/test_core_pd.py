@@ -213,3 +213,37 @@ def test_plan_pd_json(capsys):
                  "--json"]) == 0
     v32 = json.loads(capsys.readouterr().out)
     assert v32["page_bytes"] == 788 * 61 * 64 and v32["pages"] == 16  # the paper's page size by default
+
+
+def test_registration_starts_over_when_mooncake_holds_an_overlapping_region():
+    """A pool reallocated by a switch can land on memory Mooncake still holds (code -7, overlapped): the
+    refresh unregisters everything and registers the pools afresh once, rather than failing the
+    requests; a second failure is an error naming the code."""
+    from splash.disagg.transfer import KVTransfer, TransferError
+
+    class Engine:
+        def __init__(self, refuse: int) -> None:
+            self.held: dict[int, int] = {}
+            self.refuse = refuse  # overlapped answers still to give
+
+        def register_memory(self, addr: int, n: int) -> int:
+            if self.refuse and addr not in self.held:
+                self.refuse -= 1
+                return -7
+            self.held[addr] = n
+            return 0
+
+        def unregister_memory(self, addr: int) -> int:
+            return 0 if self.held.pop(addr, None) is not None else -3
+
+    a, b = torch.zeros(64), torch.zeros(32)
+    xfer = object.__new__(KVTransfer)
+    xfer.engine, xfer._registered = Engine(refuse=1), {a.data_ptr(): 256}
+    xfer.engine.held[a.data_ptr()] = 256
+    xfer._tensors = lambda: ([a, b], ["latent", "index_k"], [], [])
+    xfer.refresh()
+    assert xfer._registered == xfer.engine.held == {a.data_ptr(): 256, b.data_ptr(): 128}
+    xfer.engine.refuse, xfer._registered = 5, {}
+    xfer.engine.held.clear()
+    with pytest.raises(TransferError, match="code -7"):
+        xfer.refresh()

@@ -92,18 +92,28 @@ class KVTransfer:
         want = {t.data_ptr(): t.numel() * t.element_size() for t in (*kv, *st) if t.numel()}
         if want == self._registered:
             return
-        for addr in self._registered:
-            if addr not in want:
-                self.engine.unregister_memory(addr)
-        for addr, n in want.items():
-            if self._registered.get(addr) != n:
-                if addr in self._registered:
-                    self.engine.unregister_memory(addr)
-                rc = self.engine.register_memory(addr, n)
-                if rc != 0:
-                    raise TransferError(f"registering {n} bytes of KV memory with Mooncake failed "
-                                        f"(code {rc})")
-        self._registered = want
+        kept = {a: n for a, n in self._registered.items() if want.get(a) == n}
+        failed = [a for a in self._registered if a not in kept and self.engine.unregister_memory(a) != 0]
+        self._registered = dict(kept)
+        rc = self._register({a: n for a, n in want.items() if a not in kept})
+        if rc != 0:
+            # Mooncake still holds a region overlapping a new one (code -7: a freed pool's memory reused
+            # before its unregister took): start over from nothing, once
+            failed += [a for a in list(self._registered) if self.engine.unregister_memory(a) != 0]
+            self._registered = {}
+            rc = self._register(want)
+        if rc != 0:
+            raise TransferError(f"registering {sum(want.values())} bytes of KV memory with Mooncake failed "
+                                f"(code {rc}; unregister failed at {[hex(a) for a in failed]})")
+
+    def _register(self, regions: dict[int, int]) -> int:
+        """Register `regions` (address -> bytes) in turn, recording each -> 0, or the first failure's code."""
+        for addr, n in regions.items():
+            rc = self.engine.register_memory(addr, n)
+            if rc != 0:
+                return rc
+            self._registered[addr] = n
+        return 0
 
     def layout_info(self) -> dict[str, Any]:
         """What the handshake exchanges (JSON-able): the session, the identity, every store's memory."""
