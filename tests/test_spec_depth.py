@@ -19,7 +19,14 @@ from splash.core.layouts import Layout
 from splash.core.presets import PRESETS
 from splash.core.prior import default_theta
 from splash.core.sizes import AttentionSizes
-from splash.core.spec_depth import DepthConfig, acceptance_rate, choose_depth, expected_tokens, price_depths
+from splash.core.spec_depth import (
+    DepthConfig,
+    acceptance_rate,
+    choose_depth,
+    expected_tokens,
+    price_depths,
+    prices,
+)
 from splash.engine.spec import DepthPolicy
 
 CFG = PRESETS["small"]
@@ -200,3 +207,21 @@ def test_no_probe_where_no_depth_could_pay():
     assert not could_pay([0.0, 0.05], 3, 0.1)  # 1 + a + a^2 + a^3 <= 1.06 < 1 / 0.9
     assert could_pay([0.3, 0.2], 3, 0.1)
     assert not could_pay([], 3, 0.1)
+
+
+def test_a_new_bucket_is_priced_by_the_line_of_the_others():
+    """Steps of 16 requests at depths 0 and 3 (16 and 64 rows) on a machine where a row costs 0.5 ms: a
+    first batch of 64 is priced off that pooled line (row-bound: depth 0) rather than by a prior that
+    thinks rows nearly free (depth 3)."""
+    th = theta(t0=0.02, t_experts=0.02, t_row=1e-7)
+    wide = seqs(64, accepted=8, rejected=2)
+    pol = DepthPolicy(SIZES, th, DepthConfig(3, margin=0.05, min_dwell=2))
+    acc = [acceptance_rate(8, 2, pol.prior)] * 64
+    by_prior = prices(pol._times("tp", 64, 300), acc)
+    assert min(by_prior, key=by_prior.get) > 0  # the prior alone would speculate
+    for k in (0, 3):
+        for _ in range(3):
+            pol.observe([300 + k + 1] * 16, [k + 1] * 16, 0.001 + 0.0005 * 16 * (k + 1), "tp")
+    assert pol.line(None) == pytest.approx((0.001, 0.0005), rel=1e-6)
+    assert pol.measured_times(6, 64) is None  # (no line of its own yet)
+    assert [pol.decide(wide, 0, "tp") for _ in range(12)][-1] == 0

@@ -135,7 +135,8 @@ class DepthPolicy:
     put a row at a quarter of its cost on an AMD host, and its ratios then favoured drafts at wide
     batches). Depth 0 is run once in each bucket (a probe of one dwell): a draft phase has a fixed cost
     that depth 0 skips, so a line through depths >= 1 overprices depth 0, the baseline. Before a bucket
-    has a line, the prior's time at each depth is scaled by the measured/predicted ratio of the depths
+    has a line, the line through every bucket's steps prices it (`pooled_times`); before any line, the
+    prior's time at each depth is scaled by the measured/predicted ratio of the depths
     run there (else of other buckets, else of the nearest depth), a depth not run here priced `explore`
     times lower, and once the current depth has dwelt, the nearest depth whose rows differ by SPREAD
     is run so that the line exists. A sample not refreshed for STALE decisions is forgotten, so a depth
@@ -189,10 +190,14 @@ class DepthPolicy:
         return {k: (float(np.median([r for r, _, _ in rs])), float(np.median([t for _, t, _ in rs])))
                 for (bb, k), rs in self._fresh().items() if bb == b}
 
-    def line(self, b: int) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per row) of bucket `b`'s steps: least squares through each measured
-        depth's median (rows, seconds); None until two depths' rows differ by SPREAD."""
-        pts = list(self.medians(b).values())
+    def line(self, b: int | None) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per row) of bucket `b`'s steps (None: of every bucket's, pooled):
+        least squares through each measured (bucket,) depth's median (rows, seconds); None until two of
+        them differ in rows by SPREAD."""
+        if b is None:
+            pts = [pt for bb in {bb for bb, _ in self._fresh()} for pt in self.medians(bb).values()]
+        else:
+            pts = list(self.medians(b).values())
         rows = [r for r, _ in pts]
         if len(pts) < 2 or max(rows) < self.SPREAD * min(rows):
             return None
@@ -217,6 +222,17 @@ class DepthPolicy:
                 t = secs * t / max(fixed + per_row * rows, 1e-12)
             out[k] = t
         return out
+
+    def pooled_times(self, batch: int) -> dict[int, float] | None:
+        """Step seconds at each depth for `batch` decoding requests from the line through every bucket's
+        measured steps (a wider batch read off narrower ones: on a CPU VM the prior's per-row cost was
+        3.5x too low, and a bucket's first steps at depth 3 cost what its line later showed); None
+        before there is one."""
+        line = self.line(None)
+        if line is None:
+            return None
+        fixed, per_row = line
+        return {k: fixed + per_row * batch * (k + 1) for k in range(self.cfg.max_depth + 1)}
 
     def _ratios(self, b: int) -> dict[int, float]:
         """The ratio to apply at each depth in bucket `b` before it has a line: its own where measured;
@@ -281,13 +297,16 @@ class DepthPolicy:
         B = len(acc)
         b = bucket(B)
         times = self.measured_times(b, B)
+        lined = times is not None
+        if times is None:  # not lined here yet: every bucket's steps on one line (a row costs alike)
+            times = self.pooled_times(B)
         if times is not None:
             k = choose_depth(prices(times, acc), self.k, self.steps_at, self.cfg)
         else:
             ctx = sum(s.num_computed for s in decoding) // len(decoding)
             k = choose_depth(prices(self._times(layout, B, ctx), acc, self._ratios(b)), self.k, self.steps_at,
                              self.cfg)
-        probe = self._probe(b, times is not None) if self.steps_at >= self.cfg.min_dwell else None
+        probe = self._probe(b, lined) if self.steps_at >= self.cfg.min_dwell else None
         if probe and not could_pay(acc, self.cfg.max_depth, self.cfg.gain):
             probe = None  # (no depth could pay at this acceptance: its step time is not worth drafts)
         k = k if probe is None or k != self.k else probe
