@@ -16,7 +16,7 @@ j the j-th and the (2T-1-j)-th, so causal work is even) and runs q_b, attention 
 W_UV and o_proj on those rows only; an all-gather of the [rows, d] outputs completes the step. The
 projections, the bulk of a prefill, are divided by T instead of repeated on every rank; what each rank
 holds (and so every switch, transfer and capacity rule) is unchanged. DSA steps (sparse, absorbed
-throughout) take the first way. `core/costmodel.py` prices both (`cp_split`).
+throughout) take the first way. `core/costmodel.py` prices both (`spread_chunks`).
 """
 
 from __future__ import annotations

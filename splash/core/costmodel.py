@@ -23,7 +23,7 @@ state placement: TP/DOP each rank its heads of every row (one all-reduce after o
 
 CP runs a step's rows two ways (splash/attention/cp.py): the rows of chunks taking the MHA form
 (`splash.core.forms`: prefill) are split over the ranks by tokens, 1/T each against the whole context,
-whose earlier keys are all-gathered (`cp_split`); the others every rank computes whole against its
+whose earlier keys are all-gathered (`spread_chunks`); the others every rank computes whole against its
 position share, merged by head slice.
 """
 
@@ -212,10 +212,10 @@ def layer_loads(layout: Layout, sizes: AttentionSizes, batch: Batch, ranks: int,
     share = None
     if layout.ownership is Ownership.POSITION:
         share = position_tokens_matrix(s.astype(np.int64), T, page_size) / np.maximum(s, 1)[None, :]
-    split = cp_split(layout, sizes, batch, T)
-    whole = np.where(split, 0.0, q)  # rows every rank computes (CP) or their owner does
+    split = spread_chunks(layout, sizes, batch, T)
+    whole = np.where(split, 0.0, q)  # rows every rank computes (CP) or their owner does (DP, DOP)
     if layout.ownership is Ownership.OWNER:
-        rows_r = np.bincount(o, weights=q, minlength=T)
+        rows_r = np.bincount(o, weights=whole, minlength=T)  # (DOP: a spread chunk's rows are no owner's)
         slices_r = np.bincount(o, weights=active, minlength=T)
     else:
         rows_r = np.full(T, whole.sum() + (q.sum() - whole.sum()) / T)  # CP: split rows 1/T each
@@ -372,13 +372,21 @@ def outside_attention(theta: Theta, batch: Batch) -> float:
     return theta.t0 + theta.t_row * rows + theta.t_experts * touched + theta.t_req * active_requests(batch)
 
 
-def cp_split(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int) -> np.ndarray:
-    """Which requests' rows CP splits over its ranks by tokens (splash/attention/cp.py): the chunks
-    taking the MHA form by the one rule (`splash.core.forms`, over the whole context; a sparse DSA step
-    splits the same chunks and attends their selected keys absorbed). All False in other layouts."""
+def spread_chunks(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int) -> np.ndarray:
+    """Which requests' rows are attended by every rank rather than whole on each (CP) or on their owner
+    (DOP): the chunks taking the MHA form by the one rule (`splash.core.forms`, over the whole context).
+    CP splits their rows by tokens (splash/attention/cp.py; a sparse DSA step too, attending the
+    selected keys absorbed); DOP runs them TP-style, every rank its heads over the context gathered
+    from the owner, with no Eq 4 exchange (splash/attention/dop.py; not in a sparse DSA step, which
+    takes the absorbed form and the exchange throughout). Either way a rank does 1/T of their
+    attention over the whole context. All False in TP and DP."""
     c, q, s = sizes.cfg, batch.rows, batch.contexts
-    if layout is not Layout.CP or T == 1:
-        return np.zeros(len(q), dtype=bool)
+    none = np.zeros(len(q), dtype=bool)
+    if layout not in (Layout.CP, Layout.DOP) or T == 1:
+        return none
+    if layout is Layout.DOP and c.index_topk is not None and int(np.where(q > 0, s, 0).max(initial=0)) > \
+            c.index_topk:
+        return none
     return mha_cheaper(q, s, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim)
 
 
@@ -403,9 +411,12 @@ def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: 
         per_key = sizes.store_bytes("latent") + (sizes.store_bytes("index_k") if indexer else 0.0)
         gather = (T - 1) / T * float(np.where(split, s - q, 0).sum()) * per_key  # new rows: every rank's
         return merge + gather + (T - 1) / T * float(np.where(split, q, 0).sum()) * d * b
-    # DOP, Eq 4 as one rank receives it: its rows from every head shard, others' rows for its heads;
-    # plus O's all-reduce
-    return eq4_rank_bytes(rows_r, N, H, c.kv_lora_rank, c.qk_rope_head_dim, T, b) + allreduce
+    # DOP, Eq 4 as one rank receives it: its rows from every head shard, others' rows for its heads
+    # (the rows not spread); a spread chunk's earlier context from its owner; plus O's all-reduce
+    q, s = batch.rows, batch.contexts
+    n_ex = int(np.where(split, 0, q).sum())
+    gather = (T - 1) / T * float(np.where(split, s - q, 0).sum()) * sizes.store_bytes("latent")
+    return eq4_rank_bytes(rows_r, n_ex, H, c.kv_lora_rank, c.qk_rope_head_dim, T, b) + gather + allreduce
 
 
 def eq4_bytes(rows: int, heads: int, d_c: int, d_r: int, world: int, elem_bytes: float) -> float:

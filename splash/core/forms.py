@@ -1,7 +1,8 @@
 """Which form an MLA chunk is attended in: absorbed (over the latent) or MHA (decompressed keys).
 
 One rule for the runtime (splash/attention/mha.py applies it per chunk) and the cost model (CP splits
-the rows of the chunks that take the MHA form over its ranks, `costmodel.cp_split`)."""
+the rows of the chunks that take the MHA form over its ranks, DOP runs them TP-style:
+`costmodel.spread_chunks`)."""
 
 from __future__ import annotations
 
