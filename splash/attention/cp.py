@@ -127,7 +127,7 @@ class CPLayout(AttentionLayout):
             return self.attend_out(layer_idx, mla, q_in, latent_new, ctx)
         self.write_kv(layer_idx, latent_new, ctx)
         split, ts = self._plan(ctx, mla)
-        if split is None or ts is None:
+        if split is None or ts is None:  # (both or neither)
             q_lat, q_pe = mla.q_heads(q_in, ctx.positions)
             return mla.out_heads(self._merged(layer_idx, None, "all", q_lat, q_pe, ctx, mla))
         out = q_in.new_empty(q_in.shape[0], mla.cfg.hidden_size)
@@ -173,9 +173,9 @@ class CPLayout(AttentionLayout):
         if got is None or got[0] is not ctx:
             sp = ctx.sparse
             if sp is not None and sp.active:
-                form = self.kernels.config.attention_form
-                split: mha.FormSplit | None = mha.FormSplit.of(ctx, None, mla, form)
-                split = split if split is not None and split.mha else None
+                split: mha.FormSplit | None = mha.FormSplit.of(ctx, None, mla,
+                                                               self.kernels.config.attention_form)
+                split = split if split.mha else None
             else:
                 split = self.forms(ctx, "all", None, mla)
             got = self.__dict__["_plan_of"] = (ctx, split, TokenSplit.of(split, ctx) if split else None)

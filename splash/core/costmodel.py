@@ -402,21 +402,21 @@ def _comm_bytes(layout: Layout, sizes: AttentionSizes, batch: Batch, T: int, b: 
         return allreduce
     if layout is Layout.DP:
         return float((N - rows_r.min()) * d * b)  # all-gather: every row but my own
+    # A spread chunk's earlier context (keys before its new rows, which every rank has) is gathered, as
+    # stored: from its position shards (CP) or its owner (DOP)
+    q, s = batch.rows, batch.contexts
+    earlier = (T - 1) / T * float(np.where(split, s - q, 0).sum())
+    n_whole = int(np.where(split, 0, q).sum())
     if layout is Layout.CP:
-        # the whole rows' partial outputs + LSE merge; a split chunk's earlier context latent (and on an
-        # indexer layer its index keys), as stored, and its rows' outputs all-gathered
-        q, s = batch.rows, batch.contexts
-        n_whole = float(np.where(split, 0, q).sum())
+        # the whole rows' partial outputs + LSE merge; the earlier context (and on an indexer layer its
+        # index keys); the split rows' outputs all-gathered
         merge = 2 * (T - 1) / T * n_whole * H * (c.kv_lora_rank + 1) * b
         per_key = sizes.store_bytes("latent") + (sizes.store_bytes("index_k") if indexer else 0.0)
-        gather = (T - 1) / T * float(np.where(split, s - q, 0).sum()) * per_key  # new rows: every rank's
-        return merge + gather + (T - 1) / T * float(np.where(split, q, 0).sum()) * d * b
+        return merge + earlier * per_key + (T - 1) / T * float(np.where(split, q, 0).sum()) * d * b
     # DOP, Eq 4 as one rank receives it: its rows from every head shard, others' rows for its heads
-    # (the rows not spread); a spread chunk's earlier context from its owner; plus O's all-reduce
-    q, s = batch.rows, batch.contexts
-    n_ex = int(np.where(split, 0, q).sum())
-    gather = (T - 1) / T * float(np.where(split, s - q, 0).sum()) * sizes.store_bytes("latent")
-    return eq4_rank_bytes(rows_r, n_ex, H, c.kv_lora_rank, c.qk_rope_head_dim, T, b) + gather + allreduce
+    # (the rows not spread); the earlier context; plus O's all-reduce
+    return (eq4_rank_bytes(rows_r, n_whole, H, c.kv_lora_rank, c.qk_rope_head_dim, T, b)
+            + earlier * sizes.store_bytes("latent") + allreduce)
 
 
 def eq4_bytes(rows: int, heads: int, d_c: int, d_r: int, world: int, elem_bytes: float) -> float:

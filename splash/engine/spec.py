@@ -135,8 +135,8 @@ class DepthPolicy:
     put a row at a quarter of its cost on an AMD host, and its ratios then favoured drafts at wide
     batches). Depth 0 is run once in each bucket (a probe of one dwell): a draft phase has a fixed cost
     that depth 0 skips, so a line through depths >= 1 overprices depth 0, the baseline. Before a bucket
-    has a line, the line through every bucket's steps prices it (`pooled_times`); before any line, the
-    prior's time at each depth is scaled by the measured/predicted ratio of the depths
+    has a line, the line through every bucket's steps prices it (`measured_times(None, ...)`); before any
+    line, the prior's time at each depth is scaled by the measured/predicted ratio of the depths
     run there (else of other buckets, else of the nearest depth), a depth not run here priced `explore`
     times lower, and once the current depth has dwelt, the nearest depth whose rows differ by SPREAD
     is run so that the line exists. A sample not refreshed for STALE decisions is forgotten, so a depth
@@ -206,14 +206,16 @@ class DepthPolicy:
         fixed = max(float(np.mean([t - per_row * r for r, t in pts])), 0.0)
         return fixed, per_row
 
-    def measured_times(self, b: int, batch: int) -> dict[int, float] | None:
+    def measured_times(self, b: int | None, batch: int) -> dict[int, float] | None:
         """Step seconds at each depth for `batch` decoding requests, from bucket `b`'s own steps (see the
-        class docstring); None before it has a line."""
+        class docstring), or with b None from the line through every bucket's (a wider batch read off
+        narrower ones: on a CPU VM the prior's per-row cost was 3.5x too low, and a bucket's first steps
+        at depth 3 cost what its line later showed); None before there is a line."""
         line = self.line(b)
         if line is None:
             return None
         fixed, per_row = line
-        at = self.medians(b)
+        at = self.medians(b) if b is not None else {}
         out = {}
         for k in range(self.cfg.max_depth + 1):
             t = fixed + per_row * batch * (k + 1)
@@ -222,17 +224,6 @@ class DepthPolicy:
                 t = secs * t / max(fixed + per_row * rows, 1e-12)
             out[k] = t
         return out
-
-    def pooled_times(self, batch: int) -> dict[int, float] | None:
-        """Step seconds at each depth for `batch` decoding requests from the line through every bucket's
-        measured steps (a wider batch read off narrower ones: on a CPU VM the prior's per-row cost was
-        3.5x too low, and a bucket's first steps at depth 3 cost what its line later showed); None
-        before there is one."""
-        line = self.line(None)
-        if line is None:
-            return None
-        fixed, per_row = line
-        return {k: fixed + per_row * batch * (k + 1) for k in range(self.cfg.max_depth + 1)}
 
     def _ratios(self, b: int) -> dict[int, float]:
         """The ratio to apply at each depth in bucket `b` before it has a line: its own where measured;
@@ -299,7 +290,7 @@ class DepthPolicy:
         times = self.measured_times(b, B)
         lined = times is not None
         if times is None:  # not lined here yet: every bucket's steps on one line (a row costs alike)
-            times = self.pooled_times(B)
+            times = self.measured_times(None, B)
         if times is not None:
             k = choose_depth(prices(times, acc), self.k, self.steps_at, self.cfg)
         else:
