@@ -1,44 +1,30 @@
 """The CPU kernels: paged attention (csrc/mla_paged.c) and the DSA index top-k (csrc/dsa_index.c), each
-built once per machine with the system C compiler, loaded with ctypes, no torch headers and no build step
-at install time.
+built and loaded by splash/model/clib.py (once per machine, the system C compiler, ctypes).
 
 Why C and not torch ops: attending straight over the paged latent cache visits exactly the keys each
 row sees, where the torch path gathers whole pages, pads groups to their longest context and masks
 (the three cost more than the attention arithmetic on CPU); likewise the index top-k scores the keys
-where they lie and selects in O(keys) instead of gathering them and sorting every score. Each library is
-compiled on first use (about a second) into the splash cache folder, keyed by its source, the flags and
-the CPU, and shared by every process; `--enforce-eager` (`SPLASH_NATIVE=0`) keeps the torch path. A
-machine without a C compiler gets the torch path too, with one warning. CUDA never uses this file.
+where they lie and selects in O(keys) instead of gathering them and sorting every score.
+`--enforce-eager` (`SPLASH_NATIVE=0`) keeps the torch path, as does a machine without a C compiler (one
+warning). CUDA never uses this file.
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from typing import TYPE_CHECKING
 
 import torch
 
-from splash import env
 from splash.kv.codec import index_row, kv_row
+from splash.model.clib import Library
 
 if TYPE_CHECKING:
     from splash.model.context import ForwardContext
 
-log = logging.getLogger("splash.attention")
-
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SRC = os.path.join(_CSRC, "mla_paged.c")
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared",
-          "-fno-math-errno"]
 _FUNCS = {torch.float64: "mla_paged_f64", torch.float32: "mla_paged_f32", torch.bfloat16: "mla_paged_bf16"}
 _FP8_FUNCS = {dt: f"{name}_fp8" for dt, name in _FUNCS.items()}  # over an FP8 cache's byte rows
 _BF16KV_FUNCS = {torch.float64: "mla_paged_f64_bf16kv", torch.float32: "mla_paged_f32_bf16kv"}  # BF16 cache
@@ -55,81 +41,9 @@ _DSA_ARGS = [_vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _i64, _i64, _vp, _
              _i64, _i64, _i64, _vp, _vp, _vp, _i64, _i64]
 _DSA_WAVE = 1 << 23  # scores the index kernel holds at once (rows past it are scored in later waves)
 
-
-def _cpu_tag() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return hashlib.sha1(line.encode()).hexdigest()[:8]
-    except OSError:
-        pass
-    return platform.machine()
-
-
-def _build(target: str, src: str = _SRC) -> None:
-    cc = env.text("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *_FLAGS, "-o", tmp, src, "-lm"], capture_output=True, text=True,
-                             timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:500]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # atomic: concurrent builders each install a whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-class _Library:
-    """One C source's library: built on first use into the splash cache folder as
-    `<name>-<sha1(source + flags)>-<cpu>.so` (shared by every process), loaded once per process."""
-
-    def __init__(self, src: str, funcs: list[str], argtypes: list, what: str) -> None:
-        self.src, self.funcs, self.argtypes, self.what = src, funcs, argtypes, what
-        self.lib: ctypes.CDLL | None = None
-        self.tried = False
-        self.lock = threading.Lock()
-
-    def get(self) -> ctypes.CDLL | None:
-        if self.tried:
-            return self.lib
-        with self.lock:
-            if self.tried:
-                return self.lib
-            self.tried = True
-            from splash.model.tiny import cache_dir
-
-            h = hashlib.sha1(" ".join(_FLAGS).encode())
-            for path in [self.src, *sorted(glob.glob(os.path.join(_CSRC, "*.h")))]:  # (headers it includes)
-                with open(path, "rb") as f:
-                    h.update(f.read())
-            tag = h.hexdigest()[:12]
-            name = os.path.splitext(os.path.basename(self.src))[0]
-            target = os.path.join(cache_dir(), "kernels", f"{name}-{tag}-{_cpu_tag()}.so")
-            try:
-                if not os.path.isfile(target):
-                    _build(target, self.src)
-                lib = ctypes.CDLL(target)
-                for fname in self.funcs:
-                    fn = getattr(lib, fname)
-                    fn.restype = ctypes.c_int
-                    fn.argtypes = self.argtypes
-                self.lib = lib
-            except Exception as e:  # no compiler, a failed build, a library that will not load
-                log.warning("native CPU %s unavailable (%s); using the torch path", self.what, e)
-                self.lib = None
-        return self.lib
-
-
-_mla = _Library(_SRC, [*_FUNCS.values(), *_FP8_FUNCS.values(), *_BF16KV_FUNCS.values()], _MLA_ARGS,
-                "attention kernel")
-_dsa = _Library(_DSA_SRC, list(_DSA_FUNCS.values()), _DSA_ARGS, "DSA index kernel")
+_mla = Library(_SRC, [*_FUNCS.values(), *_FP8_FUNCS.values(), *_BF16KV_FUNCS.values()], _MLA_ARGS,
+               "attention kernel")
+_dsa = Library(_DSA_SRC, list(_DSA_FUNCS.values()), _DSA_ARGS, "DSA index kernel")
 
 
 def library() -> ctypes.CDLL | None:

@@ -17,21 +17,31 @@ sets it from the engine's config when a rank loads (splash/worker/load.py), "aut
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import platform
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from splash.model.clib import Library
+
 _HALF = (torch.bfloat16, torch.float16)
 LINEAR_ROWS = 8  # rows of a linear from which the float32 detour is faster (AVX2, measured above)
 BMM_ROWS = 16  # batch x rows of a batched product from which it is
 GROUPED_ROWS = 64  # rows of a grouped expert GEMM (each expert's weights cast once per call)
 UPCAST_MODES = ("auto", "on", "off")
-# the process's rules (see the module docstring): set_upcast's, and set_gemv's (on unless a measurement
-# turns it off)
-_mode: dict[str, Any] = {"upcast": "auto", "gemv": True}
+NATIVE_ROWS = 4  # bf16 rows up to which a linear runs the native few-row kernel (csrc/gemv.c, measured)
+# the process's rules (see the module docstring): set_upcast's, set_gemv's (on unless a measurement turns
+# it off) and set_native's (off under --enforce-eager)
+_mode: dict[str, Any] = {"upcast": "auto", "gemv": True, "native": True}
+_vp, _i64 = ctypes.c_void_p, ctypes.c_int64
+_lib = Library(os.path.join(os.path.dirname(__file__), "csrc", "gemv.c"), ["gemv_bf16", "heads_bf16"],
+               {"gemv_bf16": [_vp, _i64, _i64, _i64, _vp, _i64, _i64, _vp, _i64, _i64],
+                "heads_bf16": [_vp, _i64, _i64, _vp, _i64, _i64, _i64, _i64, _vp, _i64, _i64, _i64]},
+               "few-row GEMV kernel")
 
 
 def cpu_flags() -> list[str]:
@@ -71,6 +81,59 @@ def set_gemv(on: bool) -> None:
     _mode["gemv"] = bool(on)
 
 
+def set_native(on: bool) -> None:
+    """The native few-row bf16 kernels (csrc/gemv.c) on (the default) or off (`--enforce-eager`: the
+    engine's rule, set when a rank loads, splash/worker/load.py)."""
+    _mode["native"] = bool(on)
+
+
+def _native(x: torch.Tensor, w: torch.Tensor) -> ctypes.CDLL | None:
+    """The few-row kernel library where it runs these operands (bf16 on CPU, the one-row rule on, built)."""
+    if (x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or x.device.type != "cpu"
+            or not (_mode["native"] and _mode["gemv"])):
+        return None
+    return _lib.get()
+
+
+def few_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [m, k] times w [n, k]^T -> [m, n] for 1 <= m <= NATIVE_ROWS bf16 rows on CPU through csrc/gemv.c
+    (each weight element read once for all rows, float sums, one rounding: as torch's kernels, in another
+    summation order); None where it does not run (the caller's torch op then does)."""
+    if (x.dim() != 2 or w.dim() != 2 or not 1 <= x.shape[0] <= NATIVE_ROWS or x.shape[1] != w.shape[1]
+            or x.stride(1) != 1 or w.stride(1) != 1):
+        return None
+    lib = _native(x, w)
+    if lib is None:
+        return None
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    lib.gemv_bf16(w.data_ptr(), n, k, w.stride(0), x.data_ptr(), m, x.stride(0), y.data_ptr(), n,
+                  torch.get_num_threads())
+    return y
+
+
+def mv(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """torch.mv(w, v), through the native kernel where it runs (`few_rows`)."""
+    y = few_rows(v.unsqueeze(0), w)
+    return torch.mv(w, v) if y is None else y[0]
+
+
+def heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head products x [n, h, a] (any row/head strides) times w [h, a, b] -> [n, h, b]: MLA's W_UK
+    absorption and W_UV. One bf16 row on CPU runs csrc/gemv.c's `heads_bf16` (torch's bmm reads the
+    weights at ~15-20 GB/s there, the kernel at ~50), anything else `bmm` over the heads."""
+    if x.shape[0] == 1 and x.stride(-1) == 1 and w.is_contiguous() and w.shape[:2] == x.shape[1:]:
+        lib = _native(x, w)
+        if lib is not None:
+            n, h, a = x.shape
+            b = w.shape[2]
+            y = torch.empty(n, h, b, dtype=x.dtype)
+            lib.heads_bf16(x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), h, a, b, n, y.data_ptr(),
+                           h * b, b, torch.get_num_threads())
+            return y
+    return bmm(x.transpose(0, 1), w).transpose(0, 1)
+
+
 def upcast_half() -> bool:
     """Whether CPU bf16/fp16 GEMMs go through float32 (this CPU lacks native bf16 arithmetic, or
     `set_upcast` said so)."""
@@ -85,12 +148,17 @@ def upcasts(t: torch.Tensor, rows: int, bound: int) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b), through float32 for many bf16 rows on a CPU without native bf16, and as a
-    matrix-vector product for one bf16/fp16 row on CPU (`gemv`)."""
+    """F.linear(x, w, b), through float32 for many bf16 rows on a CPU without native bf16, the native
+    few-row kernel for up to NATIVE_ROWS bf16 rows on CPU (`few_rows`), else a matrix-vector product for
+    one bf16/fp16 row on CPU (`gemv`)."""
     if upcasts(x, x.numel() // max(1, x.shape[-1]), LINEAR_ROWS):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
-    if x.dim() == 2 and x.shape[0] == 1 and b is None and gemv(x):
-        return torch.mv(w, x[0]).unsqueeze(0)
+    if b is None and x.dim() == 2 and x.shape[0] <= NATIVE_ROWS:
+        y = few_rows(x, w)
+        if y is not None:
+            return y
+        if x.shape[0] == 1 and gemv(x):
+            return torch.mv(w, x[0]).unsqueeze(0)
     return F.linear(x, w, b)
 
 

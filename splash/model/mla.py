@@ -164,7 +164,7 @@ class MLA(nn.Module):
 
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [N, h, d_nope] -> q_lat = q_nope W_UK [N, h, d_c], scored against the latent directly."""
-        return gemm.bmm(q_nope.transpose(0, 1), self._buffers["w_uk"]).transpose(0, 1)
+        return gemm.heads(q_nope, self._buffers["w_uk"])
 
     def q_heads(self, q_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Held heads' absorbed queries: (q_lat [N, h, d_c], roped q_pe [N, h, d_rope])."""
@@ -173,7 +173,7 @@ class MLA(nn.Module):
 
     def uv(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [N, h, d_c] -> per-head values [N, h, d_v] (W_UV)."""
-        return gemm.bmm(o_lat.transpose(0, 1), self._buffers["w_uv"]).transpose(0, 1)
+        return gemm.heads(o_lat, self._buffers["w_uv"])
 
     def o_proj(self, v: torch.Tensor) -> torch.Tensor:
         """v [N, h, d_v] -> [N, d] over held heads (a partial sum if sharded; the o_proj bias, if any, is

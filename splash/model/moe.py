@@ -233,8 +233,8 @@ class MoE(nn.Module):
         for j in sorted(range(len(ids)), key=ids.__getitem__):
             e = ids[j] - start
             if 0 <= e < ne:  # (expert-parallel: another rank's expert adds nothing here)
-                g, u = torch.mv(b["gate_up"][e], v).chunk(2)
-                y = torch.mv(b["down"][e], F.silu(g).mul_(u))
+                g, u = gemm.mv(b["gate_up"][e], v).chunk(2)
+                y = gemm.mv(b["down"][e], F.silu(g).mul_(u))
                 out.add_(y.to(torch.float32).mul_(w[0, j]).to(x.dtype))
         out = out.unsqueeze(0)
         shared = self._modules.get("shared")

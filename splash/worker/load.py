@@ -61,7 +61,7 @@ def load_rank(spec: RuntimeSpec, grid: Any) -> RankState:
     from splash.kv.pool import KVPool
     from splash.kv.state import StatePool
     from splash.model import load_model
-    from splash.model.gemm import set_upcast
+    from splash.model.gemm import set_native, set_upcast
     from splash.worker.runner import ModelRunner
     from splash.worker.sizing import kv_pages, reserve_bytes, weight_bytes
 
@@ -74,7 +74,8 @@ def load_rank(spec: RuntimeSpec, grid: Any) -> RankState:
 
         tune(c.malloc_tune)  # activations' memory reused across steps, not page-faulted back in
     kernels = Kernels(spec.kernels, dev)  # the rank's attention kernels, built once: layouts, runner share it
-    set_upcast(c.bf16_upcast)  # (the GEMM rule is the process's: splash/model/gemm.py)
+    set_upcast(c.bf16_upcast)  # (the GEMM rules are the process's: splash/model/gemm.py)
+    set_native(not spec.kernels.enforce_eager)
     if world == 1:
         from splash.attention.local import BatchedLocalLayout
 
