@@ -7,7 +7,7 @@
  *
  * gemv_bf16: y[r, j] = sum_i x[r, i] W[j, i]       (a linear layer: W [n, k], rows ldw apart)
  * heads_bf16: y[r, h, c] = sum_i x[r, h, i] W[h, i, c]  (MLA's per-head W_UK / W_UV: W [H, a, b] dense)
- * Threads: OpenMP over blocks of outputs (the process's libgomp, as mla_paged.c).
+ * Threads: OpenMP over blocks of outputs (the process's libgomp, as mla_paged.c); one below SMALL.
  * With AVX512-BF16 the dot products run on bf16 pairs (vdpbf16ps); elsewhere bf16 is widened on load and
  * the compiler vectorises the float loops. Both return 1 for m > 8 (the caller keeps torch's GEMM). */
 #include <stdint.h>
@@ -32,6 +32,7 @@ static inline bf16 f2b(float f) { /* round to nearest even, NaN kept quiet */
 }
 
 #define JB 4 /* weight rows per block of gemv_bf16 */
+#define SMALL (1 << 15) /* weight elements below which a call runs on one thread (no fork/join) */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -89,7 +90,8 @@ int gemv_bf16(const bf16 *W, int64_t n, int64_t k, int64_t ldw, const bf16 *x, i
               bf16 *y, int64_t ldy, int64_t nthreads) {
     if (m > MAX_ROWS || m < 1) return 1;
     const int64_t units = (n + JB - 1) / JB;
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static)") for (int64_t u = 0; u < units; u++) {
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (n * k >= SMALL)")
+    for (int64_t u = 0; u < units; u++) {
         const int64_t j0 = u * JB;
         gemv_block(W, j0, n - j0 < JB ? n - j0 : JB, k, ldw, x, m, ldx, y, ldy);
     }
@@ -102,7 +104,8 @@ int heads_bf16(const bf16 *x, int64_t xr, int64_t xh, const bf16 *W, int64_t h, 
                int64_t m, bf16 *y, int64_t yr, int64_t yh, int64_t nthreads) {
     if (m > MAX_ROWS || m < 1) return 1;
     const int64_t nb = (b + CB - 1) / CB;
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static)") for (int64_t u = 0; u < h * nb; u++) {
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (h * a * b >= SMALL)")
+    for (int64_t u = 0; u < h * nb; u++) {
         const int64_t hd = u / nb, c0 = (u % nb) * CB, cn = b - c0 < CB ? b - c0 : CB;
         float acc[MAX_ROWS][CB], wf[CB];
         for (int64_t r = 0; r < m; r++)
