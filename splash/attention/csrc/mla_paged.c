@@ -28,6 +28,8 @@
 
 #include "kv_formats.h"
 
+#define SERIAL_WORK (1 << 18) /* multiply-adds of a call below which it runs on one thread */
+
 static inline bf16 f_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -271,7 +273,9 @@ static void bf16_fast_unit(const bf16 *q, const bf16 *kv, const int64_t *tbl, in
         const int64_t units = n * split;                                                                \
         const size_t words = (size_t)(2 * per * D + 2 * per * dc + 4 * D + 2 * per * (maxpos + 3));          \
         int err = 0;                                                                                    \
-        _Pragma("omp parallel num_threads(nthreads)") {                                                 \
+        /* a few rows over short contexts: one thread (a fork/join costs more than the work) */          \
+        const int serial = n * h * (maxpos + 1) * D < SERIAL_WORK;                                      \
+        _Pragma("omp parallel num_threads(nthreads) if (!serial)") {                                    \
             A *work = (A *)malloc(sizeof(A) * words);                                                   \
             int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxpos + 1));                 \
             T *qbuf = (T *)malloc(sizeof(T) * (size_t)(per * D));                                       \
