@@ -289,12 +289,19 @@ class DeepseekForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def draft_extend(self, next_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
-                     depth: int = 0) -> torch.Tensor:
+                     depth: int = 0, whole: bool = False) -> torch.Tensor:
         """MTP layer `depth`'s draft KV of the rows of `ctx` written (no attention, no MoE: see
-        MTPLayer.write_kv) -> [N, d] their block inputs, for the rows a chain starts from."""
+        MTPLayer.write_kv) -> [N, d] their block inputs, for the rows a chain starts from. `whole`: the
+        whole block over every row instead (which writes the same KV) -> [N, d] its outputs: where the
+        rows are few, one block over all of them costs less than the KV alone plus a block over the
+        chain rows (`draft_block`), the per-op cost being most of both."""
         self.rotary.tables(ctx.positions, bound=ctx.max_end or None)
         m = self.mtp[depth]
         x = m.mix(self.embed_tokens(next_ids, ctx), hidden)
+        if whole:
+            if self.cfg.is_sparse and ctx.sparse is None:
+                ctx.sparse = ctx.layout.sparse_step(self.cfg.index_topk, ctx)
+            return m.block.forward(x, ctx)
         m.write_kv(x, ctx)
         return x
 
