@@ -101,8 +101,9 @@ def test_policy_learns_the_step_times_and_acceptance():
 def test_engine_turns_speculation_off_when_it_loses():
     """A real engine (tiny) whose drafts never match: the proposer offers, at every step, tokens that
     differ from the greedy text (known from a run without speculation), so acceptance is 0 whatever the
-    timings, and the policy turns the depth to 0. (The tiny model's own greedy text repeats, so real
-    n-gram drafts are accepted a quarter of the time: not a losing case on every machine.)"""
+    timings, and the policy turns the depth to 0 and keeps it there but for a retry. (The tiny model's
+    own greedy text repeats, so real n-gram drafts are accepted a quarter of the time: not a losing case
+    on every machine.)"""
     from splash.engine.build import build_engine
     from splash.engine.sampling import SamplingParams
 
@@ -131,16 +132,20 @@ def test_engine_turns_speculation_off_when_it_loses():
         eng.scheduler.proposer = wrong
         eng.add_request("0", prompt_token_ids=prompt, params=params)
         out = None
+        depths = []
         while eng.has_unfinished():
             for o in eng.step():
                 out = o.outputs[0].token_ids if o.finished else out
+            depths.append(eng.depth.k)
         stats = eng.stats()
     finally:
         eng.shutdown()
     assert out == greedy  # (drafts never change a token)
     assert stats["speculative_policy"] == "auto"
     assert stats["spec_accepted_tokens"] == 0 < stats["spec_draft_tokens"]
-    assert stats["speculative_depth"] == 0 and stats["spec_depth_changes"] >= 1
+    assert stats["spec_depth_changes"] >= 1 and 0 in depths
+    after = depths[depths.index(0):]  # off, bar a retry once the rejections have faded (DepthPolicy.FADE)
+    assert sum(k == 0 for k in after) >= 0.75 * len(after), depths
 
 
 def test_speculation_must_beat_depth_zero_by_the_gain():
@@ -225,3 +230,23 @@ def test_a_new_bucket_is_priced_by_the_line_of_the_others():
     assert pol.line(None) == pytest.approx((0.001, 0.0005), rel=1e-6)
     assert pol.measured_times(6, 64) is None  # (no line of its own yet)
     assert [pol.decide(wide, 0, "tp") for _ in range(12)][-1] == 0
+
+
+def test_a_depth_turned_off_by_early_rejections_is_tried_again():
+    """One request whose first verifies were all rejected (a prompt's first tokens draft worst), then
+    drafted well, on a machine where its rows are nearly free: depth 0 follows the rejections, and no
+    verify runs there, so nothing new would be measured; the counts fade at each decision (FADE), the
+    depth is tried again, meets the good drafts and stays up."""
+    th = theta(t0=0.02, t_experts=0.02, t_row=1e-7)
+    pol = DepthPolicy(SIZES, th, DepthConfig(3, margin=0.05, min_dwell=2))
+    rec = SimpleNamespace(spec_rejected=0, recent_accepted=0.0, recent_rejected=0.0, num_computed=300)
+    ks = []
+    for step in range(400):
+        k = pol.decide([rec], 0, "tp")
+        ks.append(k)
+        pol.observe([300 + k + 1], [k + 1], 0.05 + 1e-4 * (k + 1), "tp")
+        if k:
+            pol.verified(rec, k, 0 if step < 12 else k)  # rejected at first, accepted after
+    off = ks.index(0)
+    assert off <= 16 and ks[-1] == 3  # off after the rejections, speculating at full depth again
+    assert sum(k == 0 for k in ks[-100:]) <= 8  # (at most a depth-0 probe late on)
