@@ -70,3 +70,36 @@ def test_native_few_rows_match_torch_to_bf16_rounding() -> None:
         assert gemm.few_rows(torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16()) is None
     finally:
         gemm.set_native(True)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_native_decode_step_matches_enforce_eager(tp: int, monkeypatch) -> None:
+    """A bf16 engine's batch-1 decode step (the native few-row products: csrc/gemv.c) against the same
+    step under --enforce-eager (torch's ops), at T = 1 and T = 2 (TP shards): the same first token (the
+    prefill's, many rows: torch's GEMMs in both) and the second token's top-5 logprobs to bf16 rounding."""
+    from splash.engine.sampling import SamplingParams
+    from splash.llm import LLM
+
+    if gemm._lib.get() is None:
+        pytest.skip("no C compiler")
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=5, ignore_eos=True)
+    ran: list[int] = []
+    real = gemm.few_rows
+    monkeypatch.setattr(gemm, "few_rows", lambda x, w: (y := real(x, w)) is not None and ran.append(1) or y)
+    got = {}
+    try:
+        for eager in (False, True):
+            with LLM("tiny", dtype="bfloat16", tp=tp, enforce_eager=eager, num_kv_pages=64) as llm:
+                got[eager] = llm.generate(prompt_token_ids=[list(range(3, 40))],
+                                          sampling_params=params)[0].outputs[0]
+            if tp == 1:  # (rank 0 runs here: the fast engine ran the kernel, the eager one did not)
+                assert bool(ran) != eager
+                ran.clear()
+    finally:
+        gemm.set_native(True)  # (the rule is the process's: the eager engine turned it off here)
+    fast, ref = got[False], got[True]
+    assert fast.token_ids[0] == ref.token_ids[0]
+    common = set(fast.logprobs[1]) & set(ref.logprobs[1])
+    assert len(common) >= 3
+    for t in common:
+        assert abs(fast.logprobs[1][t] - ref.logprobs[1][t]) < 0.1, (t, fast.logprobs[1], ref.logprobs[1])
