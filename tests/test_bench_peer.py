@@ -333,10 +333,11 @@ def test_serve_peer_end_to_end_with_a_stand_in(fake_venv, capsys, tmp_path):
     for side in ("splash", "vllm"):
         s = doc[side]
         assert s["completed"] == 3 and s["failed"] == 0 and s["total_output_tokens"] == 12
-        # every delivery after each request's first: 3 per request from the stand-in, which sends each
-        # token alone; splash's stream may carry two tokens in one chunk when its reader lags (CI load)
+        # every delivery after each request's first: up to 3 per request; both servers are splash (the
+        # stand-in execs `splash serve`), whose stream carries two tokens in one chunk when its reader
+        # lags a step (steps of ~2 ms here, CI load)
         n = len(s["itl_timeline"])
-        assert n == 3 * 3 if side == "vllm" else 1 <= n <= 3 * 3
+        assert 1 <= n <= 3 * 3
         assert wait_gone(s["server_pid"], 30)  # stopped by its id once its load was done
     assert doc["splash"]["server_pid"] != doc["vllm"]["server_pid"]
     assert set(doc["ratios"]) == {"output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
