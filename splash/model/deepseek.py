@@ -299,18 +299,20 @@ class DeepseekForCausalLM(nn.Module):
         m = self.mtp[depth]
         x = m.mix(self.embed_tokens(next_ids, ctx), hidden)
         if whole:
-            if self.cfg.is_sparse and ctx.sparse is None:
-                ctx.sparse = ctx.layout.sparse_step(self.cfg.index_topk, ctx)
-            return m.block.forward(x, ctx)
+            return self._draft_block(x, ctx, depth)
         m.write_kv(x, ctx)
         return x
 
     @torch.inference_mode()
     def draft_block(self, x: torch.Tensor, ctx: ForwardContext, depth: int = 0) -> torch.Tensor:
         """MTP layer `depth`'s decoder block over block-input rows `x` (from `draft_extend`)."""
+        self.rotary.tables(ctx.positions, bound=ctx.max_end or None)
+        return self._draft_block(x, ctx, depth)
+
+    def _draft_block(self, x: torch.Tensor, ctx: ForwardContext, depth: int) -> torch.Tensor:
+        """The block itself, the rotary tables of `ctx` made (a DSA model's sparse step begun here)."""
         if self.cfg.is_sparse and ctx.sparse is None:
             ctx.sparse = ctx.layout.sparse_step(self.cfg.index_topk, ctx)
-        self.rotary.tables(ctx.positions, bound=ctx.max_end or None)
         return self.mtp[depth].block.forward(x, ctx)
 
     @torch.inference_mode()
